@@ -1,0 +1,354 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tree attention kernel vs. a float32 torch reference.
+
+The differential check: each tree node's output equals plain causal attention
+over the committed prefix plus that node's root-to-node path, where the path is
+walked from the tree's parent array (never from the bit-packed mask the kernel
+reads). On the CPU the kernel runs in the Triton interpreter at small sizes; the
+same tests run the full grid of shapes on a GPU.
+"""
+
+import pytest
+import torch
+
+from tests.v1.ddtree_reference import build_ddtree_reference, tree_from_parents
+from vllm.v1.attention.ops.triton_tree_attention import tree_attention
+from vllm.v1.spec_decode.dflash_tree_builder import DDTree
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+TOLERANCE = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+# ----------------------------------------------------------------- reference
+
+
+def tree_visibility(parent_ids: torch.Tensor) -> torch.Tensor:
+    """[budget] parents (0 = root, 1-based) -> [budget + 1, budget + 1] bool:
+    entry (i, j) is True iff tree token j is on the root-to-i path."""
+    parents = [0] + parent_ids.tolist()
+    num = len(parents)
+    visible = torch.zeros(num, num, dtype=torch.bool)
+    for i in range(num):
+        node = i
+        visible[i, 0] = True
+        while node != 0:
+            visible[i, node] = True
+            node = parents[node]
+    return visible
+
+
+def causal_visibility(q_len: int) -> torch.Tensor:
+    return torch.ones(q_len, q_len, dtype=torch.bool).tril()
+
+
+def reference_attention(
+    q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
+    new_token_visibility: list[torch.Tensor],
+) -> torch.Tensor:
+    """Float32 attention: row i of request r sees every committed token and the
+    new tokens j with new_token_visibility[r][i, j]."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    num_q_heads, block_size = q.shape[1], key_cache.shape[1]
+    group = num_q_heads // key_cache.shape[2]
+    for r, visible_new in enumerate(new_token_visibility):
+        start, end = int(query_start_loc[r]), int(query_start_loc[r + 1])
+        q_len, seq_len = end - start, int(seq_lens[r])
+        if q_len == 0:
+            continue
+        ctx_len = seq_len - q_len
+        pos = torch.arange(seq_len, device=q.device)
+        blocks = block_table[r, pos // block_size].long()
+        # [seq_len, num_q_heads, head_size]
+        k = key_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
+        v = value_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
+        visible = torch.zeros(q_len, seq_len, dtype=torch.bool)
+        visible[:, :ctx_len] = True
+        visible[:, ctx_len:] = visible_new
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        scores.masked_fill_(~visible.to(q.device)[None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+# ----------------------------------------------------------------- batches
+
+
+class Batch:
+    """Random paged KV cache (vLLM 0.26 FLASH_ATTN layout) and queries."""
+
+    def __init__(self, ctx_lens, q_lens, num_q_heads, num_kv_heads, head_size,
+                 block_size, dtype, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+        blocks_per_req = [-(-s // block_size) for s in seq_lens]
+        max_blocks = max(blocks_per_req)
+        num_blocks = sum(blocks_per_req) + 3
+        # Logical [num_blocks, num_kv_heads, block_size, 2 * head_size] over
+        # physical [num_blocks, block_size, num_kv_heads, 2 * head_size].
+        kv = torch.randn(num_blocks, block_size, num_kv_heads, 2 * head_size,
+                         generator=gen).to(dtype).to(DEVICE)
+        self.kv_cache = kv.permute(0, 2, 1, 3)
+        self.key_cache, self.value_cache = self.kv_cache.transpose(1, 2).split(
+            head_size, -1)
+        # Scattered pages; unused table entries point at a real block.
+        perm = torch.randperm(num_blocks, generator=gen)
+        table = torch.zeros(len(q_lens), max_blocks, dtype=torch.int32)
+        used = 0
+        for r, n in enumerate(blocks_per_req):
+            table[r, :n] = perm[used:used + n]
+            used += n
+        self.block_table = table.to(DEVICE)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        self.query_start_loc = torch.tensor(
+            [0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+            device=DEVICE)
+        self.q = torch.randn(sum(q_lens), num_q_heads, head_size,
+                             generator=gen).to(dtype).to(DEVICE)
+        self.scale = head_size**-0.5
+
+    def run(self, tree_mask=None, is_tree=None, num_splits=None, out=None):
+        if out is None:
+            out = torch.full_like(self.q, float("nan"))
+        return tree_attention(
+            self.q, self.key_cache, self.value_cache, out, self.query_start_loc,
+            self.seq_lens, self.block_table, self.scale, tree_mask=tree_mask,
+            is_tree=is_tree, num_splits=num_splits)
+
+    def reference(self, visibility):
+        return reference_attention(
+            self.q, self.key_cache, self.value_cache, self.query_start_loc,
+            self.seq_lens, self.block_table, self.scale, visibility)
+
+
+def random_tree(kind: str, budget: int, seed: int) -> DDTree:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "heap":
+        logits = 3 * torch.randn(1, 15, 40, generator=gen)
+        return build_ddtree_reference(logits, budget)
+    if kind == "parents":
+        parents = [int(torch.randint(0, i + 1, (1,), generator=gen))
+                   for i in range(budget)]
+        return tree_from_parents(torch.arange(budget)[None], [parents])
+    assert kind == "chain"
+    return tree_from_parents(torch.arange(budget)[None], [list(range(budget))])
+
+
+def pack_masks(trees: list[DDTree | None], q_lens: list[int]):
+    """Batch tree masks into one [num_reqs, max_tree_len, num_words] buffer."""
+    max_len = max([t.budget + 1 for t in trees if t is not None] + [1])
+    words = max([t.attn_mask.shape[2] for t in trees if t is not None] + [1])
+    mask = torch.zeros(len(trees), max_len, words, dtype=torch.int32)
+    is_tree = torch.zeros(len(trees), dtype=torch.int32)
+    for r, tree in enumerate(trees):
+        if tree is not None:
+            m = tree.attn_mask[0]
+            mask[r, : m.shape[0], : m.shape[1]] = m
+            is_tree[r] = 1
+    return mask.to(DEVICE), is_tree.to(DEVICE)
+
+
+def visibilities(trees, q_lens):
+    return [
+        causal_visibility(q) if t is None else tree_visibility(t.parent_ids[0])[:q, :q]
+        for t, q in zip(trees, q_lens)
+    ]
+
+
+def check_trees(ctx_lens, trees, q_lens, num_q_heads, num_kv_heads, head_size,
+                block_size, dtype, num_splits=None, seed=0):
+    batch = Batch(ctx_lens, q_lens, num_q_heads, num_kv_heads, head_size,
+                  block_size, dtype, seed)
+    mask, is_tree = pack_masks(trees, q_lens)
+    out = batch.run(mask, is_tree, num_splits=num_splits)
+    ref = batch.reference(visibilities(trees, q_lens))
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+    return batch, out
+
+
+# ----------------------------------------------------------------- tests
+
+# (head_size, block_size, dtype, num_q_heads, num_kv_heads)
+CPU_SHAPES = [
+    (64, 16, torch.float32, 4, 2),
+    (128, 32, torch.float16, 6, 2),
+    (256, 64, torch.float16, 2, 1),
+    (80, 16, torch.float16, 8, 8),
+]
+GPU_SHAPES = [
+    (hs, bs, dt, 32, 8)
+    for hs in (64, 128, 256)
+    for bs in (16, 32, 64)
+    for dt in (torch.bfloat16, torch.float16)
+] + [(128, 16, torch.bfloat16, 28, 4), (128, 16, torch.bfloat16, 16, 16)]
+
+
+@pytest.mark.parametrize("kind", ["heap", "parents"])
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
+def test_tree_nodes_equal_path_attention_cpu(kind, shape):
+    """Three requests with different contexts and trees (budgets 1, 15, 63)."""
+    head_size, block_size, dtype, hq, hkv = shape
+    budgets, ctx_lens = [15, 1, 63], [1000, 17, 1]
+    if head_size >= 128:  # keep the interpreter quick
+        budgets, ctx_lens = [15, 1, 40], [200, 17, 1]
+    trees = [random_tree(kind, b, seed=i) for i, b in enumerate(budgets)]
+    q_lens = [b + 1 for b in budgets]
+    check_trees(ctx_lens, trees, q_lens, hq, hkv, head_size, block_size, dtype,
+                num_splits=4)
+
+
+def test_budget_128_cpu():
+    trees = [random_tree("heap", 128, seed=1), random_tree("parents", 128, seed=2)]
+    check_trees([300, 17], trees, [129, 129], 4, 2, 64, 32, torch.float16,
+                num_splits=2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["heap", "parents"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_tree_nodes_equal_path_attention_gpu(kind, shape):
+    head_size, block_size, dtype, hq, hkv = shape
+    budgets = [1, 15, 63, 128, 512]
+    ctx_lens = [1000, 17, 1, 4097, 1000]
+    trees = [random_tree(kind, b, seed=i) for i, b in enumerate(budgets)]
+    q_lens = [b + 1 for b in budgets]
+    check_trees(ctx_lens, trees, q_lens, hq, hkv, head_size, block_size, dtype)
+
+
+@pytest.mark.parametrize("budget", [1, 15, 63])
+def test_chain_tree_equals_causal(budget):
+    """A chain-shaped tree gives exactly the causal rows, bit for bit."""
+    ctx_lens, q_lens = [33, 1000], [budget + 1, budget + 1]
+    chain = random_tree("chain", budget, seed=0)
+    batch = Batch(ctx_lens, q_lens, 4, 2, 64, 16, torch.float16)
+    mask, is_tree = pack_masks([chain, chain], q_lens)
+    as_tree = batch.run(mask, is_tree, num_splits=4)
+    causal = batch.run(num_splits=4)
+    flagged_off = batch.run(mask, torch.zeros_like(is_tree), num_splits=4)
+    assert torch.equal(as_tree, causal)
+    assert torch.equal(flagged_off, causal)
+    assert torch.equal(batch.run(mask, is_tree, num_splits=4), as_tree)
+    ref = batch.reference([causal_visibility(q) for q in q_lens])
+    torch.testing.assert_close(causal.float(), ref, **TOLERANCE[torch.float16])
+
+
+def test_mixed_batch_cpu():
+    """Tree rows, a trimmed tree, plain decodes and (chunked) prefills at once."""
+    tree = random_tree("heap", 15, seed=3)
+    big = random_tree("parents", 40, seed=4)
+    trees = [tree, big, None, None, None, None]
+    q_lens = [16, 23, 1, 1, 37, 70]  # big tree trimmed to its first 22 nodes
+    ctx_lens = [50, 300, 1, 129, 0, 90]
+    check_trees(ctx_lens, trees, q_lens, 4, 2, 64, 16, torch.float32, num_splits=2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_batch_gpu(dtype):
+    budget = 128
+    trees = [random_tree("heap", budget, seed=s) for s in range(3)]
+    trees += [None] * 4 + [random_tree("parents", 512, seed=9)]
+    q_lens = [129, 129, 60, 1, 1, 2048, 300, 200]
+    ctx_lens = [4096, 17, 1000, 1, 8000, 0, 5000, 1000]
+    check_trees(ctx_lens, trees, q_lens, 32, 8, 128, 16, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_split_kv_matches_single_pass(num_splits):
+    trees = [random_tree("heap", 15, seed=5), None]
+    q_lens, ctx_lens = [16, 1], [1000, 777]
+    batch, one_pass = check_trees(ctx_lens, trees, q_lens, 4, 2, 64, 16,
+                                  torch.float32, num_splits=1)
+    mask, is_tree = pack_masks(trees, q_lens)
+    split = batch.run(mask, is_tree, num_splits=num_splits)
+    torch.testing.assert_close(split, one_pass, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_requests_and_tokens_left_alone():
+    """CUDA-graph padding: trailing empty requests, tokens of no request."""
+    batch = Batch([40, 9], [5, 1], 4, 2, 64, 16, torch.float32)
+    qsl = batch.query_start_loc
+    batch.query_start_loc = torch.cat([qsl, qsl[-1:], qsl[-1:]])
+    batch.seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(2)])
+    batch.block_table = torch.cat([batch.block_table, batch.block_table[:2]])
+    real = batch.q.shape[0]
+    batch.q = torch.cat([batch.q, batch.q[:3]])
+    out = batch.run(num_splits=2)
+    assert out[real:].isnan().all()
+    ref = batch.reference([causal_visibility(5), causal_visibility(1),
+                           causal_visibility(0), causal_visibility(0)])
+    torch.testing.assert_close(out[:real], ref[:real], **TOLERANCE[torch.float32])
+
+
+def test_input_errors():
+    batch = Batch([4], [2], 4, 2, 64, 16, torch.float32)
+    out = torch.empty_like(batch.q)
+    args = (batch.key_cache, batch.value_cache)
+    tail = (batch.query_start_loc, batch.seq_lens, batch.block_table, 1.0)
+    with pytest.raises(ValueError, match="KV cache dtype"):
+        tree_attention(batch.q.half(), *[a.half() for a in args[:1]], args[1],
+                       out.half(), *tail)
+    with pytest.raises(ValueError, match="do not fit"):
+        tree_attention(batch.q[:, :3], *args, out[:, :3], *tail)
+    with pytest.raises(ValueError, match="must be given together"):
+        tree_attention(batch.q, *args, out, *tail,
+                       tree_mask=torch.zeros(1, 3, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="tree_mask must be int32"):
+        tree_attention(batch.q, *args, out, *tail,
+                       tree_mask=torch.zeros(1, 3, 1, dtype=torch.int64),
+                       is_tree=torch.ones(1, dtype=torch.int32))
+
+
+@needs_gpu
+def test_int64_kv_offsets():
+    """Pages past 2**31 elements into the cache are addressed correctly."""
+    block_size, hkv, head_size = 16, 8, 128
+    per_block = block_size * hkv * 2 * head_size
+    num_blocks = (2**31 // per_block) + 64
+    kv = torch.randn(num_blocks, block_size, hkv, 2 * head_size, device="cuda",
+                     dtype=torch.bfloat16)
+    batch = Batch([100], [16], 32, hkv, head_size, block_size, torch.bfloat16)
+    batch.kv_cache = kv.permute(0, 2, 1, 3)
+    batch.key_cache, batch.value_cache = kv.split(head_size, -1)
+    batch.block_table = torch.arange(num_blocks - 8, num_blocks, device="cuda",
+                                     dtype=torch.int32)[None]
+    out = batch.run()
+    ref = batch.reference([causal_visibility(16)])
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[torch.bfloat16])
+
+
+@needs_gpu
+def test_cuda_graph_replay_with_new_trees():
+    """One capture serves later steps whose trees, contexts and pages differ."""
+    budget, num_reqs = 63, 4
+    q_lens = [budget + 1] * num_reqs
+    batch = Batch([2000] * num_reqs, q_lens, 32, 8, 128, 16, torch.bfloat16)
+    trees = [random_tree("heap", budget, seed=s) for s in range(num_reqs)]
+    mask, is_tree = pack_masks(trees, q_lens)
+    out = torch.empty_like(batch.q)
+    batch.seq_lens.fill_(64 + 1)
+    batch.run(mask, is_tree, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        batch.run(mask, is_tree, out=out)
+    for step in range(3):
+        new_trees = [random_tree("parents", budget, seed=10 * step + s)
+                     for s in range(num_reqs)]
+        new_mask, new_is_tree = pack_masks(new_trees, q_lens)
+        mask.copy_(new_mask)
+        is_tree.copy_(new_is_tree)
+        is_tree[step] = 0  # one causal chain among the trees
+        new_seq = torch.randint(budget + 1, 2000 + budget + 1, (num_reqs,))
+        batch.seq_lens.copy_(new_seq.to(torch.int32))
+        batch.q.normal_()
+        graph.replay()
+        vis = visibilities(new_trees, q_lens)
+        vis[step] = causal_visibility(budget + 1)
+        torch.testing.assert_close(out.float(), batch.reference(vis),
+                                   **TOLERANCE[torch.bfloat16])
