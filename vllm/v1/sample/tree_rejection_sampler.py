@@ -1,0 +1,464 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Lossless verification of DDTree draft trees for Model Runner V2.
+
+The target model scores every token of a request's flattened tree
+``[root, node_1, ..., node_b]`` in one forward pass. For every tree token v we
+sample y_v from the target's processed distribution at v with vLLM's own
+``gumbel_sample``, keyed by (request seed, position of v). Then we walk from the
+root: while the current node has a child whose token equals y_current, we move to
+that child. The k nodes passed are accepted and the request emits
+``[y_root, y_idx1, ..., y_idxk]``: the accepted nodes' tokens followed by the bonus
+token sampled at the last accepted node.
+
+This is exactly lossless. Siblings share a position and therefore share Gumbel
+noise, but only one node per depth lies on the accepted path, and the node at
+depth d sees exactly the context that non-speculative decoding would see at
+position p0 + d, so the emitted tokens are token for token what non-speculative
+MRv2 sampling with the same seed emits. The drafter's probabilities are never
+used: the usual min(1, p/q) test is biased when siblings are a deterministic
+top-k set rather than independent draws from q.
+
+Reference: Ringel & Romano, "Accelerating Speculative Decoding with Block
+Diffusion Draft Trees" (DDTree), 2026.
+
+Example (one request, root and two children of the root, greedy)::
+
+    out = tree_rejection_sample(
+        processed_logits,                    # [3, vocab_size]
+        torch.tensor([[5, 7]]),              # node tokens
+        torch.tensor([[0, 0]], dtype=torch.int32),  # both children of the root
+        torch.tensor([0, 3], dtype=torch.int32),
+        pos, expanded_idx_mapping, temperature, seeds, max_depth=1,
+    )
+    # If argmax(processed_logits[0]) == 7: out.sampled_token_ids[0, :2] is
+    # [7, argmax(processed_logits[2])] and out.accepted_nodes[0, 0] == 2.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm.triton_utils import tl, triton
+from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from vllm.v1.worker.gpu.input_batch import InputBatch, get_num_sampled_and_rejected
+from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+from vllm.v1.worker.gpu.sample.gumbel import apply_temperature, gumbel_sample
+from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+from vllm.v1.worker.gpu.sample.min_p import apply_min_p
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.sample.sampler import Sampler
+from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+
+@dataclass
+class TreeSampleOutput:
+    """Result of verifying one tree per request. All tensors stay on the device."""
+
+    # [num_reqs, budget + 1] int64: emitted tokens, -1 padded (vLLM's layout).
+    sampled_token_ids: torch.Tensor
+    # [num_reqs] int32: k + 1 (0 for a request with no logits).
+    num_sampled: torch.Tensor
+    # [num_reqs, max_depth] int32: flattened tree indices (1..b) of the accepted
+    # nodes in depth order, -1 padded.
+    accepted_nodes: torch.Tensor
+    # [num_reqs] int32: k.
+    num_accepted: torch.Tensor
+
+
+@dataclass
+class TreeSamplerOutput(SamplerOutput):
+    """vLLM's ``SamplerOutput`` plus the accepted path, for KV compaction and the
+    drafter's hidden-state gathering."""
+
+    # [num_reqs, max_depth] int32, as in ``TreeSampleOutput``.
+    accepted_nodes: torch.Tensor | None = None
+    # [num_reqs] int32, as in ``TreeSampleOutput``.
+    num_accepted: torch.Tensor | None = None
+
+
+class TreeRejectionSampler:
+    """MRv2 rejection sampler for DDTree: the tree counterpart of vLLM's MRv2
+    ``RejectionSampler``.
+
+    The verified tokens of request r are ``[root, node_1, ..., node_b]`` at logit
+    rows ``cu_num_logits[r] .. cu_num_logits[r + 1] - 1``, with ``b <= budget``
+    (the scheduler may trim a tree to a prefix of its node list, which is still a
+    tree because nodes are ordered parent-before-child). The tree tensors are owned
+    by the DDTree speculator and passed in per step.
+
+    Penalties and bad-words masking in ``Sampler.apply_sampling_params`` read the
+    preceding tokens in chain order, which is wrong for tree nodes; DDTree's config
+    validation rejects requests that use them.
+    """
+
+    def __init__(self, sampler: Sampler, max_depth: int):
+        self.sampler = sampler
+        self.max_depth = max_depth
+
+    def __call__(
+        self,
+        # [num_logits, vocab_size]
+        logits: torch.Tensor,
+        input_batch: InputBatch,
+        # [num_reqs, budget]
+        tree_token_ids: torch.Tensor,
+        # [num_reqs, budget]
+        tree_parent_ids: torch.Tensor,
+    ) -> TreeSamplerOutput:
+        # Count NaNs before any processing, as vLLM's samplers do.
+        num_nans = get_num_nans(logits) if self.sampler.compute_nans else None
+
+        pos = input_batch.positions[input_batch.logits_indices]
+        input_ids = input_batch.input_ids[input_batch.logits_indices]
+        processed_logits = self.sampler.apply_sampling_params(
+            logits,
+            input_batch.expanded_idx_mapping,
+            input_batch.idx_mapping_np,
+            pos,
+            input_ids,
+            input_batch.expanded_local_pos,
+        )
+        out = tree_rejection_sample(
+            processed_logits,
+            tree_token_ids,
+            tree_parent_ids,
+            input_batch.cu_num_logits,
+            pos,
+            input_batch.expanded_idx_mapping,
+            self.sampler.sampling_states.temperature.gpu,
+            self.sampler.sampling_states.seeds.gpu,
+            self.max_depth,
+            use_fp64=self.sampler.use_fp64_gumbel,
+        )
+        processed = self.sampler.logprobs_mode in (
+            "processed_logprobs",
+            "processed_logits",
+        )
+        logprobs_tensors = self._get_logprobs_tensors(
+            input_batch, out, processed_logits if processed else logits
+        )
+        # Chunked-prefill rows emit nothing; num_rejected = b - k.
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            out.num_sampled,
+            input_batch.seq_lens,
+            input_batch.cu_num_logits,
+            input_batch.idx_mapping,
+            self.sampler.req_states.prefill_len.gpu,
+        )
+        return TreeSamplerOutput(
+            sampled_token_ids=out.sampled_token_ids,
+            logprobs_tensors=logprobs_tensors,
+            num_nans=num_nans,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+            accepted_nodes=out.accepted_nodes,
+            num_accepted=out.num_accepted,
+        )
+
+    def _get_logprobs_tensors(
+        self,
+        input_batch: InputBatch,
+        out: TreeSampleOutput,
+        # [num_logits, vocab_size]
+        logits: torch.Tensor,
+    ) -> LogprobsTensors | None:
+        max_num_logprobs = self.sampler.sampling_states.max_num_logprobs(
+            input_batch.idx_mapping_np
+        )
+        if max_num_logprobs == NO_LOGPROBS:
+            return None
+        # vLLM reads the first num_sampled logprob rows of each request, so the
+        # rows of the accepted path are gathered to the front of its rows.
+        rows, flat_sampled = path_logit_rows(
+            out,
+            input_batch.cu_num_logits,
+            input_batch.cu_num_logits_np,
+            input_batch.expanded_local_pos,
+        )
+        return compute_topk_scores(
+            logits[rows],
+            max_num_logprobs,
+            flat_sampled,
+            input_batch.cu_num_logits_np.tolist(),
+            logits_mode=self.sampler.logprobs_mode
+            in ("raw_logits", "processed_logits"),
+        )
+
+
+def tree_rejection_sample(
+    # [num_logits, vocab_size]
+    processed_logits: torch.Tensor,
+    # [num_reqs, budget]
+    tree_token_ids: torch.Tensor,
+    # [num_reqs, budget]
+    tree_parent_ids: torch.Tensor,
+    # [num_reqs + 1]
+    cu_num_logits: torch.Tensor,
+    # [num_logits]
+    pos: torch.Tensor,
+    # [num_logits]
+    expanded_idx_mapping: torch.Tensor,
+    # [max_num_reqs]
+    temperature: torch.Tensor,
+    # [max_num_reqs]
+    seeds: torch.Tensor,
+    max_depth: int,
+    use_fp64: bool = False,
+) -> TreeSampleOutput:
+    """Sample every tree token, then walk each tree to its accepted path.
+
+    ``processed_logits`` are the target's logits after temperature, min-p and
+    top-k/top-p (see ``apply_sampling_params``); rows of requests at temperature 0
+    are sampled greedily. ``pos`` holds the positions of the tree tokens (root
+    position + depth), which key the Gumbel noise together with the seed.
+    Allocations depend on shapes only and nothing syncs with the host, so the call
+    can be captured in a CUDA graph.
+    """
+    # [num_logits]
+    node_sampled = gumbel_sample(
+        processed_logits,
+        expanded_idx_mapping,
+        temperature,
+        seeds,
+        pos,
+        apply_temperature=False,
+        use_fp64=use_fp64,
+    )
+    return walk_trees(
+        node_sampled, tree_token_ids, tree_parent_ids, cu_num_logits, max_depth
+    )
+
+
+def walk_trees(
+    # [num_logits]
+    node_sampled: torch.Tensor,
+    # [num_reqs, budget]
+    tree_token_ids: torch.Tensor,
+    # [num_reqs, budget]
+    tree_parent_ids: torch.Tensor,
+    # [num_reqs + 1]
+    cu_num_logits: torch.Tensor,
+    max_depth: int,
+) -> TreeSampleOutput:
+    """Walk each request's tree along the target's samples ``node_sampled``.
+
+    Request r's tree tokens are rows ``cu_num_logits[r] .. cu_num_logits[r+1]-1``
+    of ``node_sampled``: the root, then nodes 1..b. Node i's token and parent
+    (0 = root) are ``tree_token_ids[r, i-1]`` and ``tree_parent_ids[r, i-1]``;
+    nodes beyond b are ignored, padding nodes (token -1) never match. Paths longer
+    than ``max_depth`` are cut at ``max_depth`` accepted nodes.
+    """
+    num_reqs, budget = tree_token_ids.shape
+    device = node_sampled.device
+    sampled = torch.empty(num_reqs, budget + 1, dtype=torch.int64, device=device)
+    num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=device)
+    accepted_nodes = torch.empty(num_reqs, max_depth, dtype=torch.int32, device=device)
+    num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=device)
+    _tree_walk_kernel[(num_reqs,)](
+        sampled,
+        sampled.stride(0),
+        num_sampled,
+        accepted_nodes,
+        accepted_nodes.stride(0),
+        num_accepted,
+        node_sampled,
+        tree_token_ids,
+        tree_token_ids.stride(0),
+        tree_parent_ids,
+        tree_parent_ids.stride(0),
+        cu_num_logits,
+        budget,
+        max_depth,
+        NODE_BLOCK=triton.next_power_of_2(budget),
+        OUT_BLOCK=triton.next_power_of_2(budget + 1),
+        DEPTH_BLOCK=triton.next_power_of_2(max(max_depth, 1)),
+        num_warps=4,
+    )
+    return TreeSampleOutput(sampled, num_sampled, accepted_nodes, num_accepted)
+
+
+def apply_sampling_params(
+    # [num_logits, vocab_size]
+    logits: torch.Tensor,
+    # [num_logits]
+    expanded_idx_mapping: torch.Tensor,
+    # [max_num_reqs]
+    temperature: torch.Tensor,
+    # [max_num_reqs]
+    min_p: torch.Tensor | None = None,
+    # [max_num_reqs]
+    top_k: torch.Tensor | None = None,
+    # [max_num_reqs]
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Temperature, min-p, then top-k/top-p, with vLLM's own MRv2 ops and in
+    ``Sampler.apply_sampling_params``'s order, for use without a ``Sampler``.
+
+    Per-request parameters are indexed by ``expanded_idx_mapping``. ``logits`` is
+    modified in place and must be float32 (or tolerate being overwritten); the
+    result may be a new tensor.
+    """
+    apply_temperature(logits, expanded_idx_mapping, temperature)
+    if min_p is not None:
+        apply_min_p(logits, expanded_idx_mapping, min_p)
+    if top_k is None and top_p is None:
+        return logits
+    row_top_k = top_k[expanded_idx_mapping] if top_k is not None else None
+    row_top_p = top_p[expanded_idx_mapping] if top_p is not None else None
+    return apply_top_k_top_p(logits, row_top_k, row_top_p)
+
+
+def path_logit_rows(
+    out: TreeSampleOutput,
+    # [num_reqs + 1]
+    cu_num_logits: torch.Tensor,
+    # [num_reqs + 1]
+    cu_num_logits_np: np.ndarray,
+    # [num_logits]
+    expanded_local_pos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logit rows in emission order and the token emitted at each, flattened like
+    vLLM's chain layout: row cu[r] + j holds the j-th emitted token of request r
+    (j < num_sampled); later rows are left as they are. Only for logprobs."""
+    num_reqs = cu_num_logits_np.shape[0] - 1
+    device = expanded_local_pos.device
+    counts = np.diff(cu_num_logits_np)
+    # [num_logits]
+    req = torch.from_numpy(np.repeat(np.arange(num_reqs), counts)).to(device)
+    local = expanded_local_pos.long()
+    max_depth = out.accepted_nodes.shape[1]
+    # [num_reqs, max_depth + 1]: the root (0) then the accepted nodes.
+    path = torch.cat(
+        [out.accepted_nodes.new_zeros(num_reqs, 1), out.accepted_nodes.clamp(min=0)],
+        dim=1,
+    )
+    start = cu_num_logits.long()[req]
+    node = path[req, local.clamp(max=max_depth)].long()
+    on_path = local < out.num_sampled.long()[req]
+    rows = torch.where(on_path, start + node, start + local)
+    flat_sampled = out.sampled_token_ids[req, local].clamp(min=0)
+    return rows, flat_sampled
+
+
+def walk_trees_reference(
+    node_sampled: torch.Tensor,
+    tree_token_ids: torch.Tensor,
+    tree_parent_ids: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    max_depth: int,
+) -> TreeSampleOutput:
+    """Slow Python walk with ``walk_trees``'s contract, for tests."""
+    node_sampled = node_sampled.cpu().tolist()
+    tokens = tree_token_ids.cpu().tolist()
+    parents = tree_parent_ids.cpu().tolist()
+    cu = cu_num_logits.cpu().tolist()
+    num_reqs, budget = tree_token_ids.shape
+    sampled = torch.full((num_reqs, budget + 1), -1, dtype=torch.int64)
+    accepted = torch.full((num_reqs, max_depth), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(num_reqs, dtype=torch.int32)
+    num_sampled = torch.zeros(num_reqs, dtype=torch.int32)
+    for r in range(num_reqs):
+        start, num_nodes = cu[r], cu[r + 1] - cu[r] - 1
+        if num_nodes < 0:
+            continue
+        children: dict[tuple[int, int], int] = {}
+        for i in range(1, num_nodes + 1):
+            if tokens[r][i - 1] >= 0:
+                children[(parents[r][i - 1], tokens[r][i - 1])] = i
+        cur, y = 0, node_sampled[start]
+        path_tokens = [y]
+        while len(path_tokens) <= max_depth and (cur, y) in children:
+            cur = children[(cur, y)]
+            accepted[r, len(path_tokens) - 1] = cur
+            y = node_sampled[start + cur]
+            path_tokens.append(y)
+        sampled[r, : len(path_tokens)] = torch.tensor(path_tokens)
+        num_sampled[r] = len(path_tokens)
+        num_accepted[r] = len(path_tokens) - 1
+    return TreeSampleOutput(sampled, num_sampled, accepted, num_accepted)
+
+
+@triton.jit
+def _tree_walk_kernel(
+    # [num_reqs, budget + 1]
+    sampled_ptr,
+    sampled_stride,
+    # [num_reqs]
+    num_sampled_ptr,
+    # [num_reqs, max_depth]
+    accepted_nodes_ptr,
+    accepted_nodes_stride,
+    # [num_reqs]
+    num_accepted_ptr,
+    # [num_logits]
+    node_sampled_ptr,
+    # [num_reqs, budget]
+    token_ids_ptr,
+    token_ids_stride,
+    # [num_reqs, budget]
+    parent_ids_ptr,
+    parent_ids_stride,
+    # [num_reqs + 1]
+    cu_num_logits_ptr,
+    budget,
+    max_depth,
+    NODE_BLOCK: tl.constexpr,
+    OUT_BLOCK: tl.constexpr,
+    DEPTH_BLOCK: tl.constexpr,
+):
+    req_idx = tl.program_id(0).to(tl.int64)
+    start = tl.load(cu_num_logits_ptr + req_idx).to(tl.int64)
+    end = tl.load(cu_num_logits_ptr + req_idx + 1).to(tl.int64)
+    has_root = end > start
+    num_nodes = tl.minimum(end - start - 1, budget)
+
+    # Column i holds node i + 1. Nodes past num_nodes and padding nodes
+    # (token -1) never match.
+    node_offs = tl.arange(0, NODE_BLOCK)
+    node_mask = node_offs < num_nodes
+    parents = tl.load(
+        parent_ids_ptr + req_idx * parent_ids_stride + node_offs,
+        mask=node_mask,
+        other=-1,
+    )
+    tokens = tl.load(
+        token_ids_ptr + req_idx * token_ids_stride + node_offs,
+        mask=node_mask,
+        other=-1,
+    ).to(tl.int64)
+    live = node_mask & (tokens >= 0)
+
+    out_offs = tl.arange(0, OUT_BLOCK)
+    depth_offs = tl.arange(0, DEPTH_BLOCK)
+    y = tl.load(node_sampled_ptr + start, mask=has_root, other=-1).to(tl.int64)
+    out_tokens = tl.where(out_offs == 0, y, -1)
+    out_nodes = tl.full((DEPTH_BLOCK,), -1, dtype=tl.int32)
+    cur = tl.zeros((), dtype=tl.int32)
+    num_accepted = tl.zeros((), dtype=tl.int32)
+    active = has_root
+    for depth in range(max_depth):
+        # Sibling tokens are distinct, so at most one child matches.
+        match = (parents == cur) & (tokens == y) & live
+        child = tl.max(tl.where(match, node_offs + 1, 0), axis=0).to(tl.int32)
+        found = active & (child > 0)
+        cur = tl.where(found, child, cur)
+        y = tl.load(node_sampled_ptr + start + cur, mask=found, other=-1).to(tl.int64)
+        out_tokens = tl.where((out_offs == depth + 1) & found, y, out_tokens)
+        out_nodes = tl.where((depth_offs == depth) & found, cur, out_nodes)
+        num_accepted += found.to(tl.int32)
+        active = found
+
+    tl.store(
+        sampled_ptr + req_idx * sampled_stride + out_offs,
+        out_tokens,
+        mask=out_offs < budget + 1,
+    )
+    tl.store(
+        accepted_nodes_ptr + req_idx * accepted_nodes_stride + depth_offs,
+        out_nodes,
+        mask=depth_offs < max_depth,
+    )
+    tl.store(num_accepted_ptr + req_idx, num_accepted)
+    tl.store(num_sampled_ptr + req_idx, tl.where(has_root, num_accepted + 1, 0))
