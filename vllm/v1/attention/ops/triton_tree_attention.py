@@ -331,46 +331,67 @@ def _tile_rows(
 
 
 @triton.jit
+def _load(ptrs, mask, other, USE_MASK: tl.constexpr):
+    if USE_MASK:
+        x = tl.load(ptrs, mask=mask, other=other)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _attend_tile(
     acc, l_i, m_i,
     q,  # [BLOCK_M, HEAD_SIZE_PADDED]
     k_cache_ptr, v_cache_ptr, block_table_row_ptr,
     key_pos,  # [BLOCK_N] KV positions of this tile
-    key_valid,  # [BLOCK_N]
-    visible,  # [BLOCK_M, BLOCK_N]
+    key_valid,  # [BLOCK_N]; read only if MASKED
+    visible,  # [BLOCK_M, BLOCK_N]; read only if MASKED
     kv_head_offset_k, kv_head_offset_v, qk_scale,
     stride_k_blk: tl.int64, stride_k_tok: tl.int64,
     stride_v_blk: tl.int64, stride_v_tok: tl.int64,
     PAGE_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """One online-softmax step over BLOCK_N keys gathered from the paged cache."""
+    """One online-softmax step over BLOCK_N keys gathered from the paged cache.
+
+    MASKED=False is the fast path for tiles of committed keys that every row
+    sees: no key masks, and every row has a finite running max.
+    """
+    PAD_D: tl.constexpr = HEAD_SIZE != HEAD_SIZE_PADDED
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     d_valid = offs_d < HEAD_SIZE
-    block = tl.load(
-        block_table_row_ptr + key_pos // PAGE_SIZE, mask=key_valid, other=0
+    block = _load(
+        block_table_row_ptr + key_pos // PAGE_SIZE, key_valid, 0, MASKED
     ).to(tl.int64)
     slot = (key_pos % PAGE_SIZE).to(tl.int64)
     # [HEAD_SIZE_PADDED, BLOCK_N]
-    k = tl.load(
+    k = _load(
         k_cache_ptr + kv_head_offset_k + block[None, :] * stride_k_blk
         + slot[None, :] * stride_k_tok + offs_d[:, None],
-        mask=d_valid[:, None] & key_valid[None, :],
-        other=0.0,
+        d_valid[:, None] & key_valid[None, :],
+        0.0,
+        MASKED or PAD_D,
     )
     # [BLOCK_N, HEAD_SIZE_PADDED]
-    v = tl.load(
+    v = _load(
         v_cache_ptr + kv_head_offset_v + block[:, None] * stride_v_blk
         + slot[:, None] * stride_v_tok + offs_d[None, :],
-        mask=key_valid[:, None] & d_valid[None, :],
-        other=0.0,
+        key_valid[:, None] & d_valid[None, :],
+        0.0,
+        MASKED or PAD_D,
     )
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(visible & key_valid[None, :], s, float("-inf"))
+    if MASKED:
+        s = tl.where(visible & key_valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # A row that has seen no visible key yet keeps m = -inf; shift it by 0
-    # so that exp2 gives 0 instead of NaN.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if MASKED:
+        # A row that has seen no visible key yet keeps m = -inf; shift it by 0
+        # so that exp2 gives 0 instead of NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
     p = tl.math.exp2(s - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -458,15 +479,25 @@ def _tree_attention_kernel(
     chunk = tl.cdiv(tl.cdiv(ctx_len, num_active_splits), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(ctx_len, kv_lo + chunk)
+    full_end = kv_lo + tl.maximum(kv_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
+    all_keys = tl.full([BLOCK_N], 1, dtype=tl.int1)
     all_rows = tl.full([BLOCK_M, BLOCK_N], 1, dtype=tl.int1)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        key_pos = start + offs_n
+    for start in range(kv_lo, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+            start + offs_n, all_keys, all_rows,
+            kv_head_offset_k, kv_head_offset_v, qk_scale,
+            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+            PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, DOT_PRECISION, MASKED=False,
+        )
+    if full_end < kv_hi:
+        key_pos = full_end + offs_n
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
             key_pos, key_pos < kv_hi, all_rows,
             kv_head_offset_k, kv_head_offset_v, qk_scale,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-            PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, DOT_PRECISION,
+            PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, DOT_PRECISION, MASKED=True,
         )
 
     # The request's new tokens, on split 0: key j is visible to row i iff
@@ -496,7 +527,7 @@ def _tree_attention_kernel(
                 ctx_len + j, j < q_len, visible,
                 kv_head_offset_k, kv_head_offset_v, qk_scale,
                 stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, DOT_PRECISION,
+                PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, DOT_PRECISION, MASKED=True,
             )
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
