@@ -73,9 +73,8 @@ import torch
 
 from vllm.triton_utils import tl, triton
 
-# Split the committed context only when the batch has fewer tiles than this
-# many programs per SM, into chunks of at least this many keys.
-_SPLIT_TARGET_PROGRAMS_PER_SM = 2
+# Split the committed context only when the batch has fewer tiles than the GPU
+# runs at once, into at most this many chunks of at least this many keys.
 _MAX_SPLITS = 32
 _MIN_SPLIT_KEYS = 256
 # Number of SMs assumed when the tensors are not on a GPU (interpreter runs).
@@ -122,9 +121,7 @@ def tree_attention(
 
     cfg = _launch_config(q, num_reqs, num_q_heads // num_kv_heads, head_size)
     if num_splits is None:
-        num_splits = _num_splits(
-            q.device, num_tokens, num_reqs, num_kv_heads, cfg.block_q
-        )
+        num_splits = _num_splits(q.device, num_tokens, num_reqs, num_kv_heads, cfg)
     num_tiles = num_tokens // cfg.block_q + num_reqs
     has_tree = tree_mask is not None
     if not has_tree:
@@ -264,19 +261,16 @@ def _launch_config(
 
 def _num_splits(
     device: torch.device, num_tokens: int, num_reqs: int, num_kv_heads: int,
-    block_q: int,
+    cfg: _LaunchConfig,
 ) -> int:
-    """Split count filling the GPU when the batch has few query tiles."""
+    """Most splits whose programs still fit in one wave of the GPU."""
     if device.type == "cuda":
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         num_sms = _CPU_NUM_SMS
-    est_tiles = max(num_reqs, triton.cdiv(num_tokens, block_q))
-    programs = est_tiles * num_kv_heads
-    target = _SPLIT_TARGET_PROGRAMS_PER_SM * num_sms
-    if programs >= target:
-        return 1
-    return min(_MAX_SPLITS, triton.cdiv(target, programs))
+    capacity = num_sms * (2 if cfg.num_warps <= 4 else 1)
+    programs = max(num_reqs, triton.cdiv(num_tokens, cfg.block_q)) * num_kv_heads
+    return max(1, min(_MAX_SPLITS, capacity // programs))
 
 
 def _partial_buffers(
@@ -301,8 +295,8 @@ def _find_request(query_start_loc_ptr, num_reqs, tile_idx, BLOCK_Q: tl.constexpr
     Request r owns tiles [qsl[r] // BLOCK_Q + r, qsl[r + 1] // BLOCK_Q + r + 1),
     which is at least cdiv(q_len, BLOCK_Q) tiles.
     """
-    lo = 0
-    hi = num_reqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_reqs
     while lo + 1 < hi:
         mid = (lo + hi) // 2
         first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -447,7 +441,7 @@ def _tree_attention_kernel(
         query_start_loc_ptr, seq_lens_ptr, num_reqs, tile_idx, BLOCK_Q,
         MIN_SPLIT_KEYS, NUM_SPLITS,
     )
-    if row_start >= q_len or split >= num_active_splits:
+    if (row_start >= q_len) | (split >= num_active_splits):
         return
 
     # Row m of the tile is query row row_start + m // HEADS_PADDED (within the
@@ -580,7 +574,7 @@ def _merge_splits_kernel(
         MIN_SPLIT_KEYS, NUM_SPLITS,
     )
     # With one active split the main kernel wrote the output directly.
-    if row_start >= q_len or num_active_splits == 1:
+    if (row_start >= q_len) | (num_active_splits == 1):
         return
 
     offs_m = tl.arange(0, BLOCK_M)
