@@ -325,6 +325,38 @@ def test_tree_greedy_matches_reference(num_reqs, budget, depth, vocab, sparse):
         assert (tree.token_ids == -1).any()
 
 
+@gpu_only
+def test_cuda_graph_replay():
+    """Captured once, sampling and walk serve new logits and trees in place."""
+    num_reqs, budget, depth, vocab = 8, 128, 15, 151936
+    gen = torch.Generator().manual_seed(4)
+
+    def make_inputs():
+        tree = build_ddtree_reference(
+            torch.randn(num_reqs, depth, 64, generator=gen) * 2, budget
+        )
+        cu, req, _ = _layout([budget] * num_reqs)
+        logits = torch.randn(int(cu[-1]), vocab, generator=gen)
+        _steer(logits, tree.token_ids, tree.parent_ids, cu, [budget] * num_reqs, gen)
+        pos = _positions(tree.parent_ids, [budget] * num_reqs, [9] * num_reqs)
+        return _to(DEVICE, logits, tree.token_ids, tree.parent_ids, cu, pos, req)
+
+    temperature = torch.tensor([0.0, 1.0] * (num_reqs // 2), device=DEVICE)
+    seeds = torch.arange(num_reqs, dtype=torch.int64, device=DEVICE)
+    static = make_inputs()
+    tree_rejection_sample(*static, temperature, seeds, depth)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = tree_rejection_sample(*static, temperature, seeds, depth)
+    for _ in range(2):
+        fresh = make_inputs()
+        for buf, new in zip(static, fresh):
+            buf.copy_(new)
+        graph.replay()
+        want = tree_rejection_sample(*fresh, temperature, seeds, depth)
+        _assert_same(graph_out, TreeSampleOutput(*(t.cpu() for t in vars(want).values())))
+
+
 # ---------------------------------------------------------------------------
 # Sampling: seeded determinism and equality with non-speculative decoding.
 # ---------------------------------------------------------------------------

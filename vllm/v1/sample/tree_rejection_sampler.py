@@ -36,7 +36,6 @@ Example (one request, root and two children of the root, greedy)::
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from vllm.triton_utils import tl, triton
@@ -86,7 +85,10 @@ class TreeRejectionSampler:
     rows ``cu_num_logits[r] .. cu_num_logits[r + 1] - 1``, with ``b <= budget``
     (the scheduler may trim a tree to a prefix of its node list, which is still a
     tree because nodes are ordered parent-before-child). The tree tensors are owned
-    by the DDTree speculator and passed in per step.
+    by the DDTree speculator and passed in per step, in batch order: row r is
+    request r of ``input_batch``, and its first b tokens are the draft tokens
+    scheduled for it. Outputs use vLLM's chain layout, so vLLM's post-update code
+    consumes them unchanged; ``accepted_nodes`` feeds ``TreeKVCompactor``.
 
     Penalties and bad-words masking in ``Sampler.apply_sampling_params`` read the
     preceding tokens in chain order, which is wrong for tree nodes; DDTree's config
@@ -132,12 +134,12 @@ class TreeRejectionSampler:
             self.max_depth,
             use_fp64=self.sampler.use_fp64_gumbel,
         )
-        processed = self.sampler.logprobs_mode in (
+        use_processed = self.sampler.logprobs_mode in (
             "processed_logprobs",
             "processed_logits",
         )
         logprobs_tensors = self._get_logprobs_tensors(
-            input_batch, out, processed_logits if processed else logits
+            input_batch, out, processed_logits if use_processed else logits
         )
         # Chunked-prefill rows emit nothing; num_rejected = b - k.
         num_sampled, num_rejected = get_num_sampled_and_rejected(
@@ -171,17 +173,15 @@ class TreeRejectionSampler:
             return None
         # vLLM reads the first num_sampled logprob rows of each request, so the
         # rows of the accepted path are gathered to the front of its rows.
-        rows, flat_sampled = path_logit_rows(
-            out,
-            input_batch.cu_num_logits,
-            input_batch.cu_num_logits_np,
-            input_batch.expanded_local_pos,
+        rows, flat_sampled = _path_logit_rows(
+            out, input_batch.cu_num_logits, input_batch.expanded_local_pos
         )
+        expanded_logits = logits.shape[0] != input_batch.idx_mapping.shape[0]
         return compute_topk_scores(
             logits[rows],
             max_num_logprobs,
             flat_sampled,
-            input_batch.cu_num_logits_np.tolist(),
+            input_batch.cu_num_logits_np.tolist() if expanded_logits else None,
             logits_mode=self.sampler.logprobs_mode
             in ("raw_logits", "processed_logits"),
         )
@@ -310,23 +310,24 @@ def apply_sampling_params(
     return apply_top_k_top_p(logits, row_top_k, row_top_p)
 
 
-def path_logit_rows(
+def _path_logit_rows(
     out: TreeSampleOutput,
     # [num_reqs + 1]
     cu_num_logits: torch.Tensor,
-    # [num_reqs + 1]
-    cu_num_logits_np: np.ndarray,
     # [num_logits]
     expanded_local_pos: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logit rows in emission order and the token emitted at each, flattened like
     vLLM's chain layout: row cu[r] + j holds the j-th emitted token of request r
     (j < num_sampled); later rows are left as they are. Only for logprobs."""
-    num_reqs = cu_num_logits_np.shape[0] - 1
+    num_reqs = cu_num_logits.shape[0] - 1
+    num_logits = expanded_local_pos.shape[0]
     device = expanded_local_pos.device
-    counts = np.diff(cu_num_logits_np)
+    counts = (cu_num_logits[1:] - cu_num_logits[:-1]).long()
     # [num_logits]
-    req = torch.from_numpy(np.repeat(np.arange(num_reqs), counts)).to(device)
+    req = torch.repeat_interleave(
+        torch.arange(num_reqs, device=device), counts, output_size=num_logits
+    )
     local = expanded_local_pos.long()
     max_depth = out.accepted_nodes.shape[1]
     # [num_reqs, max_depth + 1]: the root (0) then the accepted nodes.
