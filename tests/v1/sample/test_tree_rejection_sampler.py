@@ -137,6 +137,10 @@ def _to(device, *tensors):
     return [t.to(device) for t in tensors]
 
 
+def _on_cpu(out: TreeSampleOutput) -> TreeSampleOutput:
+    return TreeSampleOutput(*(t.cpu() for t in vars(out).values()))
+
+
 # ---------------------------------------------------------------------------
 # Exactness of the walk kernel.
 # ---------------------------------------------------------------------------
@@ -354,7 +358,7 @@ def test_cuda_graph_replay():
             buf.copy_(new)
         graph.replay()
         want = tree_rejection_sample(*fresh, temperature, seeds, depth)
-        _assert_same(graph_out, TreeSampleOutput(*(t.cpu() for t in vars(want).values())))
+        _assert_same(graph_out, _on_cpu(want))
 
 
 # ---------------------------------------------------------------------------
@@ -383,7 +387,7 @@ def test_same_seed_same_output():
 
     first = tree_rejection_sample(*args, temperature, seeds, max_depth=3)
     again = tree_rejection_sample(*args, temperature, seeds, max_depth=3)
-    _assert_same(again, TreeSampleOutput(*(t.cpu() for t in vars(first).values())))
+    _assert_same(again, _on_cpu(first))
     other = tree_rejection_sample(*args, temperature, seeds + 100, max_depth=3)
     assert not torch.equal(other.sampled_token_ids, first.sampled_token_ids)
 
@@ -524,7 +528,8 @@ def _top_k_top_p_reference(logits, top_k, top_p):
 def _expected_sequences(probs: torch.Tensor) -> dict[tuple[int, ...], float]:
     """Exact law of the emitted sequence under autoregressive target sampling:
     keep sampling while the sample is a child of the current tree node."""
-    children = {(p, t): i + 1 for i, (p, t) in enumerate(zip(STAT_PARENTS, STAT_TOKENS))}
+    edges = zip(STAT_PARENTS, STAT_TOKENS)
+    children = {(p, t): i + 1 for i, (p, t) in enumerate(edges)}
     law: dict[tuple[int, ...], float] = {}
 
     def visit(node, prefix, mass):
@@ -736,7 +741,9 @@ def test_tree_rejection_sampler_class(num_logprobs):
     tree = build_ddtree_reference(torch.randn(num_reqs, 3, vocab, generator=gen), 6)
     # Request 2 is still prefilling (seq_len < prefill_len): one row, emits nothing.
     num_nodes = [6, 4, 0]
-    batch = _input_batch(tree.token_ids, tree.parent_ids, num_nodes, [20, 30, 8], [19, 29, 7])
+    batch = _input_batch(
+        tree.token_ids, tree.parent_ids, num_nodes, [20, 30, 8], [19, 29, 7]
+    )
     cu = batch.cu_num_logits.cpu()
     logits = torch.randn(int(cu[-1]), vocab, generator=gen)
     _steer(logits, tree.token_ids, tree.parent_ids, cu, num_nodes, gen)
@@ -753,7 +760,9 @@ def test_tree_rejection_sampler_class(num_logprobs):
     out = tree_sampler(logits, batch, token_ids, parent_ids)
 
     core = tree_rejection_sample(
-        sampler.apply_sampling_params(logits, batch.expanded_idx_mapping, None, None, None, None),
+        sampler.apply_sampling_params(
+            logits, batch.expanded_idx_mapping, None, None, None, None
+        ),
         token_ids,
         parent_ids,
         batch.cu_num_logits,
@@ -809,7 +818,8 @@ def test_tree_rejection_sampler_with_vllm_sampler():
     temps = [0.0, 1.0, 0.6]
     prompt_lens = [10, 20, 100]
     for r in range(num_reqs):
-        req_states.add_request(f"r{r}", prompt_lens[r], list(range(prompt_lens[r])), 0, 64)
+        prompt = list(range(prompt_lens[r]))
+        req_states.add_request(f"r{r}", prompt_lens[r], prompt, 0, 64)
         req_idx = req_states.req_id_to_index[f"r{r}"]
         sampler.add_request(
             req_idx, prompt_lens[r], SamplingParams(temperature=temps[r], seed=r + 1)
@@ -819,10 +829,13 @@ def test_tree_rejection_sampler_with_vllm_sampler():
     idx = [req_states.req_id_to_index[f"r{r}"] for r in range(num_reqs)]
 
     gen = torch.Generator().manual_seed(2)
-    tree = build_ddtree_reference(torch.randn(num_reqs, 15, vocab, generator=gen), budget)
+    draft_logits = torch.randn(num_reqs, 15, vocab, generator=gen)
+    tree = build_ddtree_reference(draft_logits, budget)
     # Requests 0 and 1 decode past their prompts; request 2 is mid-prefill.
     num_nodes = [budget, budget // 2, 0]
-    batch = _input_batch(tree.token_ids, tree.parent_ids, num_nodes, [40, 50, 64], [39, 49, 63])
+    batch = _input_batch(
+        tree.token_ids, tree.parent_ids, num_nodes, [40, 50, 64], [39, 49, 63]
+    )
     batch.idx_mapping = torch.tensor(idx, dtype=torch.int32, device=DEVICE)
     batch.idx_mapping_np = np.array(idx, dtype=np.int32)
     batch.expanded_idx_mapping = batch.idx_mapping[batch.expanded_idx_mapping.long()]
