@@ -278,7 +278,11 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
                 f"tree inputs hold {inputs.attn_mask.shape[0]} requests, the "
                 f"scheduler runs up to {max_num_reqs}"
             )
-        if inputs.attn_mask.device != torch.device(self.device):
+        mask_device, device = inputs.attn_mask.device, torch.device(self.device)
+        if mask_device.type != device.type or (
+            None not in (mask_device.index, device.index)
+            and mask_device.index != device.index
+        ):
             raise ValueError(
                 f"tree inputs are on {inputs.attn_mask.device}, attention runs on "
                 f"{self.device}"

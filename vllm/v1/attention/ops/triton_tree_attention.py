@@ -68,6 +68,7 @@ Example::
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -225,16 +226,18 @@ def check_tree_attention_inputs(
         )
 
 
+@dataclass(frozen=True)
 class _LaunchConfig:
-    def __init__(self, heads_padded, block_q, head_size_padded, block_n,
-                 num_warps, num_stages):
-        self.heads_padded = heads_padded
-        self.block_q = block_q
-        self.block_m = block_q * heads_padded
-        self.head_size_padded = head_size_padded
-        self.block_n = block_n
-        self.num_warps = num_warps
-        self.num_stages = num_stages
+    heads_padded: int  # query heads per KV head, padded to a power of 2
+    block_q: int  # query tokens per tile
+    head_size_padded: int
+    block_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_q * self.heads_padded
 
 
 def _launch_config(
@@ -276,15 +279,15 @@ def _num_splits(
 def _partial_buffers(
     q: torch.Tensor, num_splits: int, head_size_padded: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 per-split outputs and log2-sum-exps; empty when not splitting."""
+    """fp32 per-split outputs and log2-sum-exps (unused without splits)."""
     num_tokens, num_q_heads = q.shape[0], q.shape[1]
     if num_splits == 1:
-        shape_out, shape_lse = (1, 1, 1, 1), (1, 1, 1)
-    else:
-        shape_out = (num_splits, num_tokens, num_q_heads, head_size_padded)
-        shape_lse = (num_splits, num_tokens, num_q_heads)
-    part_out = torch.empty(shape_out, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(shape_lse, dtype=torch.float32, device=q.device)
+        dummy = q.new_empty((1, 1, 1, 1), dtype=torch.float32)
+        return dummy, dummy[0]
+    part_out = q.new_empty(
+        (num_splits, num_tokens, num_q_heads, head_size_padded), dtype=torch.float32
+    )
+    part_lse = q.new_empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32)
     return part_out, part_lse
 
 
@@ -525,13 +528,14 @@ def _tree_attention_kernel(
             )
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if num_active_splits == 1:
-        tl.store(
-            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
-            + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=io_mask,
-        )
+    out_ptrs = (
+        out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
+        + offs_d[None, :]
+    )
+    if NUM_SPLITS == 1:
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    elif num_active_splits == 1:
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         tl.store(
             part_out_ptr + split * stride_po_split + tok[:, None] * stride_po_tok
