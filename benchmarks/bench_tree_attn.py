@@ -259,8 +259,8 @@ def main():
                       f"B={budget}: ours {row['ours_us']:.1f} us, "
                       f"FA3 {row['fa3_us']:.1f} us", flush=True)
     write_results(rows, copy_bw, args.out)
-    print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; total {time.time() - started:.0f} s;"
-          f" results in {args.out}")
+    print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; total "
+          f"{time.time() - started:.0f} s; results in {args.out}")
     print_table(rows)
     chain = [r for r in rows if r["kind"] == "chain"]
     if chain:

@@ -123,7 +123,7 @@ def test_supported_configurations(head_size, block_size, dtype):
         (dict(use_mla=True), "MLA not supported"),
         (dict(use_sparse=True), "sparse not supported"),
         (dict(use_non_causal=True), "non-causal attention not supported"),
-        (dict(attn_type=AttentionType.ENCODER_DECODER), "ENCODER_DECODER not supported"),
+        (dict(attn_type=AttentionType.ENCODER_DECODER), "ENCODER_DECODER not supp"),
         (dict(attn_type=AttentionType.ENCODER_ONLY), "ENCODER_ONLY not supported"),
         (dict(use_mm_prefix=True), "multimodal token full attention not supported"),
         (dict(use_batch_invariant=True), "batch invariance not supported"),

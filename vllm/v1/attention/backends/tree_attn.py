@@ -359,8 +359,8 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         )
         # Tree rows must never reach FlashAttention: delegate only if every
         # request after the split point is long (reads CPU tensors only).
-        qsl = cm.query_start_loc_cpu
-        tail_lens = qsl[num_decodes + 1 : cm.num_reqs + 1] - qsl[num_decodes:cm.num_reqs]
+        qsl = cm.query_start_loc_cpu[num_decodes : cm.num_reqs + 1]
+        tail_lens = qsl[1:] - qsl[:-1]
         if num_prefills == 0 or not bool(
             (tail_lens > self.reorder_batch_threshold).all()
         ):
