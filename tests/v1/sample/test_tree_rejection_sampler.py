@@ -133,6 +133,12 @@ def _chain(draft: list[list[int]], budget: int):
     return tokens, parents.contiguous()
 
 
+def _randn(*shape, seed: int) -> torch.Tensor:
+    """Random logits made on the test device (full-vocab batches are large)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    return torch.randn(*shape, generator=gen, device=DEVICE)
+
+
 def _to(device, *tensors):
     return [t.to(device) for t in tensors]
 
@@ -241,7 +247,7 @@ def test_chain_matches_vllm_greedy(case, budget, vocab):
     num_nodes = [budget, max(budget - 2, 1), 0, budget]
     num_reqs = len(num_nodes)
     cu, req, local = _layout(num_nodes)
-    logits = torch.randn(int(cu[-1]), vocab, generator=gen)
+    logits = _randn(int(cu[-1]), vocab, seed=budget)
     drafts = _chain_drafts(case, logits, cu, num_nodes, vocab, gen)
     tokens, parents = _chain(drafts, budget)
     pos = _positions(parents, num_nodes, [10 * r + 3 for r in range(num_reqs)])
@@ -311,12 +317,12 @@ def test_tree_greedy_matches_reference(num_reqs, budget, depth, vocab, sparse):
     tree = build_ddtree_reference(draft_logits, budget)
     num_nodes = [budget if r % 2 == 0 else max(budget // 2, 1) for r in range(num_reqs)]
     cu, req, _ = _layout(num_nodes)
-    logits = torch.randn(int(cu[-1]), vocab, generator=gen)
+    logits = _randn(int(cu[-1]), vocab, seed=budget)
     _steer(logits, tree.token_ids, tree.parent_ids, cu, num_nodes, gen)
     pos = _positions(tree.parent_ids, num_nodes, [5] * num_reqs)
 
     ref = walk_trees_reference(
-        logits.argmax(-1), tree.token_ids, tree.parent_ids, cu, depth
+        logits.argmax(-1).cpu(), tree.token_ids, tree.parent_ids, cu, depth
     )
     out = tree_rejection_sample(
         *_to(DEVICE, logits, tree.token_ids, tree.parent_ids, cu, pos, req),
@@ -340,7 +346,8 @@ def test_cuda_graph_replay():
             torch.randn(num_reqs, depth, 64, generator=gen) * 2, budget
         )
         cu, req, _ = _layout([budget] * num_reqs)
-        logits = torch.randn(int(cu[-1]), vocab, generator=gen)
+        seed = int(torch.randint(1 << 30, (1,), generator=gen))
+        logits = _randn(int(cu[-1]), vocab, seed=seed)
         _steer(logits, tree.token_ids, tree.parent_ids, cu, [budget] * num_reqs, gen)
         pos = _positions(tree.parent_ids, [budget] * num_reqs, [9] * num_reqs)
         return _to(DEVICE, logits, tree.token_ids, tree.parent_ids, cu, pos, req)
@@ -574,10 +581,11 @@ def _stat_problem(num_reqs, vocab, processing):
     """Tree, processed logits for num_reqs copies, and the expected law."""
     raw = _stat_logits(vocab)
     if processing == "plain":
-        temp, top_k, top_p = 1.0, vocab, 1.0
+        temp, top_k, top_p = 1.0, None, None
+        expected_logits = raw
     else:
         temp, top_k, top_p = 0.8, 4, 0.87
-    expected_logits = _top_k_top_p_reference(raw / temp, top_k, top_p)
+        expected_logits = _top_k_top_p_reference(raw / temp, top_k, top_p)
     law = _expected_sequences(torch.softmax(expected_logits, dim=-1))
 
     num_nodes = [len(STAT_TOKENS)] * num_reqs
@@ -587,13 +595,15 @@ def _stat_problem(num_reqs, vocab, processing):
     pos = _positions(parents, num_nodes, [100] * num_reqs)
     cu, req, pos, tokens, parents = _to(DEVICE, cu, req, pos, tokens, parents)
     temperature = torch.full((num_reqs,), temp, device=DEVICE)
-    logits = apply_sampling_params(
-        raw.to(DEVICE).repeat(num_reqs, 1),
-        req,
-        temperature,
-        top_k=torch.full((num_reqs,), top_k, dtype=torch.int32, device=DEVICE),
-        top_p=torch.full((num_reqs,), top_p, device=DEVICE),
-    )
+    logits = raw.to(DEVICE).repeat(num_reqs, 1)
+    if processing != "plain":
+        logits = apply_sampling_params(
+            logits,
+            req,
+            temperature,
+            top_k=torch.full((num_reqs,), top_k, dtype=torch.int32, device=DEVICE),
+            top_p=torch.full((num_reqs,), top_p, device=DEVICE),
+        )
     return logits, tokens, parents, cu, req, pos, temperature, law
 
 
