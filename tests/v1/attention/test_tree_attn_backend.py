@@ -34,7 +34,9 @@ from vllm.v1.attention.backends.tree_attn import (
     TreeAttentionImpl,
     TreeAttentionInputs,
     TreeAttentionMetadataBuilder,
+    kv_cache_as_kv_first,
     register_tree_attn_backend,
+    split_kv_cache,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -171,6 +173,17 @@ def test_kv_cache_layout_is_flash_attn(vllm_config):
         for layered in (False, True):
             assert TreeAttentionBackend.get_kv_cache_stride_order(layered) == (
                 FlashAttentionBackend.get_kv_cache_stride_order(layered))
+
+
+def test_kv_cache_views_share_the_pages():
+    kv_cache = torch.zeros(5, 16, NUM_KV_HEADS, 2 * HEAD_SIZE).permute(0, 2, 1, 3)
+    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE)
+    kv_first = kv_cache_as_kv_first(kv_cache, HEAD_SIZE)
+    assert kv_first.shape == (2, 5, 16, NUM_KV_HEADS, HEAD_SIZE)
+    kv_first[0, 3, 7, 1].fill_(1.0)
+    kv_first[1, 2, 5, 0].fill_(2.0)
+    assert (key_cache[3, 7, 1] == 1).all() and key_cache.sum() == HEAD_SIZE
+    assert (value_cache[2, 5, 0] == 2).all() and value_cache.sum() == 2 * HEAD_SIZE
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,25 @@ def register_tree_attn_backend() -> None:
     register_backend(custom, TREE_ATTN_BACKEND_PATH)
 
 
+def split_kv_cache(
+    kv_cache: torch.Tensor, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLASH_ATTN's logical [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    layer cache -> key and value views [num_blocks, block_size, num_kv_heads,
+    head_size]."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, -1)
+    return key_cache, value_cache
+
+
+def kv_cache_as_kv_first(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    """The same layer cache as a [2, num_blocks, block_size, num_kv_heads,
+    head_size] view (K then V), the layout ops such as the tree KV compaction
+    take."""
+    return kv_cache.transpose(1, 2).unflatten(-1, (2, head_size)).permute(
+        3, 0, 1, 2, 4
+    )
+
+
 @dataclass
 class TreeAttentionInputs:
     """Persistent per-request tree masks, shared by the speculator and TREE_ATTN.
@@ -435,7 +454,7 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
             raise NotImplementedError("TREE_ATTN does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
-        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, -1)
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         rows = attn_metadata.kernel_rows
         if rows.num_tokens > 0:
             tree_attention(
@@ -469,8 +488,7 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        # (num_blocks, H, N, 2 * D) -> ((num_blocks, N, H, D), (num_blocks, N, H, D))
-        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, -1)
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         self._write_kv(
             key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
             layer._k_scale, layer._v_scale,
