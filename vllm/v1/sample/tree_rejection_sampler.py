@@ -273,7 +273,7 @@ def walk_trees(
         max_depth,
         NODE_BLOCK=triton.next_power_of_2(budget),
         OUT_BLOCK=triton.next_power_of_2(budget + 1),
-        DEPTH_BLOCK=triton.next_power_of_2(max(max_depth, 1)),
+        PATH_BLOCK=triton.next_power_of_2(max_depth + 1),
         num_warps=4,
     )
     return TreeSampleOutput(sampled, num_sampled, accepted_nodes, num_accepted)
@@ -407,7 +407,7 @@ def _tree_walk_kernel(
     max_depth,
     NODE_BLOCK: tl.constexpr,
     OUT_BLOCK: tl.constexpr,
-    DEPTH_BLOCK: tl.constexpr,
+    PATH_BLOCK: tl.constexpr,
 ):
     req_idx = tl.program_id(0).to(tl.int64)
     start = tl.load(cu_num_logits_ptr + req_idx).to(tl.int64)
@@ -430,36 +430,44 @@ def _tree_walk_kernel(
         other=-1,
     ).to(tl.int64)
     live = node_mask & (tokens >= 0)
+    # A node can be entered iff the target's sample at its parent is its token.
+    parent_sampled = tl.load(
+        node_sampled_ptr + start + parents, mask=live, other=-1
+    ).to(tl.int64)
+    enterable = live & (tokens == parent_sampled)
 
-    out_offs = tl.arange(0, OUT_BLOCK)
-    depth_offs = tl.arange(0, DEPTH_BLOCK)
-    y = tl.load(node_sampled_ptr + start, mask=has_root, other=-1).to(tl.int64)
-    out_tokens = tl.where(out_offs == 0, y, -1)
-    out_nodes = tl.full((DEPTH_BLOCK,), -1, dtype=tl.int32)
+    # path[d] = flattened index of the accepted node at depth d (path[0] = root).
+    path_offs = tl.arange(0, PATH_BLOCK)
+    path = tl.zeros((PATH_BLOCK,), dtype=tl.int32)
     cur = tl.zeros((), dtype=tl.int32)
     num_accepted = tl.zeros((), dtype=tl.int32)
     active = has_root
     for depth in range(max_depth):
-        # Sibling tokens are distinct, so at most one child matches.
-        match = (parents == cur) & (tokens == y) & live
-        child = tl.max(tl.where(match, node_offs + 1, 0), axis=0).to(tl.int32)
+        # Sibling tokens are distinct, so at most one child is enterable.
+        child = tl.max(
+            tl.where(enterable & (parents == cur), node_offs + 1, 0), axis=0
+        ).to(tl.int32)
         found = active & (child > 0)
         cur = tl.where(found, child, cur)
-        y = tl.load(node_sampled_ptr + start + cur, mask=found, other=-1).to(tl.int64)
-        out_tokens = tl.where((out_offs == depth + 1) & found, y, out_tokens)
-        out_nodes = tl.where((depth_offs == depth) & found, cur, out_nodes)
+        path = tl.where((path_offs == depth + 1) & found, child, path)
         num_accepted += found.to(tl.int32)
         active = found
 
+    # Emitted token d is the sample at path[d]: the accepted tokens, then the bonus.
+    on_path = has_root & (path_offs <= num_accepted)
+    emitted = tl.load(node_sampled_ptr + start + path, mask=on_path, other=-1)
+    sampled_row = sampled_ptr + req_idx * sampled_stride
+    tl.store(sampled_row + path_offs, emitted, mask=path_offs <= budget)
+    out_offs = tl.arange(0, OUT_BLOCK)
     tl.store(
-        sampled_ptr + req_idx * sampled_stride + out_offs,
-        out_tokens,
-        mask=out_offs < budget + 1,
+        sampled_row + out_offs,
+        tl.full((OUT_BLOCK,), -1, dtype=tl.int64),
+        mask=(out_offs >= PATH_BLOCK) & (out_offs <= budget),
     )
     tl.store(
-        accepted_nodes_ptr + req_idx * accepted_nodes_stride + depth_offs,
-        out_nodes,
-        mask=depth_offs < max_depth,
+        accepted_nodes_ptr + req_idx * accepted_nodes_stride + path_offs - 1,
+        tl.where(on_path, path, -1),
+        mask=(path_offs >= 1) & (path_offs <= max_depth),
     )
     tl.store(num_accepted_ptr + req_idx, num_accepted)
     tl.store(num_sampled_ptr + req_idx, tl.where(has_root, num_accepted + 1, 0))
