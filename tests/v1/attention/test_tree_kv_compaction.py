@@ -135,6 +135,19 @@ def test_chained_overlaps():
         assert torch.equal(caches[0][:, 0, d], before[:, 0, d + 1])
 
 
+@pytest.mark.parametrize(
+    "budget,max_depth", [(70, 64), pytest.param(1024, 1024, marks=gpu_only)]
+)
+def test_deep_paths(budget, max_depth):
+    """Paths far deeper than DFlash's 15, up to a chain of the whole budget."""
+    gen = torch.Generator().manual_seed(budget)
+    caches = _kv_caches(2, 3 * (budget // 16 + 2), 16, 2, 64, torch.bfloat16, "nhd")
+    num_accepted = [max_depth, max_depth // 2, 0]
+    batch = _batch([budget] * 3, num_accepted, 16, caches[0].shape[1], [7, 0, 3], gen)
+    want = _run_both(caches, *batch)
+    _assert_bits_equal(caches, want)
+
+
 def test_padded_requests_and_slots():
     """CUDA-graph padding: trailing requests with no tokens, and padding slots."""
     gen = torch.Generator().manual_seed(1)

@@ -39,8 +39,10 @@ class TreeKVCompactor:
     same memory (KV sharing between layers) are compacted once.
     """
 
-    # Elements of a slot's (num_kv_heads, head_size) plane per program.
-    ELEM_BLOCK = 256
+    # Elements per program: max_depth rows of a chunk of a slot's
+    # (num_kv_heads, head_size) plane, all held in registers between the loads
+    # and the stores.
+    TILE_ELEMS = 4096
 
     def __init__(self, kv_caches: list[torch.Tensor]):
         self.kv_caches = _unique_caches(kv_caches)
@@ -70,10 +72,15 @@ class TreeKVCompactor:
     ) -> None:
         num_reqs, max_depth = accepted_nodes.shape
         kv_stride, block_stride, slot_stride, head_stride, dim_stride = self.strides
+        depth_block = triton.next_power_of_2(max(max_depth, 1))
+        elem_block = min(
+            max(self.TILE_ELEMS // depth_block, 16),
+            triton.next_power_of_2(self.slot_elems),
+        )
         grid = (
             num_reqs,
             2 * self.layer_ptrs.shape[0],
-            triton.cdiv(self.slot_elems, self.ELEM_BLOCK),
+            triton.cdiv(self.slot_elems, elem_block),
         )
         _tree_kv_compaction_kernel[grid](
             self.layer_ptrs,
@@ -92,8 +99,8 @@ class TreeKVCompactor:
             RAW_TYPE=self.raw_type,
             HEAD_SIZE=self.head_size,
             SLOT_ELEMS=self.slot_elems,
-            DEPTH_BLOCK=triton.next_power_of_2(max(max_depth, 1)),
-            ELEM_BLOCK=self.ELEM_BLOCK,
+            DEPTH_BLOCK=depth_block,
+            ELEM_BLOCK=elem_block,
             num_warps=4,
         )
 
