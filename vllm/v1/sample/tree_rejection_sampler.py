@@ -297,7 +297,7 @@ def apply_sampling_params(
     ``Sampler.apply_sampling_params``'s order, for use without a ``Sampler``.
 
     Per-request parameters are indexed by ``expanded_idx_mapping``. ``logits`` is
-    modified in place and must be float32 (or tolerate being overwritten); the
+    modified in place and keeps its dtype (vLLM's ops compute in float32); the
     result may be a new tensor.
     """
     apply_temperature(logits, expanded_idx_mapping, temperature)
