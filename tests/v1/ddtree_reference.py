@@ -49,17 +49,23 @@ def tree_from_parents(token_ids, parent_ids) -> DDTree:
     return DDTree(token_ids, parent_ids, depths, mask, num_nodes)
 
 
-def build_ddtree_reference(draft_logits: torch.Tensor, budget: int) -> DDTree:
+def build_ddtree_reference(
+    draft_logits: torch.Tensor, budget: int, lse: torch.Tensor | None = None
+) -> DDTree:
     """The best-first heap of the DDTree paper, with the builder's exact tie rules.
 
     Nodes come out in canonical order: score (sum of fp32 per-depth log-probs)
     descending, then depth, then the parent's rank among the nodes of its depth,
     then the token's rank at its depth (logit descending, token id ascending).
     Prefixes of probability zero are never nodes; missing nodes are padding.
+    ``lse`` ([num_reqs, depth]) overrides the log-normalisers, so the builder's own
+    can be used and log-probs agree to the last bit.
     """
     num_reqs, depth, vocab = draft_logits.shape
     logits = draft_logits.float()
-    logp = (logits - torch.logsumexp(logits, dim=-1, keepdim=True)).cpu().numpy()
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)
+    logp = (logits - lse.to(logits.device)[..., None]).cpu().numpy()
     # Token rank: logit descending, token id ascending (stable sort).
     order = torch.sort(logits.cpu(), dim=-1, descending=True, stable=True).indices
     order = order.numpy()

@@ -10,9 +10,12 @@ of its nodes' probabilities, so the best tree of ``budget`` nodes is the set of 
 node set is found on the GPU with fixed shapes and no host sync.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from vllm.triton_utils import tl, triton
 
 # Tree layout (shared with the tree attention backend and the tree sampler):
 # tree token 0 is the root (the previous step's bonus token) and tree token i >= 1 is
@@ -51,3 +54,410 @@ class DDTree:
     @property
     def budget(self) -> int:
         return self.token_ids.shape[1]
+
+
+MAX_BUDGET = 1024
+MAX_DEPTH = 16
+_LSE_CHUNK = 8192
+# Bits of a candidate's tie-break field: depth (5) | parent rank (10) | token rank (10).
+_RANK_BITS = 10
+
+
+def build_ddtree(draft_logits: torch.Tensor, budget: int) -> DDTree:
+    """Build the best DDTree of ``budget`` nodes for every request of a batch.
+
+    Args:
+        draft_logits: ``[num_reqs, depth, vocab]`` per-position drafter logits (any
+            float dtype; not temperature-scaled), ``depth <= 16``.
+        budget: number of tree nodes per request, ``1..1024`` (the root is extra).
+
+    Returns:
+        A :class:`DDTree` whose nodes are exactly the ``budget`` most probable
+        prefixes under ``prod_i softmax(draft_logits[:, i])``. Ties are broken
+        deterministically: shallower first, then by the parent's rank, then by the
+        token's rank at its depth (logit descending, token id ascending).
+
+    Runs as three launches with fixed shapes and no host sync, so it can be captured
+    in a CUDA graph. Example::
+
+        tree = build_ddtree(torch.randn(2, 15, 151936, device="cuda"), budget=128)
+        tree.token_ids.shape  # (2, 128)
+    """
+    tree, _ = build_ddtree_with_lse(draft_logits, budget)
+    return tree
+
+
+def build_ddtree_with_lse(
+    draft_logits: torch.Tensor, budget: int
+) -> tuple[DDTree, torch.Tensor]:
+    """:func:`build_ddtree`, also returning the ``[num_reqs, depth]`` float32
+    log-normaliser of every position, so references can use identical log-probs."""
+    _check_build_args(draft_logits, budget)
+    num_reqs, depth, vocab = draft_logits.shape
+    device = draft_logits.device
+    num_top = min(budget, vocab)
+
+    lse_max, lse_sum = _logsumexp_partials(draft_logits)
+    top_logits, top_ids = _top_tokens(draft_logits, num_top)
+    pairs = _candidate_pairs(budget, device)
+
+    num_words = num_mask_words(budget)
+    tree = DDTree(
+        token_ids=torch.empty(num_reqs, budget, dtype=torch.int64, device=device),
+        parent_ids=torch.empty(num_reqs, budget, dtype=torch.int32, device=device),
+        depths=torch.empty(num_reqs, budget, dtype=torch.int32, device=device),
+        attn_mask=torch.empty(
+            num_reqs, budget + 1, num_words, dtype=torch.int32, device=device
+        ),
+        num_nodes=torch.empty(num_reqs, dtype=torch.int32, device=device),
+    )
+    lse = torch.empty(num_reqs, depth, dtype=torch.float32, device=device)
+    # Per-request scratch, private to the kernel.
+    keys = torch.empty(num_reqs, budget, dtype=torch.int64, device=device)
+    tok_lp = torch.empty(num_reqs, depth, num_top, dtype=torch.float32, device=device)
+    tok_id = torch.empty(num_reqs, depth, num_top, dtype=torch.int64, device=device)
+    par_score = torch.empty(num_reqs, budget, dtype=torch.float32, device=device)
+    node_of_rank = torch.empty(
+        num_reqs, depth, budget, dtype=torch.int32, device=device
+    )
+
+    block_slots = triton.next_power_of_2(budget + pairs.shape[1])
+    _ddtree_build_kernel[(num_reqs,)](
+        top_logits,
+        top_ids,
+        lse_max,
+        lse_sum,
+        lse_max.shape[-1],
+        pairs,
+        pairs.shape[1],
+        keys,
+        tok_lp,
+        tok_id,
+        par_score,
+        node_of_rank,
+        tree.token_ids,
+        tree.parent_ids,
+        tree.depths,
+        tree.attn_mask,
+        tree.num_nodes,
+        lse,
+        depth,
+        num_top,
+        BUDGET=budget,
+        BLOCK_BUDGET=triton.next_power_of_2(budget + 1),
+        BLOCK_TOP=triton.next_power_of_2(num_top),
+        BLOCK_SLOTS=block_slots,
+        BLOCK_CHUNKS=triton.next_power_of_2(lse_max.shape[-1]),
+        NUM_WORDS=num_words,
+        BLOCK_WORDS=triton.next_power_of_2(num_words),
+        BLOCK_ROWS=min(64, triton.next_power_of_2(budget + 1)),
+        num_warps=_num_warps(block_slots),
+    )
+    return tree, lse
+
+
+def _check_build_args(draft_logits: torch.Tensor, budget: int) -> None:
+    if draft_logits.dim() != 3:
+        raise ValueError(
+            "draft_logits must be [num_reqs, depth, vocab], got shape "
+            f"{tuple(draft_logits.shape)}"
+        )
+    if not draft_logits.is_floating_point():
+        raise ValueError(f"draft_logits must be floating point, got {draft_logits.dtype}")
+    num_reqs, depth, vocab = draft_logits.shape
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"draft depth must be in 1..{MAX_DEPTH}, got {depth}")
+    if vocab < 1 or vocab >= 2**31:
+        raise ValueError(f"vocab size must be in 1..2**31-1, got {vocab}")
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise ValueError(f"budget must be an int, got {budget!r}")
+    if not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget must be in 1..{MAX_BUDGET}, got {budget}")
+
+
+def _num_warps(block_slots: int) -> int:
+    return 4 if block_slots <= 1024 else 8 if block_slots <= 4096 else 16
+
+
+def _top_tokens(
+    draft_logits: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``num_top`` highest logits of each position (in any order) and their ids.
+
+    Where logits tie at the cut, the lowest token ids are kept: CUDA's radix-select
+    top-k does so (checked by the GPU tests); on the CPU a stable sort is used.
+    """
+    if draft_logits.is_cuda:
+        return torch.topk(draft_logits, num_top, dim=-1, sorted=False)
+    values, ids = torch.sort(draft_logits, dim=-1, descending=True, stable=True)
+    return values[..., :num_top].contiguous(), ids[..., :num_top].contiguous()
+
+
+@functools.lru_cache(maxsize=16)
+def _candidate_pairs(budget: int, device: torch.device) -> torch.Tensor:
+    """[2, num_pairs] int32 (parent rank i, token rank j) worth scoring at a depth.
+
+    Parents of a depth are ranked best first and so are tokens, so the prefix (i, j)
+    is beaten by the (i+1)(j+1)-1 pairs (i'<=i, j'<=j) and by the i+1 parents of
+    rank <= i: if (i+1)(j+2) > budget it cannot make the top ``budget``. At depth 1
+    the root is the only parent and all ``budget`` tokens can be children, hence
+    the extra pair (0, budget-1). This table is built once per budget.
+    """
+    pairs = [(0, budget - 1)] + [
+        (i, j)
+        for i in range(budget)
+        for j in range(budget // (i + 1) - 1)
+    ]
+    return torch.tensor(pairs, dtype=torch.int32).T.contiguous().to(device)
+
+
+def _logsumexp_partials(
+    draft_logits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per vocab chunk max and sum(exp(x - max)), combined inside the build kernel."""
+    num_reqs, depth, vocab = draft_logits.shape
+    logits = draft_logits.reshape(num_reqs * depth, vocab)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_chunks = triton.cdiv(vocab, _LSE_CHUNK)
+    shape = (num_reqs, depth, num_chunks)
+    chunk_max = torch.empty(shape, dtype=torch.float32, device=logits.device)
+    chunk_sum = torch.empty(shape, dtype=torch.float32, device=logits.device)
+    _logsumexp_partials_kernel[(num_reqs * depth, num_chunks)](
+        logits,
+        logits.stride(0),
+        chunk_max,
+        chunk_sum,
+        vocab,
+        num_chunks,
+        BLOCK=min(_LSE_CHUNK, triton.next_power_of_2(vocab)),
+        CHUNK=_LSE_CHUNK,
+    )
+    return chunk_max, chunk_sum
+
+
+@triton.jit
+def _logsumexp_partials_kernel(
+    # [num_rows, vocab]
+    logits_ptr,
+    logits_stride,
+    # [num_rows, num_chunks]
+    chunk_max_ptr,
+    chunk_sum_ptr,
+    vocab,
+    num_chunks,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    run_max = float("-inf")
+    run_sum = 0.0
+    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(
+            logits_ptr + row * logits_stride + offs,
+            mask=offs < vocab,
+            other=float("-inf"),
+        ).to(tl.float32)
+        new_max = tl.maximum(run_max, tl.max(x, axis=0))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tl.exp(x - safe_max))
+        run_max = new_max
+    tl.store(chunk_max_ptr + row * num_chunks + chunk, run_max)
+    tl.store(chunk_sum_ptr + row * num_chunks + chunk, run_sum)
+
+
+@triton.jit
+def _orderable(x):
+    """float32 -> int32 whose signed order is the float order (an involution)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _from_orderable(bits):
+    bits = bits.to(tl.int32)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sort_key(score, tie):
+    """Descending sort key: score first, then the smaller ``tie`` (< 2**31)."""
+    hi = _orderable(score).to(tl.int64) << 32
+    return hi | (0x7FFFFFFF - tie).to(tl.int64)
+
+
+@triton.jit
+def _key_tie(key):
+    return 0x7FFFFFFF - (key & 0xFFFFFFFF)
+
+
+@triton.jit
+def _ddtree_build_kernel(
+    # [num_reqs, depth, num_top] logits and token ids of each depth's top tokens
+    top_logits_ptr,
+    top_ids_ptr,
+    # [num_reqs, depth, num_chunks] logsumexp partials
+    chunk_max_ptr,
+    chunk_sum_ptr,
+    num_chunks,
+    # [2, num_pairs] candidate (parent rank, token rank) pairs
+    pairs_ptr,
+    num_pairs,
+    # Scratch: [num_reqs, BUDGET] keys of the best prefixes so far,
+    # [num_reqs, depth, num_top] sorted token log-probs and ids,
+    # [num_reqs, BUDGET] scores of the last depth's kept nodes by rank,
+    # [num_reqs, depth, BUDGET] node index of each (depth, rank).
+    keys_ptr,
+    tok_lp_ptr,
+    tok_id_ptr,
+    par_score_ptr,
+    node_of_rank_ptr,
+    # Outputs (see DDTree) and [num_reqs, depth] log-normalisers.
+    token_ids_ptr,
+    parent_ids_ptr,
+    depths_ptr,
+    mask_ptr,
+    num_nodes_ptr,
+    lse_ptr,
+    depth,
+    num_top,
+    BUDGET: tl.constexpr,
+    BLOCK_BUDGET: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
+    BLOCK_SLOTS: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr,
+    NUM_WORDS: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    tl.static_assert(BUDGET <= (1 << 10))
+    tl.static_assert(BLOCK_SLOTS >= BUDGET)
+    req = tl.program_id(0).to(tl.int64)
+    INVALID: tl.constexpr = -(2**63)
+
+    keys_ptr += req * BUDGET
+    par_score_ptr += req * BUDGET
+    tok_lp_ptr += req * depth * num_top
+    tok_id_ptr += req * depth * num_top
+    node_of_rank_ptr += req * depth * BUDGET
+
+    # 1. Rank each depth's top tokens: logit descending, token id ascending.
+    top = tl.arange(0, BLOCK_TOP)
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    for d in range(depth):
+        row = req * depth + d
+        cmax = tl.load(
+            chunk_max_ptr + row * num_chunks + chunks,
+            mask=chunks < num_chunks,
+            other=float("-inf"),
+        )
+        csum = tl.load(
+            chunk_sum_ptr + row * num_chunks + chunks,
+            mask=chunks < num_chunks,
+            other=0.0,
+        )
+        gmax = tl.max(cmax, axis=0)
+        lse = gmax + tl.log(tl.sum(csum * tl.exp(cmax - gmax), axis=0))
+        tl.store(lse_ptr + row, lse)
+
+        valid = top < num_top
+        logit = tl.load(
+            top_logits_ptr + row * num_top + top, mask=valid, other=float("-inf")
+        ).to(tl.float32)
+        tok = tl.load(top_ids_ptr + row * num_top + top, mask=valid, other=0)
+        key = tl.where(valid, _sort_key(logit, tok.to(tl.int64)), INVALID)
+        key = tl.sort(key, descending=True)
+        logp = _from_orderable(key >> 32) - lse
+        tl.store(tok_lp_ptr + d * num_top + top, logp, mask=valid)
+        tl.store(tok_id_ptr + d * num_top + top, _key_tie(key), mask=valid)
+
+    # 2. Depth by depth, keep the best BUDGET prefixes of all depths so far. The
+    # candidates of depth d extend the kept depth d-1 nodes (by rank) with the
+    # depth's ranked tokens; keys order them best first, then by
+    # (depth, parent rank, token rank), which also puts parents before children.
+    budget_offs = tl.arange(0, BLOCK_BUDGET)
+    in_budget = budget_offs < BUDGET
+    tl.store(keys_ptr + budget_offs, tl.full([BLOCK_BUDGET], INVALID, tl.int64),
+             mask=in_budget)
+    tl.store(par_score_ptr, 0.0)  # the root
+    num_parents = 1
+    slots = tl.arange(0, BLOCK_SLOTS)
+    pair = slots - BUDGET
+    is_pair = (pair >= 0) & (pair < num_pairs)
+    pi = tl.load(pairs_ptr + pair, mask=is_pair, other=0)
+    pj = tl.load(pairs_ptr + num_pairs + pair, mask=is_pair, other=0)
+    for d in range(1, depth + 1):
+        tl.debug_barrier()
+        kept = tl.load(keys_ptr + slots, mask=slots < BUDGET, other=INVALID)
+        ok = is_pair & (pi < num_parents) & (pj < num_top)
+        score = tl.load(par_score_ptr + pi, mask=ok, other=float("-inf")) + tl.load(
+            tok_lp_ptr + (d - 1) * num_top + pj, mask=ok, other=float("-inf")
+        )
+        ok = ok & (score > float("-inf"))
+        tie = (d << (2 * _RANK_BITS)) | (pi << _RANK_BITS) | pj
+        key = tl.where(ok, _sort_key(score, tie.to(tl.int64)), INVALID)
+        key = tl.where(slots < BUDGET, kept, key)
+        key = tl.sort(key, descending=True)
+        tl.debug_barrier()
+        tl.store(keys_ptr + slots, key, mask=slots < BUDGET)
+        tl.debug_barrier()
+
+        # The kept nodes of depth d, in rank order, are the next depth's parents.
+        kept = tl.load(keys_ptr + budget_offs, mask=in_budget, other=INVALID)
+        at_d = (kept != INVALID) & ((_key_tie(kept) >> (2 * _RANK_BITS)) == d)
+        rank = tl.cumsum(at_d.to(tl.int32), axis=0) - 1
+        tl.store(par_score_ptr + rank, _from_orderable(kept >> 32), mask=at_d)
+        num_parents = tl.sum(at_d.to(tl.int32), axis=0)
+
+    # 3. Decode the kept keys into nodes; node n is kept entry n-1.
+    tl.debug_barrier()
+    kept = tl.load(keys_ptr + budget_offs, mask=in_budget, other=INVALID)
+    real = kept != INVALID
+    tie = _key_tie(kept)
+    node_depth = tl.where(real, tie >> (2 * _RANK_BITS), 0).to(tl.int32)
+    parent_rank = (tie >> _RANK_BITS) & ((1 << _RANK_BITS) - 1)
+    tok_rank = tie & ((1 << _RANK_BITS) - 1)
+    for d in range(1, depth + 1):
+        at_d = real & (node_depth == d)
+        rank = tl.cumsum(at_d.to(tl.int32), axis=0) - 1
+        tl.store(
+            node_of_rank_ptr + (d - 1) * BUDGET + rank, budget_offs + 1, mask=at_d
+        )
+    tl.debug_barrier()
+    parent = tl.load(
+        node_of_rank_ptr + (node_depth - 2) * BUDGET + parent_rank,
+        mask=real & (node_depth > 1),
+        other=0,
+    )
+    token = tl.load(
+        tok_id_ptr + (node_depth - 1) * num_top + tok_rank, mask=real, other=-1
+    )
+    out = req * BUDGET + budget_offs
+    tl.store(token_ids_ptr + out, token, mask=in_budget)
+    tl.store(parent_ids_ptr + out, parent, mask=in_budget)
+    tl.store(depths_ptr + out, node_depth, mask=in_budget)
+    tl.store(num_nodes_ptr + req, tl.sum(real.to(tl.int32), axis=0))
+    tl.debug_barrier()
+
+    # 4. Ancestor-or-self mask rows, walking each row's parent chain.
+    words = tl.arange(0, BLOCK_WORDS)
+    for row_start in range(0, BUDGET + 1, BLOCK_ROWS):
+        rows = row_start + tl.arange(0, BLOCK_ROWS)
+        in_rows = rows <= BUDGET
+        acc = tl.zeros([BLOCK_ROWS, BLOCK_WORDS], dtype=tl.int32)
+        cur = tl.where(in_rows, rows, 0)
+        for _ in range(depth + 1):
+            bit = (1 << (cur & 31)).to(tl.int32)
+            hit = words[None, :] == (cur >> 5)[:, None]
+            acc = acc | tl.where(hit, bit[:, None], 0)
+            cur = tl.load(
+                parent_ids_ptr + req * BUDGET + cur - 1, mask=cur > 0, other=0
+            )
+        row_offs = (req * (BUDGET + 1) + rows)[:, None] * NUM_WORDS + words[None, :]
+        tl.store(
+            mask_ptr + row_offs,
+            acc,
+            mask=in_rows[:, None] & (words[None, :] < NUM_WORDS),
+        )

@@ -1,0 +1,250 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tests of the batched DDTree builder against the paper's best-first heap."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from tests.v1.ddtree_reference import build_ddtree_reference, tree_from_parents
+from vllm.v1.spec_decode.dflash_tree_builder import (
+    DDTree,
+    build_ddtree,
+    build_ddtree_with_lse,
+    num_mask_words,
+)
+
+HAS_GPU = torch.cuda.is_available()
+requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+DEVICE = "cuda" if HAS_GPU else "cpu"
+
+# (num_reqs, depth, vocab, budget). The CPU runs Triton in the interpreter, where a
+# sort of 1024 keys takes minutes, so budgets above 32 run only on the GPU.
+CPU_CASES = [
+    (1, 1, 3, 1),
+    (1, 1, 3, 16),
+    (3, 1, 50, 2),
+    (2, 15, 3, 16),
+    (3, 4, 50, 16),
+    (2, 15, 50, 2),
+    (1, 15, 1000, 32),
+    (2, 3, 111, 24),
+    (2, 15, 151936, 2),
+]
+GPU_CASES = [
+    (r, d, v, b)
+    for (r, d), v, b in itertools.product(
+        [(1, 1), (4, 15), (3, 1)], [3, 50, 1000, 151936], [1, 2, 16, 128, 1024]
+    )
+]
+
+
+def _random_logits(num_reqs, depth, vocab, seed, device=DEVICE, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    # A spread of sharp and flat positions, as a drafter produces.
+    scale = torch.rand(num_reqs, depth, 1, generator=gen) * 6 + 0.5
+    logits = torch.randn(num_reqs, depth, vocab, generator=gen) * scale
+    return logits.to(device=device, dtype=dtype)
+
+
+def _assert_same_tree(tree: DDTree, ref: DDTree) -> None:
+    for field in ("num_nodes", "token_ids", "parent_ids", "depths", "attn_mask"):
+        got, want = getattr(tree, field).cpu(), getattr(ref, field)
+        assert torch.equal(got, want), f"{field} differs:\n{got}\n{want}"
+
+
+def _assert_valid_tree(tree: DDTree, depth: int) -> None:
+    """Structure checks that do not depend on the reference."""
+    tree = DDTree(*(t.cpu() for t in vars(tree).values()))
+    num_reqs, budget = tree.token_ids.shape
+    assert tree.attn_mask.shape == (num_reqs, budget + 1, num_mask_words(budget))
+    for r in range(num_reqs):
+        n_real = int(tree.num_nodes[r])
+        tokens = tree.token_ids[r].tolist()
+        parents = tree.parent_ids[r].tolist()
+        depths = tree.depths[r].tolist()
+        children = set()
+        for n in range(budget):
+            if n >= n_real:  # padding
+                assert (tokens[n], parents[n], depths[n]) == (-1, 0, 0)
+                continue
+            p = parents[n]
+            assert 0 <= p <= n, "parent must precede child"
+            assert depths[n] == (1 if p == 0 else depths[p - 1] + 1)
+            assert 1 <= depths[n] <= depth
+            assert (p, tokens[n]) not in children, "sibling tokens must differ"
+            children.add((p, tokens[n]))
+    # Mask rows are exactly the ancestor-or-self sets.
+    expected = tree_from_parents(tree.token_ids, tree.parent_ids).attn_mask
+    assert torch.equal(tree.attn_mask, expected)
+
+
+def _run_case(num_reqs, depth, vocab, budget, seed, dtype=torch.float32):
+    logits = _random_logits(num_reqs, depth, vocab, seed, dtype=dtype)
+    tree, lse = build_ddtree_with_lse(logits, budget)
+    torch.testing.assert_close(
+        lse, torch.logsumexp(logits.float(), dim=-1), rtol=1e-5, atol=1e-5
+    )
+    _assert_valid_tree(tree, depth)
+    _assert_same_tree(tree, build_ddtree_reference(logits, budget, lse=lse))
+    return tree
+
+
+@pytest.mark.parametrize("num_reqs,depth,vocab,budget", CPU_CASES)
+def test_matches_heap_reference(num_reqs, depth, vocab, budget):
+    for seed in range(2):
+        _run_case(num_reqs, depth, vocab, budget, seed)
+
+
+@requires_gpu
+@pytest.mark.parametrize("num_reqs,depth,vocab,budget", GPU_CASES)
+def test_matches_heap_reference_full_size(num_reqs, depth, vocab, budget):
+    for seed in range(3):
+        _run_case(num_reqs, depth, vocab, budget, seed)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits(dtype):
+    _run_case(4, 15, 151936, 128, seed=7, dtype=dtype)
+
+
+def test_node_set_is_top_budget_prefixes():
+    """Brute force over every prefix of a tiny drafter: the tree is the top set."""
+    depth, vocab, budget = 3, 4, 11
+    logits = _random_logits(1, depth, vocab, seed=3)
+    tree = build_ddtree(logits, budget)
+    logp = torch.log_softmax(logits[0].double().cpu(), dim=-1)
+    scores = {}
+    for d in range(1, depth + 1):
+        for prefix in itertools.product(range(vocab), repeat=d):
+            scores[prefix] = sum(logp[i, t].item() for i, t in enumerate(prefix))
+    best = sorted(scores.values(), reverse=True)[:budget]
+    # Map nodes back to prefixes.
+    token_ids = tree.token_ids[0].tolist()
+    parents = tree.parent_ids[0].tolist()
+    prefixes = []
+    for n in range(budget):
+        p = parents[n]
+        prefixes.append((prefixes[p - 1] if p else ()) + (token_ids[n],))
+    got = sorted((scores[p] for p in prefixes), reverse=True)
+    assert got == pytest.approx(best, rel=0, abs=1e-9)
+    # Best-first order: node scores never increase.
+    node_scores = [scores[p] for p in prefixes]
+    assert all(a >= b - 1e-6 for a, b in itertools.pairwise(node_scores))
+
+
+def test_ties_are_broken_by_rank():
+    """Uniform logits: every prefix of a depth ties; shallower and lower ids win."""
+    tree = build_ddtree(torch.zeros(2, 3, 5, device=DEVICE), 9)
+    _assert_same_tree(tree, build_ddtree_reference(torch.zeros(2, 3, 5), 9))
+    # All 5 depth-1 tokens in id order, then children of token 0 in id order.
+    assert tree.token_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert tree.parent_ids[0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_ties_at_the_top_k_cut():
+    """More tied tokens than budget: the lowest token ids are kept."""
+    logits = torch.zeros(1, 2, 40, device=DEVICE)
+    logits[0, :, 30:] = 1.0  # ten winners, then thirty tied tokens
+    tree = build_ddtree(logits, 12)
+    _assert_same_tree(tree, build_ddtree_reference(logits.cpu(), 12))
+
+
+def test_budget_larger_than_tree_space_pads():
+    """Vocab 3, depth 1: only 3 prefixes exist; the rest of the budget is padding."""
+    logits = _random_logits(2, 1, 3, seed=0)
+    tree = build_ddtree(logits, 16)
+    assert tree.num_nodes.tolist() == [3, 3]
+    assert (tree.token_ids[:, 3:] == -1).all()
+    assert (tree.parent_ids[:, 3:] == 0).all() and (tree.depths[:, 3:] == 0).all()
+    _assert_valid_tree(tree, 1)
+    # Padding rows see only the root and themselves.
+    assert tree.attn_mask[0, 4:, 0].tolist() == [1 | (1 << n) for n in range(4, 17)]
+
+
+def test_zero_probability_tokens_are_never_nodes():
+    logits = _random_logits(1, 2, 50, seed=1)
+    logits[0, 0, 5:] = float("-inf")  # only 5 live tokens at depth 1
+    logits[0, 1, 2:] = float("-inf")  # and 2 at depth 2
+    tree = build_ddtree(logits, 32)
+    assert int(tree.num_nodes[0]) == 5 + 5 * 2
+    _assert_same_tree(tree, build_ddtree_reference(logits.cpu(), 32))
+
+
+def test_chain_when_drafter_is_certain():
+    """One token per position carries all the mass: the tree is a chain."""
+    depth, vocab = 6, 30
+    logits = torch.full((1, depth, vocab), -30.0, device=DEVICE)
+    chain = [7, 3, 9, 1, 4, 2]
+    for d, t in enumerate(chain):
+        logits[0, d, t] = 30.0
+    tree = build_ddtree(logits, depth)
+    assert tree.token_ids[0].tolist() == chain
+    assert tree.parent_ids[0].tolist() == list(range(depth))
+    assert tree.depths[0].tolist() == list(range(1, depth + 1))
+
+
+def test_requests_are_independent():
+    logits = _random_logits(3, 4, 50, seed=5)
+    batched = build_ddtree(logits, 20)
+    for r in range(3):
+        single = build_ddtree(logits[r : r + 1], 20)
+        for field in ("token_ids", "parent_ids", "depths", "attn_mask", "num_nodes"):
+            assert torch.equal(getattr(batched, field)[r], getattr(single, field)[0])
+
+
+@pytest.mark.parametrize(
+    "shape,budget,match",
+    [
+        ((2, 15), 8, "must be \\[num_reqs, depth, vocab\\]"),
+        ((1, 17, 10), 8, "depth must be in 1..16"),
+        ((1, 3, 10), 0, "budget must be in 1..1024"),
+        ((1, 3, 10), 1025, "budget must be in 1..1024"),
+        ((1, 3, 10), 8.0, "budget must be an int"),
+    ],
+)
+def test_bad_arguments(shape, budget, match):
+    with pytest.raises(ValueError, match=match):
+        build_ddtree(torch.zeros(shape), budget)
+
+
+def test_integer_logits_rejected():
+    with pytest.raises(ValueError, match="floating point"):
+        build_ddtree(torch.zeros(1, 2, 5, dtype=torch.int64), 4)
+
+
+@requires_gpu
+def test_cuda_graph_capture_and_no_host_sync():
+    logits = _random_logits(8, 15, 151936, seed=11, dtype=torch.bfloat16)
+    eager = build_ddtree(logits, 128)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        build_ddtree(logits, 128)  # raises on any host sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static_in = logits.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = build_ddtree(static_in, 128)
+    static_in.copy_(_random_logits(8, 15, 151936, seed=12, dtype=torch.bfloat16))
+    graph.replay()
+    static_in.copy_(logits)
+    graph.replay()
+    torch.cuda.synchronize()
+    for field in ("token_ids", "parent_ids", "depths", "attn_mask", "num_nodes"):
+        assert torch.equal(getattr(captured, field), getattr(eager, field))
+
+
+@requires_gpu
+def test_cuda_topk_keeps_lowest_ids_on_ties():
+    """build_ddtree relies on CUDA top-k keeping the lowest ids at a tied cut."""
+    for vocab, k in [(151936, 128), (151936, 1024), (1000, 16), (40, 12)]:
+        x = torch.zeros(15, vocab, device="cuda", dtype=torch.bfloat16)
+        x[:, vocab // 2 :] = -1.0
+        x[:, math.floor(vocab * 0.9) :] = 1.0  # winners, then ties at the cut
+        _, ids = torch.topk(x, k, dim=-1, sorted=False)
+        want = torch.sort(x.cpu(), dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(ids.sort(-1).values.cpu(), want.sort(-1).values)

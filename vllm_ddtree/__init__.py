@@ -1,0 +1,5 @@
+"""vLLM plugin that wires the DDTree modules into an unmodified vLLM 0.26.0."""
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group; safe to call repeatedly."""
