@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TREE_ATTN inside vLLM: as the target's backend, greedy tokens equal FLASH_ATTN's,
+without speculation and with DFlash verifying 16-token chains (CUDA graphs on)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"
+)
+
+
+def run_configs(tmp_path, configs: dict[str, dict]) -> dict[str, dict]:
+    """Run every configuration in its own process, all at once."""
+    procs = {}
+    for name, config in configs.items():
+        cfg, out = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
+        cfg.write_text(json.dumps(config))
+        log = open(tmp_path / f"{name}.log", "w")
+        procs[name] = (
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.e2e.generate", str(cfg), str(out)],
+                stdout=log, stderr=subprocess.STDOUT,
+            ),
+            out,
+            log,
+        )
+    results = {}
+    for name, (proc, out, log) in procs.items():
+        rc = proc.wait(timeout=900)
+        log.close()
+        if rc != 0:
+            tail = (tmp_path / f"{name}.log").read_text()[-4000:]
+            pytest.fail(f"configuration {name} failed (rc={rc}):\n{tail}")
+        results[name] = json.loads(out.read_text())
+    return results
+
+
+def prompts(num: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 300, (num,), generator=gen).tolist()
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def llm_kwargs(target, backend, spec=None, **extra):
+    kwargs = dict(
+        model=str(target),
+        attention_config={"backend": backend},
+        max_model_len=2048,
+        gpu_memory_utilization=0.12,
+        seed=0,
+        max_num_seqs=32,
+    )
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    kwargs.update(extra)
+    return kwargs
+
+
+def test_tree_attn_greedy_equals_flash_attn(tmp_path):
+    target = make_tiny_qwen3(tmp_path / "target")
+    drafter = make_tiny_dflash(tmp_path / "drafter", target)
+    dflash = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
+    common = {
+        "prompts": prompts(12),
+        "sampling": {"temperature": 0.0, "max_tokens": 96, "ignore_eos": True},
+    }
+    results = run_configs(
+        tmp_path,
+        {
+            name: dict(common, llm=llm_kwargs(target, backend, spec))
+            for name, backend, spec in [
+                ("fa", "FLASH_ATTN", None),
+                ("tree", "CUSTOM", None),
+                ("fa_dflash", "FLASH_ATTN", dflash),
+                ("tree_dflash", "CUSTOM", dflash),
+            ]
+        },
+    )
+    reference = results["fa"]["token_ids"]
+    assert all(len(t) == 96 for t in reference)
+    for name in ("tree", "fa_dflash", "tree_dflash"):
+        assert results[name]["token_ids"] == reference, name
