@@ -61,6 +61,7 @@ MAX_DEPTH = 16
 _LSE_CHUNK = 8192
 # Bits of a candidate's tie-break field: depth (5) | parent rank (10) | token rank (10).
 _RANK_BITS = 10
+_INVALID_KEY = -(2**63)
 
 
 def build_ddtree(draft_logits: torch.Tensor, budget: int) -> DDTree:
@@ -143,6 +144,8 @@ def build_ddtree_with_lse(
         lse,
         depth,
         num_top,
+        RANK_BITS=_RANK_BITS,
+        INVALID=_INVALID_KEY,
         BUDGET=budget,
         BLOCK_BUDGET=triton.next_power_of_2(budget + 1),
         BLOCK_TOP=triton.next_power_of_2(num_top),
@@ -323,6 +326,8 @@ def _ddtree_build_kernel(
     lse_ptr,
     depth,
     num_top,
+    RANK_BITS: tl.constexpr,
+    INVALID: tl.constexpr,
     BUDGET: tl.constexpr,
     BLOCK_BUDGET: tl.constexpr,
     BLOCK_TOP: tl.constexpr,
@@ -332,10 +337,9 @@ def _ddtree_build_kernel(
     BLOCK_WORDS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
-    tl.static_assert(BUDGET <= (1 << 10))
+    tl.static_assert(BUDGET <= (1 << RANK_BITS))
     tl.static_assert(BLOCK_SLOTS >= BUDGET)
     req = tl.program_id(0).to(tl.int64)
-    INVALID: tl.constexpr = -(2**63)
 
     keys_ptr += req * BUDGET
     par_score_ptr += req * BUDGET
@@ -396,7 +400,7 @@ def _ddtree_build_kernel(
             tok_lp_ptr + (d - 1) * num_top + pj, mask=ok, other=float("-inf")
         )
         ok = ok & (score > float("-inf"))
-        tie = (d << (2 * _RANK_BITS)) | (pi << _RANK_BITS) | pj
+        tie = (d << (2 * RANK_BITS)) | (pi << RANK_BITS) | pj
         key = tl.where(ok, _sort_key(score, tie.to(tl.int64)), INVALID)
         key = tl.where(slots < BUDGET, kept, key)
         key = tl.sort(key, descending=True)
@@ -406,7 +410,7 @@ def _ddtree_build_kernel(
 
         # The kept nodes of depth d, in rank order, are the next depth's parents.
         kept = tl.load(keys_ptr + budget_offs, mask=in_budget, other=INVALID)
-        at_d = (kept != INVALID) & ((_key_tie(kept) >> (2 * _RANK_BITS)) == d)
+        at_d = (kept != INVALID) & ((_key_tie(kept) >> (2 * RANK_BITS)) == d)
         rank = tl.cumsum(at_d.to(tl.int32), axis=0) - 1
         tl.store(par_score_ptr + rank, _from_orderable(kept >> 32), mask=at_d)
         num_parents = tl.sum(at_d.to(tl.int32), axis=0)
@@ -416,9 +420,9 @@ def _ddtree_build_kernel(
     kept = tl.load(keys_ptr + budget_offs, mask=in_budget, other=INVALID)
     real = kept != INVALID
     tie = _key_tie(kept)
-    node_depth = tl.where(real, tie >> (2 * _RANK_BITS), 0).to(tl.int32)
-    parent_rank = (tie >> _RANK_BITS) & ((1 << _RANK_BITS) - 1)
-    tok_rank = tie & ((1 << _RANK_BITS) - 1)
+    node_depth = tl.where(real, tie >> (2 * RANK_BITS), 0).to(tl.int32)
+    parent_rank = (tie >> RANK_BITS) & ((1 << RANK_BITS) - 1)
+    tok_rank = tie & ((1 << RANK_BITS) - 1)
     for d in range(1, depth + 1):
         at_d = real & (node_depth == d)
         rank = tl.cumsum(at_d.to(tl.int32), axis=0) - 1
