@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU session script: run on the H200 from the repo root after the vLLM bundle is
+# installed (see ../shared/gpu/README.md). Logs and results go to $OUT.
+#   bash benchmarks/run_h200.sh tests|bench-ops|bench-attn [extra pytest args]
+set -uo pipefail
+source .gpu/install.sh >/dev/null
+export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 \
+  VLLM_HOST_IP=127.0.0.1 PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/results}
+what=$1; shift
+case "$what" in
+  tests)
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 "$@" \
+      2>&1 | tee "$OUT/pytest_gpu.log" | grep -v -i warn | tail -40 ;;
+  bench-ops)
+    timeout 560 python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
+      | tee "$OUT/bench_tree_ops.log" | tail -30 ;;
+  bench-attn)
+    timeout 560 python3 benchmarks/bench_tree_attn.py --out "$OUT" "$@" 2>&1 \
+      | tee "$OUT/bench_tree_attn.log" | tail -40 ;;
+esac
