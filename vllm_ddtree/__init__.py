@@ -4,8 +4,14 @@
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group; safe to call repeatedly.
 
-    Registers TREE_ATTN as ``AttentionBackendEnum.CUSTOM``.
+    vLLM calls it in every process (API server before argument parsing, engine
+    core, workers). It registers TREE_ATTN as ``AttentionBackendEnum.CUSTOM`` and
+    installs the wrappers of :mod:`vllm_ddtree.glue`, which enable
+    ``--speculative-config '{"method": "ddtree", ...}'``.
     """
     from vllm.v1.attention.backends.tree_attn import register_tree_attn_backend
 
+    from vllm_ddtree import glue
+
     register_tree_attn_backend()
+    glue.apply()

@@ -1,0 +1,402 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree speculator for Model Runner V2: DFlash drafts, a best-first tree is kept.
+
+DDTree (Ringel & Romano, "Accelerating Speculative Decoding with Block Diffusion
+Draft Trees", 2026) runs vLLM's DFlash block-diffusion drafter once per step, with
+its real block size (``depth = block_size - 1`` draft positions), keeps the
+per-position logits ``[num_reqs, depth, vocab]`` instead of collapsing them to a
+greedy chain, and builds the ``tree_budget`` most probable prefixes per request
+(:func:`build_ddtree`). The tree goes to the scheduler as ``tree_budget`` draft
+tokens in node order, parents before children, so any prefix the scheduler keeps
+is still a tree.
+
+One step, as wired by :class:`DDTreeSpeculator` and
+``vllm/v1/spec_decode/ddtree_verify.py``:
+
+1. ``propose`` (end of step N): the drafter's context is extended with the rows
+   step N committed (root and accepted path, :func:`prepare_draft_inputs`), the
+   drafter runs ``[bonus, mask x depth]`` per request (in a CUDA graph for uniform
+   batches), its logits are built into trees inside the same graph, and the trees
+   are stored per request in :class:`DDTreeState`.
+2. Step N + 1: ``DDTreeModelState`` writes tree positions and masks, the target
+   verifies with TREE_ATTN, ``DDTreeRejectionSampler`` walks the trees and
+   ``DDTreeModelState.postprocess_state`` compacts the accepted path's KV.
+
+Nothing here reads GPU data on the host.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+from vllm.v1.spec_decode.ddtree_inputs import draft_context_size, prepare_draft_inputs
+from vllm.v1.spec_decode.dflash_tree_builder import DDTree, build_ddtree, num_mask_words
+from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
+from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.worker.gpu.block_table import BlockTables
+from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+from vllm.v1.worker.gpu.model_states.interface import ModelState
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+from vllm.v1.worker.utils import AttentionGroup
+
+
+class DraftTrees:
+    """Trees of up to ``max_num_reqs`` requests in :class:`DDTree` layout."""
+
+    def __init__(self, max_num_reqs: int, budget: int, device: torch.device):
+        # [max_num_reqs, budget] int64; -1 on padding nodes.
+        self.token_ids = torch.full(
+            (max_num_reqs, budget), -1, dtype=torch.int64, device=device
+        )
+        # [max_num_reqs, budget] int32; 0 = root.
+        self.parent_ids = torch.zeros(
+            max_num_reqs, budget, dtype=torch.int32, device=device
+        )
+        # [max_num_reqs, budget] int32; 1..depth, 0 on padding nodes.
+        self.depths = torch.zeros(max_num_reqs, budget, dtype=torch.int32, device=device)
+        # [max_num_reqs, budget + 1, num_words] int32 ancestor-or-self masks.
+        self.attn_mask = torch.zeros(
+            max_num_reqs,
+            budget + 1,
+            num_mask_words(budget),
+            dtype=torch.int32,
+            device=device,
+        )
+
+    def copy_prefix_(self, trees: DDTree, num_reqs: int) -> None:
+        """Rows ``[:num_reqs]`` <- ``trees`` (batch order)."""
+        self.token_ids[:num_reqs].copy_(trees.token_ids)
+        self.parent_ids[:num_reqs].copy_(trees.parent_ids)
+        self.depths[:num_reqs].copy_(trees.depths)
+        self.attn_mask[:num_reqs].copy_(trees.attn_mask)
+
+    def scatter_(
+        self,
+        # [num_reqs] row of each source row
+        idx_mapping: torch.Tensor,
+        src: "DraftTrees",
+        num_reqs: int,
+    ) -> None:
+        """``self[idx_mapping[r]] <- src[r]`` for r < num_reqs."""
+        self.token_ids[idx_mapping] = src.token_ids[:num_reqs]
+        self.parent_ids[idx_mapping] = src.parent_ids[:num_reqs]
+        self.depths[idx_mapping] = src.depths[:num_reqs]
+        self.attn_mask[idx_mapping] = src.attn_mask[:num_reqs]
+
+
+@dataclass
+class VerifiedPaths:
+    """What the tree walk of the current step accepted, in batch order."""
+
+    # [num_reqs] int32: flattened index of each request's root in the step.
+    tree_start: torch.Tensor
+    # [num_reqs, depth] int32: accepted node (1-based tree index) per depth.
+    accepted_nodes: torch.Tensor
+    # [num_reqs] int32: accepted path length k.
+    num_accepted: torch.Tensor
+
+
+class DDTreeState:
+    """State shared by the DDTree speculator and its verification.
+
+    The speculator writes ``trees`` (per request state, like MRv2's draft
+    tokens); verification reads them and records the walk's result in
+    ``verified`` for the KV compaction and the drafter of the same step.
+    """
+
+    def __init__(self, cfg: DDTreeConfig, max_num_reqs: int, device: torch.device):
+        self.cfg = cfg
+        self.trees = DraftTrees(max_num_reqs, cfg.tree_budget, device)
+        self.verified: VerifiedPaths | None = None
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    """DFlash's drafter and CUDA graphs, drafting trees instead of chains.
+
+    vLLM's ``num_speculative_tokens`` is the tree budget B (the scheduler's draft
+    slots per request); the drafter runs its own block of ``depth + 1`` tokens per
+    request whatever B is.
+    """
+
+    _speculator_name = "DDTree"
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        cfg = DDTreeConfig.from_vllm_config(vllm_config)
+        assert cfg is not None, "DDTreeSpeculator needs a DDTree engine config"
+        super().__init__(vllm_config, device)
+        self.cfg = cfg
+        self.tree_budget = cfg.tree_budget
+        self.draft_depth = cfg.draft_depth
+        # DFlash sized its query block and sampling rows by num_speculative_tokens
+        # (= B here); the drafter's block is depth + 1 tokens.
+        self.num_query_per_req = cfg.draft_len
+        self.sample_indices = torch.zeros(
+            self.max_num_reqs * self.draft_depth, dtype=torch.int64, device=device
+        )
+        # Target rows feeding the drafter's context (see prepare_draft_inputs);
+        # DFlash's full-width hidden-state copy is not needed.
+        self.context_rows = torch.zeros(
+            self.max_num_tokens, dtype=torch.int64, device=device
+        )
+        self.hidden_states = None
+        # Trees of the drafter's last run, batch order (CUDA graph outputs).
+        self.batch_trees = DraftTrees(self.max_num_reqs, self.tree_budget, device)
+        # Walk result for steps that verified no tree: k = 0 everywhere.
+        self._no_accepted_nodes = torch.zeros(
+            self.max_num_reqs, self.draft_depth, dtype=torch.int32, device=device
+        )
+        self._no_num_accepted = torch.zeros(
+            self.max_num_reqs, dtype=torch.int32, device=device
+        )
+        self.state: DDTreeState | None = None
+
+    def set_attn(
+        self,
+        model_state: ModelState,
+        kv_cache_config: KVCacheConfig,
+        block_tables: BlockTables,
+        target_input_buffers: InputBuffers,
+        target_attn_groups: list[list[AttentionGroup]],
+    ) -> None:
+        super().set_attn(
+            model_state,
+            kv_cache_config,
+            block_tables,
+            target_input_buffers,
+            target_attn_groups,
+        )
+        # The target's DDTreeModelState owns the state shared with verification.
+        state = getattr(model_state, "ddtree_state", None)
+        if not isinstance(state, DDTreeState):
+            raise TypeError(
+                "DDTreeSpeculator needs the target's DDTreeModelState, got "
+                f"{type(model_state).__name__}"
+            )
+        self.state = state
+
+    def _generate_draft(
+        self,
+        num_reqs: int,
+        num_tokens_padded: int,
+        attn_metadata: dict[str, Any] | None,
+        slot_mappings: dict[str, torch.Tensor] | None,
+        num_tokens_across_dp: torch.Tensor | None,
+        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    ) -> None:
+        last_hidden_states = self._run_model(
+            num_tokens_padded,
+            attn_metadata,
+            slot_mappings,
+            num_tokens_across_dp,
+            cudagraph_runtime_mode,
+        )
+        num_sample = num_reqs * self.draft_depth
+        # [num_reqs * depth, vocab_size]
+        logits = self.model.compute_logits(
+            last_hidden_states[self.sample_indices[:num_sample]]
+        )
+        trees = build_ddtree(
+            logits.view(num_reqs, self.draft_depth, -1), self.tree_budget
+        )
+        self.batch_trees.copy_prefix_(trees, num_reqs)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        input_batch: InputBatch,
+        attn_metadata: dict[str, Any],
+        slot_mappings: dict[str, torch.Tensor],
+        # [num_tokens, hidden_size]
+        last_hidden_states: torch.Tensor,
+        # num_layers x [num_tokens, hidden_size]
+        aux_hidden_states: list[torch.Tensor] | None,
+        # [num_reqs]
+        num_sampled: torch.Tensor,
+        # [num_reqs]
+        num_rejected: torch.Tensor,
+        # [max_num_reqs]
+        last_sampled: torch.Tensor,
+        # [max_num_reqs]
+        next_prefill_tokens: torch.Tensor,
+        # [max_num_reqs]
+        temperature: torch.Tensor,
+        # [max_num_reqs]
+        seeds: torch.Tensor,
+        num_tokens_across_dp: torch.Tensor | None = None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        is_profile: bool = False,
+    ) -> torch.Tensor:
+        """Draft one tree per request; returns ``[num_reqs, tree_budget]`` draft
+        tokens in node order (padding nodes as token 0, never accepted)."""
+        num_reqs = input_batch.num_reqs
+        num_query_tokens = num_reqs * self.num_query_per_req
+        # CPU tensor: no device sync.
+        max_seq_len = int(input_batch.seq_lens_cpu_upper_bound[:num_reqs].max())
+        self.draft_max_seq_len = min(
+            max_seq_len + self.num_query_per_req, self.max_model_len
+        )
+
+        if dummy_run and skip_attn_for_dummy_run:
+            # Memory profiling: block tables and KV caches do not exist yet.
+            num_tokens = input_batch.num_tokens
+            context = self._context_hidden_states(
+                last_hidden_states, aux_hidden_states, None, num_tokens
+            )
+            self.model.precompute_and_store_context_kv(
+                context, self.context_positions[:num_tokens]
+            )
+            self._prepare_eplb_forward(num_query_tokens)
+            self._generate_draft(
+                num_reqs, num_query_tokens, None, None, num_tokens_across_dp
+            )
+            return self._draft_tokens(num_reqs)
+
+        num_context = draft_context_size(
+            input_batch.num_tokens,
+            input_batch.num_draft_tokens,
+            num_reqs,
+            self.draft_depth,
+        )
+        self._prepare_inputs(input_batch, num_sampled, last_sampled, next_prefill_tokens)
+        context = self._context_hidden_states(
+            last_hidden_states, aux_hidden_states, self.context_rows, num_context
+        )
+        # Dummy runs hold placeholder block tables: compute, but write no KV.
+        self.model.precompute_and_store_context_kv(
+            context,
+            self.context_positions[:num_context],
+            None if dummy_run else self._context_slots(num_context),
+        )
+
+        batch_desc, num_tokens_across_dp = dispatch_cg_and_sync_dp(
+            self.query_cudagraph_manager,
+            num_reqs,
+            num_query_tokens,
+            uniform_token_count=self.num_query_per_req,
+            dp_size=self.dp_size,
+            dp_rank=self.dp_rank,
+            need_eager=is_profile,
+        )
+        num_reqs_padded = batch_desc.num_reqs or num_reqs
+        num_tokens_padded = batch_desc.num_tokens
+        # Rebuilt even for graph replay, so builder state stays current.
+        draft_attn_metadata = self._build_draft_attn_metadata(
+            num_reqs=num_reqs,
+            num_reqs_padded=num_reqs_padded,
+            num_tokens_padded=num_tokens_padded,
+            causal=self._group_causal,
+        )
+        draft_slot_mappings = build_slot_mappings_by_layer(
+            self.block_tables.slot_mappings[:, :num_tokens_padded],
+            self.kv_cache_config,
+        )
+        self._prepare_eplb_forward(num_query_tokens)
+        if batch_desc.cg_mode == CUDAGraphMode.FULL:
+            assert self.query_cudagraph_manager is not None
+            self.query_cudagraph_manager.run_fullgraph(batch_desc)
+        else:
+            self._generate_draft(
+                num_reqs,
+                num_tokens_padded,
+                draft_attn_metadata,
+                draft_slot_mappings,
+                num_tokens_across_dp,
+                batch_desc.cg_mode,
+            )
+        if not dummy_run:
+            assert self.state is not None
+            self.state.trees.scatter_(input_batch.idx_mapping, self.batch_trees, num_reqs)
+        return self._draft_tokens(num_reqs)
+
+    def _prepare_inputs(
+        self,
+        input_batch: InputBatch,
+        num_sampled: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+    ) -> None:
+        accepted_nodes, num_accepted = self._accepted_paths(input_batch)
+        for i, gid in enumerate(self.draft_kv_cache_group_ids):
+            prepare_draft_inputs(
+                self.input_buffers.input_ids,
+                self.input_buffers.positions,
+                self.input_buffers.query_start_loc,
+                self.input_buffers.seq_lens,
+                self.block_tables.slot_mappings[gid],
+                self.context_rows,
+                self.context_positions,
+                self._context_slot_mappings[i],
+                self.sample_indices,
+                input_batch.positions,
+                input_batch.query_start_loc,
+                input_batch.cu_num_logits,
+                input_batch.idx_mapping,
+                num_sampled,
+                last_sampled,
+                next_prefill_tokens,
+                accepted_nodes,
+                num_accepted,
+                self.block_tables.input_block_tables[gid],
+                self.block_tables.kernel_block_sizes[gid],
+                self.parallel_drafting_token_id,
+                self.draft_depth,
+                self.max_num_reqs,
+                self.max_num_tokens,
+                self.max_model_len,
+            )
+
+    def _accepted_paths(
+        self, input_batch: InputBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's walk result; zeros when nothing was verified (the writer
+        reads it only for requests that verified a tree)."""
+        verified = None if self.state is None else self.state.verified
+        if verified is not None:
+            return verified.accepted_nodes, verified.num_accepted
+        num_reqs = input_batch.num_reqs
+        return self._no_accepted_nodes[:num_reqs], self._no_num_accepted[:num_reqs]
+
+    def _context_hidden_states(
+        self,
+        # [num_tokens, hidden_size]
+        last_hidden_states: torch.Tensor,
+        # num_layers x [num_tokens, hidden_size]
+        aux_hidden_states: list[torch.Tensor] | None,
+        # [>= num_context] target rows, or None for the first num_context rows
+        rows: torch.Tensor | None,
+        num_context: int,
+    ) -> torch.Tensor:
+        """The drafter's context features of the selected target rows."""
+        if rows is not None:
+            rows = rows[:num_context]
+            pick = lambda x: x[rows]  # noqa: E731
+        else:
+            pick = lambda x: x[:num_context]  # noqa: E731
+        if not aux_hidden_states:
+            return pick(last_hidden_states)
+        return self.model.combine_hidden_states(
+            torch.cat([pick(x) for x in aux_hidden_states], dim=-1)
+        )
+
+    def _context_slots(
+        self, num_context: int
+    ) -> torch.Tensor | list[torch.Tensor | None]:
+        if self._layer_group_idx is None:
+            return self._context_slot_mappings[0][:num_context]
+        return [
+            self._context_slot_mappings[gidx][:num_context]
+            for gidx in self._layer_group_idx
+        ]
+
+    def _draft_tokens(self, num_reqs: int) -> torch.Tensor:
+        # Padding nodes (-1) still enter the target batch; any valid id will do.
+        out = self.draft_tokens[:num_reqs]
+        torch.clamp(self.batch_trees.token_ids[:num_reqs], min=0, out=out)
+        return out

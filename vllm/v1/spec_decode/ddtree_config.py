@@ -1,0 +1,322 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree settings: the user's speculative config, the checks it must pass, and the
+batch limits it implies.
+
+A user asks for DDTree with::
+
+    --speculative-config '{"method": "ddtree", "model": "<DFlash drafter>",
+                           "tree_budget": 128}'
+
+DDTree drafts with vLLM's DFlash drafter, unchanged, so the request maps onto a
+DFlash ``SpeculativeConfig`` with ``tree_budget`` draft slots per request: the
+scheduler, the input batch and the CUDA graphs then size every decode step for
+``tree_budget + 1`` verified tokens. Two numbers are DDTree's own, the tree budget
+B and the drafter depth D (the drafter's block size minus one, 15 for DFlash's
+blocks of 16, independent of B); :class:`DDTreeConfig` carries them to every
+process. On vLLM 0.26 ``SpeculativeConfig`` forbids unknown keys, so they travel
+in ``VllmConfig.additional_config["ddtree"]`` (plain ints, picklable); upstream
+they would be ``SpeculativeConfig`` fields (see docs/upstream.md).
+
+Every check raises ``ValueError`` with the setting to change.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.spec_decode.dflash_tree_builder import MAX_BUDGET, MAX_DEPTH
+
+DDTREE_METHOD = "ddtree"
+ADDITIONAL_CONFIG_KEY = "ddtree"
+# Good at small batches; the best budget falls as the batch grows (docs/ddtree.md).
+DEFAULT_TREE_BUDGET = 64
+# Keys of a ddtree speculative config passed to the DFlash drafter's config as is.
+DRAFTER_KEYS = frozenset(
+    {
+        "model",
+        "revision",
+        "code_revision",
+        "quantization",
+        "draft_tensor_parallel_size",
+        "max_model_len",
+        "attention_backend",
+        "kv_cache_dtype",
+        "enforce_eager",
+        "moe_backend",
+        "draft_load_config",
+    }
+)
+# KV cache dtypes TREE_ATTN reads and the tree KV compaction copies.
+TREE_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class DDTreeConfig:
+    """The two numbers DDTree adds to a DFlash speculative config."""
+
+    # B: tree nodes per request and step (the root is extra).
+    tree_budget: int
+    # D: drafter positions per step, the deepest a tree can be.
+    draft_depth: int
+
+    @property
+    def verify_len(self) -> int:
+        """Tokens a decoding request verifies per step: the root and B nodes."""
+        return self.tree_budget + 1
+
+    @property
+    def draft_len(self) -> int:
+        """Tokens the drafter runs per request: the root and D masks."""
+        return self.draft_depth + 1
+
+    @property
+    def tokens_per_request(self) -> int:
+        """Step-buffer tokens one request can need (target or drafter side)."""
+        return max(self.verify_len, self.draft_len)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"tree_budget": self.tree_budget, "draft_depth": self.draft_depth}
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> "DDTreeConfig | None":
+        """The DDTree settings of an engine config, or None if DDTree is off."""
+        additional = getattr(vllm_config, "additional_config", None)
+        if not isinstance(additional, Mapping):
+            return None
+        raw = additional.get(ADDITIONAL_CONFIG_KEY)
+        if raw is None or getattr(vllm_config, "speculative_config", None) is None:
+            return None
+        return cls(int(raw["tree_budget"]), int(raw["draft_depth"]))
+
+
+def is_ddtree_method(speculative_config: Any) -> bool:
+    """Whether a raw ``--speculative-config`` dict asks for DDTree."""
+    return (
+        isinstance(speculative_config, Mapping)
+        and speculative_config.get("method") == DDTREE_METHOD
+    )
+
+
+def parse_speculative_config(raw: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+    """A ``{"method": "ddtree", ...}`` dict -> (tree budget, DFlash config dict).
+
+    The returned dict is what vLLM's ``SpeculativeConfig`` accepts: method
+    ``"dflash"`` with ``tree_budget`` draft slots per request.
+    """
+    cfg = {str(k).replace("-", "_"): v for k, v in raw.items()}
+    cfg.pop("method")
+    budget = cfg.pop("tree_budget", DEFAULT_TREE_BUDGET)
+    check_tree_budget(budget)
+    if "num_speculative_tokens" in cfg:
+        raise ValueError(
+            "method 'ddtree' sizes its trees with 'tree_budget'; remove "
+            "'num_speculative_tokens' from the speculative config (the drafter "
+            "always drafts its full block)"
+        )
+    if not cfg.get("model"):
+        raise ValueError(
+            "method 'ddtree' needs 'model': the path or Hugging Face name of a "
+            "DFlash drafter for the target, e.g. "
+            '{"method": "ddtree", "model": "z-lab/Qwen3-8B-DFlash-b16", '
+            '"tree_budget": 128}'
+        )
+    unknown = sorted(set(cfg) - DRAFTER_KEYS)
+    if unknown:
+        raise ValueError(
+            f"method 'ddtree' does not take {', '.join(map(repr, unknown))} in the "
+            "speculative config; it takes 'method', 'tree_budget' and the drafter "
+            f"settings {', '.join(sorted(DRAFTER_KEYS))}"
+        )
+    backend = cfg.get("attention_backend")
+    if backend is not None and str(getattr(backend, "name", backend)).upper() == (
+        "CUSTOM"
+    ):
+        raise ValueError(
+            "the DFlash drafter attends bidirectionally within its block and "
+            "cannot use TREE_ATTN (CUSTOM), which is causal-only; drop the "
+            "speculative config's 'attention_backend' or name a non-causal "
+            "backend such as FLASH_ATTN"
+        )
+    return budget, {**cfg, "method": "dflash", "num_speculative_tokens": budget}
+
+
+def check_tree_budget(budget: Any) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise ValueError(
+            f"tree_budget must be an integer in [1, {MAX_BUDGET}], got {budget!r}"
+        )
+    if not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(
+            f"tree_budget must be in [1, {MAX_BUDGET}], got {budget}; "
+            f"{DEFAULT_TREE_BUDGET} (the default) suits small batches"
+        )
+
+
+def draft_depth_of(draft_model_config: Any) -> int:
+    """D = the DFlash drafter's block size - 1, after checking it is DFlash."""
+    arch = draft_model_config.architecture
+    if not arch.startswith("DFlash"):
+        raise ValueError(
+            f"method 'ddtree' drafts with a DFlash drafter, but "
+            f"{draft_model_config.model!r} is a {arch}; point the speculative "
+            "config's 'model' at a DFlash checkpoint (DFlashDraftModel)"
+        )
+    block_size = getattr(draft_model_config.hf_config, "block_size", None)
+    if not isinstance(block_size, int) or not 2 <= block_size <= MAX_DEPTH + 1:
+        raise ValueError(
+            f"the DFlash drafter {draft_model_config.model!r} must declare an "
+            f"integer 'block_size' in [2, {MAX_DEPTH + 1}] in its config.json "
+            f"(DDTree drafts block_size - 1 positions), got {block_size!r}"
+        )
+    return block_size - 1
+
+
+def check_engine_args(args: Any, target_model_config: Any) -> None:
+    """Raise for engine settings DDTree cannot serve. ``args`` is vLLM's
+    ``EngineArgs``; ``target_model_config`` its target ``ModelConfig``."""
+    unsupported = {
+        "pipeline parallelism (the drafter and the tree verifier need the whole "
+        "model on one stage); drop --pipeline-parallel-size or use "
+        "--tensor-parallel-size": args.pipeline_parallel_size > 1,
+        "decode context parallelism (TREE_ATTN has no DCP support); drop "
+        "--decode-context-parallel-size": args.decode_context_parallel_size > 1,
+        "prefill context parallelism; drop --prefill-context-parallel-size": (
+            args.prefill_context_parallel_size > 1
+        ),
+        "LoRA adapters; drop --enable-lora": bool(args.enable_lora),
+        f"kv_cache_dtype={args.kv_cache_dtype!r} (TREE_ATTN keeps KV in the "
+        "model dtype); use --kv-cache-dtype auto": (
+            args.kv_cache_dtype not in TREE_KV_CACHE_DTYPES
+        ),
+    }
+    _raise_unsupported(unsupported)
+    _check_target_model(target_model_config)
+
+
+def _check_target_model(model_config: Any) -> None:
+    name = model_config.model
+    unsupported = {
+        f"{name}: only text-generation models are supported": (
+            model_config.runner_type != "generate"
+        ),
+        f"{name}: multimodal inputs are not supported": (
+            model_config.is_multimodal_model
+        ),
+        f"{name}: M-RoPE positions are not supported": model_config.uses_mrope,
+        f"{name}: sliding-window attention is not supported by TREE_ATTN": (
+            model_config.get_sliding_window() is not None
+        ),
+        f"{name}: hybrid (Mamba/linear-attention) models are not supported": (
+            model_config.is_hybrid or model_config.is_attention_free
+        ),
+        f"{name}: encoder-decoder models are not supported": (
+            model_config.is_encoder_decoder
+        ),
+    }
+    _raise_unsupported(unsupported)
+
+
+def _raise_unsupported(unsupported: Mapping[str, bool]) -> None:
+    problems = [what for what, bad in unsupported.items() if bad]
+    if problems:
+        raise ValueError(
+            "DDTree speculative decoding does not support " + "; ".join(problems)
+        )
+
+
+def target_attention_backend(backend: Any) -> str:
+    """The target's attention backend for DDTree: TREE_ATTN, registered as
+    ``AttentionBackendEnum.CUSTOM``. ``backend`` is what the user chose, if any."""
+    name = None if backend is None else str(getattr(backend, "name", backend))
+    if name is not None and name.upper() not in ("CUSTOM", "AUTO"):
+        raise ValueError(
+            f"DDTree verifies trees with TREE_ATTN (attention backend CUSTOM), "
+            f"but the target's attention backend is set to {name}; drop "
+            "--attention-backend / attention_config.backend (set the drafter's "
+            "backend with the speculative config's 'attention_backend')"
+        )
+    return "CUSTOM"
+
+
+def batch_limits(
+    cfg: DDTreeConfig,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    seqs_from_user: bool,
+    tokens_from_user: bool,
+) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) for DDTree, from vLLM's values.
+
+    Every decoding request verifies B + 1 tokens per step and the drafter runs
+    D + 1 per request, so a full batch needs ``max_num_seqs * max(B + 1, D + 1)``
+    step tokens. Values the user did not set are fitted (fewer sequences at large
+    budgets, never fewer tokens than vLLM's default); values the user set are
+    checked, naming the setting to change.
+    """
+    per_req = cfg.tokens_per_request
+    if not tokens_from_user:
+        if not seqs_from_user:
+            max_num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens // per_req))
+        max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs * per_req)
+        return max_num_seqs, max_num_batched_tokens
+    if max_num_batched_tokens < per_req:
+        raise ValueError(
+            f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one DDTree "
+            f"step ({per_req} tokens per request for tree_budget={cfg.tree_budget}); "
+            f"raise --max-num-batched-tokens to at least {per_req} or lower "
+            "tree_budget"
+        )
+    if not seqs_from_user:
+        return min(max_num_seqs, max_num_batched_tokens // per_req), (
+            max_num_batched_tokens
+        )
+    if max_num_seqs * cfg.draft_len > max_num_batched_tokens:
+        raise ValueError(
+            f"max_num_seqs={max_num_seqs} requests need {cfg.draft_len} drafter "
+            f"tokens each, more than max_num_batched_tokens={max_num_batched_tokens}; "
+            f"raise --max-num-batched-tokens to at least "
+            f"{max_num_seqs * cfg.draft_len} or lower --max-num-seqs"
+        )
+    return max_num_seqs, max_num_batched_tokens
+
+
+def cudagraph_capture_sizes(
+    cfg: DDTreeConfig, max_num_seqs: int, max_num_batched_tokens: int
+) -> list[int]:
+    """Capture sizes for batches of 1, 2, 4, 8, 16, 24, ... requests: multiples
+    of B + 1 (the target's uniform tree-verify batches) and of D + 1 (the
+    drafter's batches)."""
+    num_reqs = [n for n in (1, 2, 4) if n < max_num_seqs]
+    num_reqs += list(range(8, max_num_seqs, 8)) + [max_num_seqs]
+    sizes = {n * cfg.verify_len for n in num_reqs} | {n * cfg.draft_len for n in num_reqs}
+    return sorted(s for s in sizes if s <= max_num_batched_tokens)
+
+
+def check_sampling_params(params: Any) -> None:
+    """Reject per-request settings that read output tokens in chain order."""
+    penalties = {
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty - 1.0,
+    }
+    used = [name for name, value in penalties.items() if abs(value) > _EPS]
+    if used:
+        raise ValueError(
+            f"DDTree does not support {', '.join(used)}: penalties count the "
+            "request's tokens in chain order, not along each tree path. Leave "
+            "presence_penalty=0, frequency_penalty=0 and repetition_penalty=1 (if "
+            "the model's generation_config sets them, start vLLM with "
+            "--generation-config vllm)"
+        )
+    if params.bad_words:
+        raise ValueError(
+            "DDTree does not support bad_words (matched against the preceding "
+            "tokens in chain order); remove bad_words from the request"
+        )
+    if params.structured_outputs is not None:
+        raise ValueError(
+            "DDTree does not support structured outputs (json, regex, choice, "
+            "grammar); the grammar would have to follow every tree path. Remove "
+            "them from the request or serve without DDTree"
+        )

@@ -1,0 +1,483 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-step inputs of a DDTree step on Model Runner V2, written on the GPU.
+
+Two writers, each a small Triton kernel with a slow torch reference beside it:
+
+* :func:`write_tree_verify_inputs` (target side). Model Runner V2 lays out a
+  decoding request as ``[root, node_1..node_b]`` (root = last sampled token,
+  nodes = the draft tokens the scheduler kept, a prefix of the request's tree) at
+  positions ``p0, p0 + 1, ..., p0 + b`` and computes KV slots from those flattened
+  positions. This writer then, in place, sets node i's position to ``p0 +
+  depth_i`` (RoPE sees the tree position; the KV slot keeps the flattened index)
+  and copies the request's ancestor masks into TREE_ATTN's batch-ordered buffers.
+  ``p0`` is read from the positions MRv2 computed from its GPU request state, so
+  it is right under async scheduling.
+
+* :func:`prepare_draft_inputs` (drafter side). After the walk, the DFlash
+  drafter's next context is the request's committed rows only: any rows before
+  the tree (prefill chunks), the root, then the accepted nodes in path order;
+  rejected nodes never reach the drafter's KV cache. Each request gets a context
+  region of ``q_len - b + depth`` entries (path entries past the accepted length
+  are padding with slot ``PAD_SLOT_ID``), so region offsets and the total follow
+  from the batch's CPU counts without a host sync. The drafter's query block
+  (bonus token + ``depth`` mask tokens after the last committed position) is laid
+  out as in vLLM's DFlash speculator.
+
+Both launches have a grid fixed by the request count and loop inside, and neither
+reads anything back to the host.
+"""
+
+import torch
+
+from vllm.triton_utils import tl, triton
+from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+
+
+def write_tree_verify_inputs(
+    # [num_tokens] int64, rewritten in place for tree rows
+    positions: torch.Tensor,
+    # [max_num_reqs, max_tree_len, num_words] int32, batch order (TREE_ATTN's)
+    attn_mask: torch.Tensor,
+    # [max_num_reqs] int32, batch order (TREE_ATTN's)
+    is_tree: torch.Tensor,
+    # [max_num_reqs, budget] int32, request-state order
+    tree_depths: torch.Tensor,
+    # [max_num_reqs, budget + 1, num_words] int32, request-state order
+    tree_masks: torch.Tensor,
+    # [num_reqs]
+    idx_mapping: torch.Tensor,
+    # [num_reqs + 1]
+    query_start_loc: torch.Tensor,
+    # [num_reqs + 1]
+    cu_num_logits: torch.Tensor,
+    num_reqs_padded: int,
+) -> None:
+    """Tree positions, masks and ``is_tree`` for a batch whose request r verifies
+    ``cu_num_logits[r + 1] - cu_num_logits[r] - 1`` tree nodes (0: causal row).
+    ``is_tree`` is cleared for the CUDA-graph padding requests up to
+    ``num_reqs_padded``."""
+    num_reqs = idx_mapping.shape[0]
+    budget = tree_depths.shape[1]
+    num_words = tree_masks.shape[2]
+    _write_tree_verify_inputs_kernel[(max(num_reqs, num_reqs_padded),)](
+        positions,
+        attn_mask,
+        attn_mask.stride(0),
+        attn_mask.stride(1),
+        is_tree,
+        tree_depths,
+        tree_depths.stride(0),
+        tree_masks,
+        tree_masks.stride(0),
+        tree_masks.stride(1),
+        idx_mapping,
+        query_start_loc,
+        cu_num_logits,
+        num_reqs,
+        NUM_WORDS=num_words,
+        NODE_BLOCK=triton.next_power_of_2(budget),
+        MASK_BLOCK=min(1024, triton.next_power_of_2((budget + 1) * num_words)),
+    )
+
+
+def write_tree_verify_inputs_reference(
+    positions: torch.Tensor,
+    attn_mask: torch.Tensor,
+    is_tree: torch.Tensor,
+    tree_depths: torch.Tensor,
+    tree_masks: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    num_reqs_padded: int,
+) -> None:
+    """Slow torch version of :func:`write_tree_verify_inputs`, for tests."""
+    num_reqs = idx_mapping.shape[0]
+    qsl, cu = query_start_loc.tolist(), cu_num_logits.tolist()
+    is_tree[num_reqs:num_reqs_padded] = 0
+    for r in range(num_reqs):
+        num_logits = cu[r + 1] - cu[r]
+        b = num_logits - 1
+        is_tree[r] = int(b > 0)
+        if b <= 0:
+            continue
+        req = int(idx_mapping[r])
+        root = qsl[r + 1] - num_logits
+        positions[root + 1 : root + 1 + b] = positions[root] + tree_depths[req, :b]
+        attn_mask[r, : b + 1] = tree_masks[req, : b + 1]
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _write_tree_verify_inputs_kernel(
+    # [num_tokens]
+    positions_ptr,
+    # [max_num_reqs, max_tree_len, num_words]
+    attn_mask_ptr,
+    attn_mask_stride_req,
+    attn_mask_stride_row,
+    # [max_num_reqs]
+    is_tree_ptr,
+    # [max_num_reqs, budget]
+    tree_depths_ptr,
+    tree_depths_stride,
+    # [max_num_reqs, budget + 1, num_words]
+    tree_masks_ptr,
+    tree_masks_stride_req,
+    tree_masks_stride_row,
+    # [num_reqs]
+    idx_mapping_ptr,
+    # [num_reqs + 1]
+    query_start_loc_ptr,
+    # [num_reqs + 1]
+    cu_num_logits_ptr,
+    num_reqs,
+    NUM_WORDS: tl.constexpr,
+    NODE_BLOCK: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+):
+    batch_idx = tl.program_id(0)
+    if batch_idx >= num_reqs:
+        # CUDA-graph padding request: causal.
+        tl.store(is_tree_ptr + batch_idx, 0)
+        return
+    num_logits = tl.load(cu_num_logits_ptr + batch_idx + 1) - tl.load(
+        cu_num_logits_ptr + batch_idx
+    )
+    num_nodes = num_logits - 1
+    tl.store(is_tree_ptr + batch_idx, (num_nodes > 0).to(tl.int32))
+    if num_nodes <= 0:
+        return
+
+    req_state_idx = tl.load(idx_mapping_ptr + batch_idx).to(tl.int64)
+    root = (tl.load(query_start_loc_ptr + batch_idx + 1) - num_logits).to(tl.int64)
+    root_pos = tl.load(positions_ptr + root)
+    node = tl.arange(0, NODE_BLOCK)
+    is_node = node < num_nodes
+    depth = tl.load(
+        tree_depths_ptr + req_state_idx * tree_depths_stride + node,
+        mask=is_node,
+        other=0,
+    )
+    tl.store(positions_ptr + root + 1 + node, root_pos + depth, mask=is_node)
+
+    # Mask rows 0..num_nodes (root and kept nodes), NUM_WORDS words each.
+    src = tree_masks_ptr + req_state_idx * tree_masks_stride_req
+    dst = attn_mask_ptr + batch_idx.to(tl.int64) * attn_mask_stride_req
+    num_elems = (num_nodes + 1) * NUM_WORDS
+    for start in range(0, num_elems, MASK_BLOCK):
+        elem = start + tl.arange(0, MASK_BLOCK)
+        row = (elem // NUM_WORDS).to(tl.int64)
+        word = elem % NUM_WORDS
+        in_range = elem < num_elems
+        words = tl.load(src + row * tree_masks_stride_row + word, mask=in_range)
+        tl.store(dst + row * attn_mask_stride_row + word, words, mask=in_range)
+
+
+def draft_context_size(
+    num_tokens: int, num_draft_tokens: int, num_reqs: int, depth: int
+) -> int:
+    """Context entries of :func:`prepare_draft_inputs` for a batch: every row
+    that is not a draft token, plus ``depth`` path entries per request."""
+    return num_tokens - num_draft_tokens + depth * num_reqs
+
+
+def prepare_draft_inputs(
+    # Drafter query outputs: [max_num_tokens] input ids (int32) and positions.
+    query_input_ids: torch.Tensor,
+    query_positions: torch.Tensor,
+    # [max_num_reqs + 1] int32 and [max_num_reqs] int32, padded for CUDA graphs.
+    query_start_loc_out: torch.Tensor,
+    seq_lens_out: torch.Tensor,
+    # [max_num_tokens] int64: the drafter KV group's slot mapping.
+    query_slot_mapping: torch.Tensor,
+    # [max_num_tokens] int64 context outputs: target row, position, drafter slot.
+    context_rows: torch.Tensor,
+    context_positions: torch.Tensor,
+    context_slot_mapping: torch.Tensor,
+    # [max_num_reqs * depth] int64: drafter rows whose logits are kept.
+    sample_indices: torch.Tensor,
+    # [num_tokens] target positions (tree positions for tree rows)
+    target_positions: torch.Tensor,
+    # [num_reqs + 1]
+    target_query_start_loc: torch.Tensor,
+    # [num_reqs + 1]
+    cu_num_logits: torch.Tensor,
+    # [num_reqs]
+    idx_mapping: torch.Tensor,
+    # [num_reqs] tokens emitted this step (0 for a chunked prefill)
+    num_sampled: torch.Tensor,
+    # [max_num_reqs, 1] / [max_num_reqs]
+    last_sampled: torch.Tensor,
+    next_prefill_tokens: torch.Tensor,
+    # [num_reqs, depth] int32 accepted node per depth, [num_reqs] int32 count;
+    # read only for requests that verified a tree.
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+    # [num_reqs, max_num_blocks] batch-ordered block table of the drafter group
+    block_table: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    depth: int,
+    max_num_reqs: int,
+    max_num_tokens: int,
+    max_model_len: int,
+) -> None:
+    """Drafter context and query inputs for the next DDTree step (see module doc).
+
+    Context entries of request r start at ``q_start[r] - (cu_num_logits[r] - r) +
+    depth * r``; the query block of request r is rows ``r * (depth + 1) ..``.
+    """
+    num_reqs = idx_mapping.shape[0]
+    _prepare_draft_inputs_kernel[(num_reqs,)](
+        query_input_ids,
+        query_positions,
+        query_start_loc_out,
+        seq_lens_out,
+        query_slot_mapping,
+        context_rows,
+        context_positions,
+        context_slot_mapping,
+        sample_indices,
+        target_positions,
+        target_query_start_loc,
+        cu_num_logits,
+        idx_mapping,
+        num_sampled,
+        last_sampled,
+        next_prefill_tokens,
+        accepted_nodes,
+        accepted_nodes.stride(0),
+        num_accepted,
+        block_table,
+        block_table.stride(0),
+        block_table.shape[1],
+        block_size,
+        mask_token_id,
+        max_num_reqs,
+        max_num_tokens,
+        max_model_len,
+        DEPTH=depth,
+        PATH_BLOCK=triton.next_power_of_2(depth),
+        QUERY_BLOCK=triton.next_power_of_2(depth + 1),
+        PAD_SLOT=PAD_SLOT_ID,
+        BLOCK=256,
+    )
+
+
+def prepare_draft_inputs_reference(
+    query_input_ids,
+    query_positions,
+    query_start_loc_out,
+    seq_lens_out,
+    query_slot_mapping,
+    context_rows,
+    context_positions,
+    context_slot_mapping,
+    sample_indices,
+    target_positions,
+    target_query_start_loc,
+    cu_num_logits,
+    idx_mapping,
+    num_sampled,
+    last_sampled,
+    next_prefill_tokens,
+    accepted_nodes,
+    num_accepted,
+    block_table,
+    block_size,
+    mask_token_id,
+    depth,
+    max_num_reqs,
+    max_num_tokens,
+    max_model_len,
+) -> None:
+    """Slow torch version of :func:`prepare_draft_inputs`, for tests."""
+    num_reqs = idx_mapping.shape[0]
+    qsl, cu = target_query_start_loc.tolist(), cu_num_logits.tolist()
+    pos = target_positions.tolist()
+    last_sampled = last_sampled.reshape(-1)
+
+    def slot(r: int, p: int) -> int:
+        block = min(p // block_size, block_table.shape[1] - 1)
+        return int(block_table[r, block]) * block_size + p % block_size
+
+    draft_len = depth + 1
+    for r in range(num_reqs):
+        req = int(idx_mapping[r])
+        num_logits = cu[r + 1] - cu[r]
+        tree_start = qsl[r + 1] - num_logits
+        k = int(num_accepted[r]) if num_logits > 1 else 0
+        path = [tree_start + int(n) for n in accepted_nodes[r, :k]]
+        ctx = list(range(qsl[r], tree_start + 1)) + path
+        ctx_start = qsl[r] - (cu[r] - r) + depth * r
+        num_ctx = tree_start + 1 - qsl[r] + depth
+        for c in range(num_ctx):
+            row = ctx[c] if c < len(ctx) else tree_start
+            context_rows[ctx_start + c] = row
+            context_positions[ctx_start + c] = pos[row]
+            keep = c < len(ctx)
+            context_slot_mapping[ctx_start + c] = slot(r, pos[row]) if keep else (
+                PAD_SLOT_ID
+            )
+        last_pos = pos[tree_start] + k
+        if int(num_sampled[r]) > 0:
+            bonus = int(last_sampled[req])
+        else:
+            bonus = int(next_prefill_tokens[req])
+        for off in range(draft_len):
+            q = r * draft_len + off
+            p = last_pos + 1 + off
+            query_input_ids[q] = bonus if off == 0 else mask_token_id
+            query_positions[q] = min(p, max_model_len - 1)
+            query_slot_mapping[q] = slot(r, p) if p < max_model_len else PAD_SLOT_ID
+            if off > 0:
+                sample_indices[r * depth + off - 1] = q
+        query_start_loc_out[r] = r * draft_len
+        seq_lens_out[r] = last_pos + 1 + draft_len
+    query_start_loc_out[num_reqs:] = num_reqs * draft_len
+    seq_lens_out[num_reqs:] = 0
+    sample_indices[num_reqs * depth : max_num_reqs * depth] = 0
+    query_slot_mapping[num_reqs * draft_len : max_num_tokens] = PAD_SLOT_ID
+
+
+@triton.jit
+def _slot_of(block_table_row_ptr, pos, block_size, max_num_blocks):
+    block = tl.minimum(pos // block_size, max_num_blocks - 1)
+    block_id = tl.load(block_table_row_ptr + block).to(tl.int64)
+    return block_id * block_size + pos % block_size
+
+
+@triton.jit(do_not_specialize=["max_num_reqs", "max_num_tokens", "max_model_len"])
+def _prepare_draft_inputs_kernel(
+    # [max_num_tokens]
+    query_input_ids_ptr,
+    query_positions_ptr,
+    # [max_num_reqs + 1], [max_num_reqs]
+    query_start_loc_out_ptr,
+    seq_lens_out_ptr,
+    # [max_num_tokens]
+    query_slot_mapping_ptr,
+    # [max_num_tokens]
+    context_rows_ptr,
+    context_positions_ptr,
+    context_slot_mapping_ptr,
+    # [max_num_reqs * DEPTH]
+    sample_indices_ptr,
+    # [num_tokens]
+    target_positions_ptr,
+    # [num_reqs + 1]
+    target_query_start_loc_ptr,
+    # [num_reqs + 1]
+    cu_num_logits_ptr,
+    # [num_reqs]
+    idx_mapping_ptr,
+    # [num_reqs]
+    num_sampled_ptr,
+    # [max_num_reqs]
+    last_sampled_ptr,
+    next_prefill_tokens_ptr,
+    # [num_reqs, DEPTH]
+    accepted_nodes_ptr,
+    accepted_nodes_stride,
+    # [num_reqs]
+    num_accepted_ptr,
+    # [num_reqs, max_num_blocks]
+    block_table_ptr,
+    block_table_stride,
+    max_num_blocks,
+    block_size,
+    mask_token_id,
+    max_num_reqs,
+    max_num_tokens,
+    max_model_len,
+    DEPTH: tl.constexpr,
+    PATH_BLOCK: tl.constexpr,
+    QUERY_BLOCK: tl.constexpr,
+    PAD_SLOT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    req_idx = tl.program_id(0)
+    num_reqs = tl.num_programs(0)
+    draft_len = DEPTH + 1
+    req_state_idx = tl.load(idx_mapping_ptr + req_idx)
+    block_row = block_table_ptr + req_idx.to(tl.int64) * block_table_stride
+
+    q_start = tl.load(target_query_start_loc_ptr + req_idx)
+    q_end = tl.load(target_query_start_loc_ptr + req_idx + 1)
+    logits_start = tl.load(cu_num_logits_ptr + req_idx)
+    num_logits = tl.load(cu_num_logits_ptr + req_idx + 1) - logits_start
+    tree_start = q_end - num_logits
+    num_prefix = tree_start - q_start
+    num_accepted = tl.load(num_accepted_ptr + req_idx)
+    num_accepted = tl.where(num_logits > 1, num_accepted, 0)
+
+    # --- Context: rows before the root, the root, then the accepted path ---
+    ctx_start = q_start - (logits_start - req_idx) + DEPTH * req_idx
+    num_ctx = num_prefix + 1 + DEPTH
+    path_offs = tl.arange(0, PATH_BLOCK)
+    path = tl.load(
+        accepted_nodes_ptr + req_idx * accepted_nodes_stride + path_offs,
+        mask=path_offs < num_accepted,
+        other=0,
+    )
+    for i in range(0, num_ctx, BLOCK):
+        c = i + tl.arange(0, BLOCK)
+        is_ctx = c < num_ctx
+        d = c - num_prefix  # depth on the path; <= 0 before and at the root
+        # Path entry d holds node path[d - 1]; pick it out of the loaded path.
+        node = tl.sum(
+            tl.where(path_offs[None, :] == (d - 1)[:, None], path[None, :], 0), axis=1
+        )
+        keep = is_ctx & (d <= num_accepted)
+        row = tl.where(d >= 1, tree_start + node, q_start + c)
+        pos = tl.load(target_positions_ptr + row, mask=is_ctx, other=0)
+        slot = _slot_of(block_row, pos, block_size, max_num_blocks)
+        slot = tl.where(keep, slot, PAD_SLOT)
+        tl.store(context_rows_ptr + ctx_start + c, row.to(tl.int64), mask=is_ctx)
+        tl.store(context_positions_ptr + ctx_start + c, pos, mask=is_ctx)
+        tl.store(context_slot_mapping_ptr + ctx_start + c, slot, mask=is_ctx)
+
+    # --- Query block: bonus token at the next position, then DEPTH masks ---
+    if tl.load(num_sampled_ptr + req_idx) > 0:
+        bonus = tl.load(last_sampled_ptr + req_state_idx).to(tl.int32)
+    else:
+        # Chunked prefill: the drafter starts from the next prompt token.
+        bonus = tl.load(next_prefill_tokens_ptr + req_state_idx).to(tl.int32)
+    last_pos = tl.load(target_positions_ptr + tree_start) + num_accepted
+    off = tl.arange(0, QUERY_BLOCK)
+    is_query = off < draft_len
+    query_idx = req_idx * draft_len + off
+    query_pos = last_pos + 1 + off
+    input_id = tl.where(off == 0, bonus, mask_token_id)
+    q_slot = _slot_of(block_row, query_pos, block_size, max_num_blocks)
+    q_slot = tl.where(query_pos < max_model_len, q_slot, PAD_SLOT)
+    tl.store(query_input_ids_ptr + query_idx, input_id, mask=is_query)
+    tl.store(
+        query_positions_ptr + query_idx,
+        tl.minimum(query_pos, max_model_len - 1),
+        mask=is_query,
+    )
+    tl.store(query_slot_mapping_ptr + query_idx, q_slot, mask=is_query)
+    is_sample = is_query & (off >= 1)
+    tl.store(
+        sample_indices_ptr + req_idx * DEPTH + off - 1,
+        query_idx.to(tl.int64),
+        mask=is_sample,
+    )
+    tl.store(query_start_loc_out_ptr + req_idx, req_idx * draft_len)
+    tl.store(seq_lens_out_ptr + req_idx, (last_pos + 1 + draft_len).to(tl.int32))
+
+    if req_idx == num_reqs - 1:
+        # Pad for CUDA graphs sized past num_reqs: empty requests, PAD query
+        # slots (no KV writes), sample rows pointing at row 0.
+        end = num_reqs * draft_len
+        for i in range(num_reqs, max_num_reqs + 1, BLOCK):
+            r = i + tl.arange(0, BLOCK)
+            tl.store(query_start_loc_out_ptr + r, end, mask=r < max_num_reqs + 1)
+            tl.store(seq_lens_out_ptr + r, 0, mask=r < max_num_reqs)
+        for i in range(num_reqs * DEPTH, max_num_reqs * DEPTH, BLOCK):
+            s = i + tl.arange(0, BLOCK)
+            tl.store(sample_indices_ptr + s, 0, mask=s < max_num_reqs * DEPTH)
+        for i in range(end, max_num_tokens, BLOCK):
+            t = i + tl.arange(0, BLOCK)
+            tl.store(query_slot_mapping_ptr + t, PAD_SLOT, mask=t < max_num_tokens)

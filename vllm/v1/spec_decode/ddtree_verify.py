@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Verification side of DDTree on Model Runner V2: model state and sampler.
+
+The target verifies each decoding request's tree ``[root, node_1..node_b]`` in one
+forward. Three MRv2 hooks do the tree-specific work, all on the GPU:
+
+* ``DDTreeModelState.prepare_attn``: after MRv2 computed positions and KV slots
+  (slots follow the flattened index), tree positions and ancestor masks are
+  written in place into persistent buffers (:func:`write_tree_verify_inputs`),
+  which TREE_ATTN's metadata builders were handed once; then the usual metadata
+  is built. Under CUDA graphs the captured forward reads the same buffers.
+* ``DDTreeRejectionSampler`` (``custom_sampler``): vLLM's MRv2 rejection sampler
+  slot, running the lossless tree walk of :class:`TreeRejectionSampler` on the
+  stored trees and recording the accepted paths for this step.
+* ``DDTreeModelState.postprocess_state``: moves the accepted path's KV to slots
+  ``p0 + 1..p0 + k`` in every TREE_ATTN layer (one launch per KV-cache group), in
+  the step that committed them, before prefix caching can hash those blocks.
+"""
+
+from typing import Any
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.attention.backends.tree_attn import (
+    TreeAttentionBackend,
+    TreeAttentionInputs,
+    TreeAttentionMetadataBuilder,
+    kv_cache_as_kv_first,
+)
+from vllm.v1.attention.ops.tree_kv_compaction import TreeKVCompactor
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.sample.tree_rejection_sampler import (
+    TreeRejectionSampler,
+    TreeSamplerOutput,
+)
+from vllm.v1.spec_decode.ddtree import DDTreeState, VerifiedPaths
+from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+from vllm.v1.spec_decode.ddtree_inputs import write_tree_verify_inputs
+from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.gpu.mm.encoder_cache import EncoderCache
+from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+from vllm.v1.worker.gpu.sample.sampler import Sampler
+from vllm.v1.worker.utils import AttentionGroup
+
+
+class DDTreeRejectionSampler:
+    """MRv2's rejection-sampler slot for DDTree: walks the stored trees.
+
+    Called by the model runner as ``rejection_sampler(logits, input_batch,
+    draft_logits)`` whenever the batch has draft tokens; ``draft_logits`` is
+    unused (the walk never reads the drafter's probabilities).
+    """
+
+    def __init__(self, sampler: Sampler, state: DDTreeState):
+        self.tree_sampler = TreeRejectionSampler(sampler, state.cfg.draft_depth)
+        self.state = state
+
+    def __call__(
+        self,
+        # [num_logits, vocab_size]
+        logits: torch.Tensor,
+        input_batch: InputBatch,
+        draft_logits: torch.Tensor | None = None,
+    ) -> TreeSamplerOutput:
+        trees = self.state.trees
+        idx_mapping = input_batch.idx_mapping
+        out = self.tree_sampler(
+            logits,
+            input_batch,
+            trees.token_ids[idx_mapping],
+            trees.parent_ids[idx_mapping],
+        )
+        cu_num_logits = input_batch.cu_num_logits
+        num_reqs = input_batch.num_reqs
+        self.state.verified = VerifiedPaths(
+            tree_start=input_batch.query_start_loc[1 : num_reqs + 1]
+            - (cu_num_logits[1:] - cu_num_logits[:-1]),
+            accepted_nodes=out.accepted_nodes,
+            num_accepted=out.num_accepted,
+        )
+        return out
+
+
+class DDTreeModelState(DefaultModelState):
+    """``DefaultModelState`` plus DDTree's verification inputs and KV compaction.
+
+    Owns :class:`DDTreeState` (shared with the speculator through ``set_attn``)
+    and TREE_ATTN's persistent :class:`TreeAttentionInputs`.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        model: torch.nn.Module,
+        encoder_cache: EncoderCache | None,
+        device: torch.device,
+    ):
+        super().__init__(vllm_config, model, encoder_cache, device)
+        cfg = DDTreeConfig.from_vllm_config(vllm_config)
+        assert cfg is not None, "DDTreeModelState needs a DDTree engine config"
+        self.ddtree_state = DDTreeState(cfg, self.max_num_reqs, device)
+        self.tree_inputs = TreeAttentionInputs.allocate(
+            self.max_num_reqs, cfg.tree_budget, device
+        )
+        self._tree_groups: list[AttentionGroup] | None = None
+        # KV-cache group id -> compactor over that group's TREE_ATTN layers.
+        self._compactors: dict[int, TreeKVCompactor] | None = None
+        # [num_kv_cache_groups, num_tokens] slot mappings of the current step.
+        self._slot_mappings: torch.Tensor | None = None
+
+    def custom_sampler(self, sampler: Sampler) -> tuple[Sampler, DDTreeRejectionSampler]:
+        return sampler, DDTreeRejectionSampler(sampler, self.ddtree_state)
+
+    def prepare_attn(
+        self,
+        input_batch: InputBatch,
+        cudagraph_mode: CUDAGraphMode,
+        block_tables: tuple[torch.Tensor, ...],
+        slot_mappings: torch.Tensor,
+        attn_groups: list[list[AttentionGroup]],
+        kv_cache_config: KVCacheConfig,
+        for_capture: bool = False,
+    ) -> dict[str, Any]:
+        self._bind_tree_inputs(attn_groups)
+        self.ddtree_state.verified = None
+        self._slot_mappings = slot_mappings
+        if for_capture or input_batch.num_draft_tokens == 0:
+            # No tree rows: every row is causal.
+            self.tree_inputs.is_tree.zero_()
+        else:
+            trees = self.ddtree_state.trees
+            write_tree_verify_inputs(
+                input_batch.positions,
+                self.tree_inputs.attn_mask,
+                self.tree_inputs.is_tree,
+                trees.depths,
+                trees.attn_mask,
+                input_batch.idx_mapping,
+                input_batch.query_start_loc,
+                input_batch.cu_num_logits,
+                input_batch.num_reqs_after_padding,
+            )
+        return super().prepare_attn(
+            input_batch,
+            cudagraph_mode,
+            block_tables,
+            slot_mappings,
+            attn_groups,
+            kv_cache_config,
+            for_capture,
+        )
+
+    def postprocess_state(
+        self,
+        idx_mapping: torch.Tensor,
+        num_sampled: torch.Tensor,
+        num_computed_tokens: torch.Tensor | None = None,
+    ) -> None:
+        super().postprocess_state(idx_mapping, num_sampled, num_computed_tokens)
+        verified = self.ddtree_state.verified
+        if verified is None:
+            return
+        assert self._slot_mappings is not None
+        for gid, compactor in self._get_compactors().items():
+            compactor(
+                self._slot_mappings[gid],
+                verified.tree_start,
+                verified.accepted_nodes,
+                verified.num_accepted,
+            )
+
+    def _bind_tree_inputs(self, attn_groups: list[list[AttentionGroup]]) -> None:
+        """Hand the tree buffers to every TREE_ATTN metadata builder, once."""
+        if self._tree_groups is not None:
+            return
+        tree_groups = [
+            group
+            for groups in attn_groups
+            for group in groups
+            if issubclass(group.backend, TreeAttentionBackend)
+        ]
+        if not tree_groups:
+            raise ValueError(
+                "DDTree needs TREE_ATTN (attention backend CUSTOM) for the target "
+                "model's attention layers"
+            )
+        for group in tree_groups:
+            for builder in group.metadata_builders:
+                assert isinstance(builder, TreeAttentionMetadataBuilder)
+                builder.set_tree_inputs(self.tree_inputs)
+        self._tree_groups = tree_groups
+
+    def _get_compactors(self) -> dict[int, TreeKVCompactor]:
+        """Built on first use: the KV caches exist only after MRv2's KV init."""
+        if self._compactors is None:
+            layers = self.vllm_config.compilation_config.static_forward_context
+            caches: dict[int, list[torch.Tensor]] = {}
+            assert self._tree_groups is not None
+            for group in self._tree_groups:
+                head_size = group.kv_cache_spec.head_size
+                caches.setdefault(group.kv_cache_group_id, []).extend(
+                    kv_cache_as_kv_first(layers[name].kv_cache, head_size)
+                    for name in group.layer_names
+                )
+            self._compactors = {
+                gid: TreeKVCompactor(group_caches)
+                for gid, group_caches in caches.items()
+            }
+        return self._compactors

@@ -1,0 +1,291 @@
+"""Every point where the DDTree plugin touches vLLM 0.26.0.
+
+:func:`apply` wraps a few vLLM functions in place. Each wrapper calls the original
+and adds DDTree's part only for an engine that asked for ``method="ddtree"``, so
+other engines run unchanged; applying twice changes nothing (wrapped functions
+are marked). docs/upstream.md lists these points with what the upstream PR would
+write instead.
+
+Engine side (the process that parses arguments and builds the ``VllmConfig``):
+
+1. ``EngineArgs.create_speculative_config``: ``{"method": "ddtree", ...}`` is
+   checked and mapped onto a DFlash ``SpeculativeConfig`` with ``tree_budget``
+   draft slots; the DDTree settings go to ``additional_config["ddtree"]`` and the
+   target's attention backend becomes TREE_ATTN (``AttentionBackendEnum.CUSTOM``).
+2. ``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``: batch and
+   token limits that fit ``max_num_seqs`` trees of ``tree_budget + 1`` tokens,
+   and CUDA-graph sizes in multiples of ``tree_budget + 1``.
+3. ``EngineArgs.create_engine_config``: the finished config must run on Model
+   Runner V2, where DDTree lives.
+4. ``InputProcessor._validate_params``: per-request settings DDTree cannot honour
+   are rejected with the request.
+
+Engine-core and worker side:
+
+5. ``Scheduler.__init__``: lookahead KV slots = the drafter's block.
+6. ``vllm.v1.worker.gpu.spec_decode.init_speculator``: ``DDTreeSpeculator``.
+7. ``vllm.v1.worker.gpu.model_states.init_model_state``: ``DDTreeModelState``.
+
+Everything the wrappers put into the config is a plain int, string or enum, so
+spawned engine-core and worker processes unpickle it before this plugin loads.
+"""
+
+import copy
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_PATCHED = "__ddtree_patched__"
+_MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
+
+
+def apply() -> None:
+    """Install every wrapper; safe to call any number of times."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.worker.gpu import model_states, spec_decode
+
+    _wrap(EngineArgs, "create_speculative_config", _create_speculative_config)
+    _wrap(
+        EngineArgs,
+        "_set_default_max_num_seqs_and_batched_tokens_args",
+        _set_batch_defaults,
+    )
+    _wrap(EngineArgs, "create_engine_config", _create_engine_config)
+    _wrap(InputProcessor, "_validate_params", _validate_params)
+    _wrap(Scheduler, "__init__", _scheduler_init)
+    # The model runner imports these two by name; wrap them where they are
+    # defined and, if the runner is already imported, where it bound them.
+    _wrap(spec_decode, "init_speculator", _init_speculator)
+    _wrap(model_states, "init_model_state", _init_model_state)
+    model_runner = sys.modules.get(_MODEL_RUNNER)
+    if model_runner is not None:
+        _wrap(model_runner, "init_speculator", _init_speculator)
+        _wrap(model_runner, "init_model_state", _init_model_state)
+
+
+def _wrap(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
+    """``owner.name = wrapper(original, *args, **kwargs)``, once."""
+    original = getattr(owner, name)
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(original, *args, **kwargs)
+
+    setattr(patched, _PATCHED, True)
+    setattr(owner, name, patched)
+
+
+def _ddtree_of(vllm_config: Any):
+    from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+
+    return DDTreeConfig.from_vllm_config(vllm_config)
+
+
+# ---------------------------------------------------------------------------
+# 1-3. EngineArgs
+# ---------------------------------------------------------------------------
+
+
+def _create_speculative_config(original, self, target_model_config, target_parallel_config):
+    from vllm.v1.spec_decode import ddtree_config as ddt
+
+    _fold_spec_flags(self)
+    raw = self.speculative_config
+    if not ddt.is_ddtree_method(raw):
+        return original(self, target_model_config, target_parallel_config)
+
+    budget, dflash = ddt.parse_speculative_config(raw)
+    ddt.check_engine_args(self, target_model_config)
+    _check_model_runner_env()
+    self.speculative_config = dflash
+    try:
+        spec = original(self, target_model_config, target_parallel_config)
+    except ValueError as e:
+        raise ValueError(
+            f"method 'ddtree' could not load {dflash['model']!r} as a DFlash "
+            f"drafter for {target_model_config.model!r}: {e}"
+        ) from e
+    finally:
+        self.speculative_config = raw
+    cfg = ddt.DDTreeConfig(budget, ddt.draft_depth_of(spec.draft_model_config))
+    # The drafter's mask tokens run in its own batch, never in the target's:
+    # no step slots to reserve (vLLM 0.26 reserves B - 1 per request for DFlash).
+    spec.parallel_drafting = False
+    self.additional_config = {
+        **(self.additional_config or {}),
+        ddt.ADDITIONAL_CONFIG_KEY: cfg.to_dict(),
+    }
+    _use_tree_attention(self)
+    logger.info(
+        "DDTree: tree_budget=%d, drafter %s drafts %d positions per step",
+        cfg.tree_budget,
+        dflash["model"],
+        cfg.draft_depth,
+    )
+    return spec
+
+
+def _fold_spec_flags(args) -> None:
+    """``--spec-method ddtree [--spec-model M]`` -> the speculative-config dict."""
+    from vllm.v1.spec_decode.ddtree_config import DDTREE_METHOD
+
+    if args.spec_method != DDTREE_METHOD:
+        return
+    if args.spec_tokens is not None:
+        raise ValueError(
+            "method 'ddtree' sizes its trees with 'tree_budget'; drop --spec-tokens "
+            "and pass --speculative-config '{\"tree_budget\": ...}'"
+        )
+    raw = dict(args.speculative_config or {})
+    for key, value in (("method", args.spec_method), ("model", args.spec_model)):
+        if value is None:
+            continue
+        if key in raw:
+            raise ValueError(
+                f"--spec-{key} and --speculative-config['{key}'] are mutually "
+                "exclusive"
+            )
+        raw[key] = value
+    args.speculative_config = raw
+    args.spec_method = args.spec_model = None
+
+
+def _check_model_runner_env() -> None:
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER is False:
+        raise ValueError(
+            "DDTree runs on vLLM's Model Runner V2; unset VLLM_USE_V2_MODEL_RUNNER=0"
+        )
+
+
+def _use_tree_attention(args) -> None:
+    """The target verifies trees with TREE_ATTN (``AttentionBackendEnum.CUSTOM``)."""
+    from vllm.config import replace
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.spec_decode.ddtree_config import target_attention_backend
+
+    chosen = args.attention_backend
+    if chosen is None:
+        chosen = args.attention_config.backend
+    target_attention_backend(chosen)
+    if args.attention_backend is None:
+        args.attention_config = replace(
+            args.attention_config, backend=AttentionBackendEnum.CUSTOM
+        )
+
+
+def _set_batch_defaults(original, self, usage_context, model_config, parallel_config):
+    from vllm.v1.spec_decode.ddtree_config import (
+        ADDITIONAL_CONFIG_KEY,
+        DDTreeConfig,
+        batch_limits,
+        cudagraph_capture_sizes,
+    )
+
+    seqs_from_user = self.max_num_seqs is not None
+    tokens_from_user = self.max_num_batched_tokens is not None
+    original(self, usage_context, model_config, parallel_config)
+    raw = (self.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    if raw is None or self.speculative_config is None:
+        return
+    cfg = DDTreeConfig(raw["tree_budget"], raw["draft_depth"])
+    seqs, tokens = batch_limits(
+        cfg,
+        self.max_num_seqs,
+        self.max_num_batched_tokens,
+        seqs_from_user,
+        tokens_from_user,
+    )
+    if seqs * cfg.verify_len > tokens:
+        logger.warning(
+            "DDTree: max_num_batched_tokens=%d holds full trees for %d of "
+            "max_num_seqs=%d requests; the scheduler trims the others' trees",
+            tokens,
+            tokens // cfg.verify_len,
+            seqs,
+        )
+    self.max_num_seqs, self.max_num_batched_tokens = seqs, tokens
+    cc = self.compilation_config
+    if (
+        self.cudagraph_capture_sizes is None
+        and self.max_cudagraph_capture_size is None
+        and cc.cudagraph_capture_sizes is None
+        and cc.max_cudagraph_capture_size is None
+    ):
+        cc = copy.copy(cc)
+        cc.cudagraph_capture_sizes = cudagraph_capture_sizes(cfg, seqs, tokens)
+        self.compilation_config = cc
+
+
+def _create_engine_config(original, self, *args, **kwargs):
+    vllm_config = original(self, *args, **kwargs)
+    if _ddtree_of(vllm_config) is not None and not vllm_config.use_v2_model_runner:
+        raise ValueError(
+            "DDTree runs on vLLM's Model Runner V2, which vLLM 0.26 does not pick "
+            f"for {vllm_config.model_config.model!r} with these settings (see the "
+            "'Model Runner V2 does not yet support' warning above); DDTree serves "
+            "dense decoder models such as Qwen3"
+        )
+    return vllm_config
+
+
+# ---------------------------------------------------------------------------
+# 4. Requests
+# ---------------------------------------------------------------------------
+
+
+def _validate_params(original, self, params, supported_tasks):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.spec_decode.ddtree_config import check_sampling_params
+
+    original(self, params, supported_tasks)
+    if isinstance(params, SamplingParams) and _ddtree_of(self.vllm_config):
+        check_sampling_params(params)
+
+
+# ---------------------------------------------------------------------------
+# 5-7. Engine core and workers
+# ---------------------------------------------------------------------------
+
+
+def _scheduler_init(original, self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    cfg = _ddtree_of(self.vllm_config)
+    if cfg is not None:
+        # The drafter writes KV for [bonus, mask x depth] past the committed
+        # tokens; DFlash's default (num_speculative_tokens + 1 = B + 1) is too
+        # small for B < depth and wastes KV for larger B.
+        self.num_lookahead_tokens = cfg.draft_len
+
+
+def _init_speculator(original, vllm_config, device):
+    if _ddtree_of(vllm_config) is None:
+        return original(vllm_config, device)
+    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
+
+    return DDTreeSpeculator(vllm_config, device)
+
+
+def _init_model_state(original, vllm_config, model, encoder_cache, device):
+    state = original(vllm_config, model, encoder_cache, device)
+    if _ddtree_of(vllm_config) is None:
+        return state
+    from vllm.v1.spec_decode.ddtree_verify import DDTreeModelState
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    if type(state) is not DefaultModelState:
+        raise ValueError(
+            f"DDTree supports models on MRv2's DefaultModelState, but "
+            f"{type(model).__name__} uses {type(state).__name__}"
+        )
+    return DDTreeModelState(vllm_config, model, encoder_cache, device)
