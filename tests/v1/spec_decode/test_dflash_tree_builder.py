@@ -80,9 +80,9 @@ def _assert_valid_tree(tree: DDTree, depth: int) -> None:
     assert torch.equal(tree.attn_mask, expected)
 
 
-def _run_case(num_reqs, depth, vocab, budget, seed, dtype=torch.float32):
+def _run_case(num_reqs, depth, vocab, budget, seed, dtype=torch.float32, cap=None):
     logits = _random_logits(num_reqs, depth, vocab, seed, dtype=dtype)
-    tree, lse = build_ddtree_with_lse(logits, budget)
+    tree, lse = build_ddtree_with_lse(logits, budget, survivor_cap=cap)
     torch.testing.assert_close(
         lse, torch.logsumexp(logits.float(), dim=-1), rtol=1e-5, atol=1e-5
     )
@@ -95,6 +95,19 @@ def _run_case(num_reqs, depth, vocab, budget, seed, dtype=torch.float32):
 def test_matches_heap_reference(num_reqs, depth, vocab, budget):
     for seed in range(2):
         _run_case(num_reqs, depth, vocab, budget, seed)
+
+
+@pytest.mark.parametrize("cap", [1, 4])
+def test_sort_all_fallback_matches_reference(cap):
+    """Force the path that sorts every candidate of a depth (too many enter)."""
+    for num_reqs, depth, vocab, budget in [(2, 15, 50, 16), (1, 4, 1000, 12)]:
+        _run_case(num_reqs, depth, vocab, budget, seed=9, cap=cap)
+
+
+@requires_gpu
+@pytest.mark.parametrize("budget", [16, 128, 512])
+def test_sort_all_fallback_full_size(budget):
+    _run_case(4, 15, 151936, budget, seed=4, cap=1)
 
 
 @requires_gpu

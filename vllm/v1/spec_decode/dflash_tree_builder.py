@@ -89,10 +89,13 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int) -> DDTree:
 
 
 def build_ddtree_with_lse(
-    draft_logits: torch.Tensor, budget: int
+    draft_logits: torch.Tensor, budget: int, survivor_cap: int | None = None
 ) -> tuple[DDTree, torch.Tensor]:
     """:func:`build_ddtree`, also returning the ``[num_reqs, depth]`` float32
-    log-normaliser of every position, so references can use identical log-probs."""
+    log-normaliser of every position, so references can use identical log-probs.
+
+    ``survivor_cap`` (tests only) lowers the fast path's capacity so that the
+    fallback that sorts every candidate of a depth is exercised."""
     _check_build_args(draft_logits, budget)
     num_reqs, depth, vocab = draft_logits.shape
     device = draft_logits.device
@@ -100,6 +103,7 @@ def build_ddtree_with_lse(
 
     lse_max, lse_sum = _logsumexp_partials(draft_logits)
     top_logits, top_ids = _top_tokens(draft_logits, num_top)
+    tok_lp, tok_id, lse = _rank_top_tokens(top_logits, top_ids, lse_max, lse_sum)
     pairs = _candidate_pairs(budget, device)
 
     num_words = num_mask_words(budget)
@@ -112,49 +116,47 @@ def build_ddtree_with_lse(
         ),
         num_nodes=torch.empty(num_reqs, dtype=torch.int32, device=device),
     )
-    lse = torch.empty(num_reqs, depth, dtype=torch.float32, device=device)
-    # Per-request scratch, private to the kernel.
-    keys = torch.empty(num_reqs, budget, dtype=torch.int64, device=device)
-    tok_lp = torch.empty(num_reqs, depth, num_top, dtype=torch.float32, device=device)
-    tok_id = torch.empty(num_reqs, depth, num_top, dtype=torch.int64, device=device)
+    block_kept = triton.next_power_of_2(budget)
+    cap = block_kept if survivor_cap is None else survivor_cap
+    # Per-request scratch, private to the kernel: the kept keys followed by a
+    # depth's surviving candidates; the kept nodes of the last depth by rank;
+    # node index by (depth, rank); the ancestor jump pointers of the mask.
+    keys = torch.empty(num_reqs, 2 * block_kept, dtype=torch.int64, device=device)
     par_score = torch.empty(num_reqs, budget, dtype=torch.float32, device=device)
     node_of_rank = torch.empty(
         num_reqs, depth, budget, dtype=torch.int32, device=device
     )
+    jump = torch.empty(num_reqs, budget + 1, dtype=torch.int32, device=device)
 
-    block_slots = triton.next_power_of_2(budget + pairs.shape[1])
-    _ddtree_build_kernel[(num_reqs,)](
-        top_logits,
-        top_ids,
-        lse_max,
-        lse_sum,
-        lse_max.shape[-1],
+    block_words = triton.next_power_of_2(num_words)
+    block_rows = min(triton.next_power_of_2(budget + 1), max(4096 // block_words, 16))
+    _ddtree_select_kernel[(num_reqs,)](
+        tok_lp,
+        tok_id,
         pairs,
         pairs.shape[1],
         keys,
-        tok_lp,
-        tok_id,
         par_score,
         node_of_rank,
+        jump,
         tree.token_ids,
         tree.parent_ids,
         tree.depths,
         tree.attn_mask,
         tree.num_nodes,
-        lse,
         depth,
         num_top,
         RANK_BITS=_RANK_BITS,
         INVALID=_INVALID_KEY,
         BUDGET=budget,
-        BLOCK_BUDGET=triton.next_power_of_2(budget + 1),
-        BLOCK_TOP=triton.next_power_of_2(num_top),
-        BLOCK_SLOTS=block_slots,
-        BLOCK_CHUNKS=triton.next_power_of_2(lse_max.shape[-1]),
+        BLOCK_KEPT=block_kept,
+        BLOCK_CAND=triton.next_power_of_2(pairs.shape[1]),
+        CAP=cap,
         NUM_WORDS=num_words,
-        BLOCK_WORDS=triton.next_power_of_2(num_words),
-        BLOCK_ROWS=min(64, triton.next_power_of_2(budget + 1)),
-        num_warps=_num_warps(block_slots),
+        BLOCK_WORDS=block_words,
+        BLOCK_ROWS=block_rows,
+        JUMP_STEPS=depth.bit_length(),  # 2**steps >= depth + 1 tree tokens
+        num_warps=4 if block_kept <= 128 else 8,
     )
     return tree, lse
 
@@ -176,10 +178,6 @@ def _check_build_args(draft_logits: torch.Tensor, budget: int) -> None:
         raise ValueError(f"budget must be an int, got {budget!r}")
     if not 1 <= budget <= MAX_BUDGET:
         raise ValueError(f"budget must be in 1..{MAX_BUDGET}, got {budget}")
-
-
-def _num_warps(block_slots: int) -> int:
-    return 4 if block_slots <= 1024 else 8 if block_slots <= 4096 else 16
 
 
 def _top_tokens(
@@ -296,139 +294,201 @@ def _key_tie(key):
     return 0x7FFFFFFF - (key & 0xFFFFFFFF)
 
 
+def _rank_top_tokens(
+    top_logits: torch.Tensor,
+    top_ids: torch.Tensor,
+    lse_max: torch.Tensor,
+    lse_sum: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each depth's top tokens in rank order (logit descending, id ascending), as
+    log-probs and ids, plus the depth's log-normaliser; one program per depth."""
+    num_reqs, depth, num_top = top_logits.shape
+    device = top_logits.device
+    tok_lp = torch.empty(num_reqs, depth, num_top, dtype=torch.float32, device=device)
+    tok_id = torch.empty(num_reqs, depth, num_top, dtype=torch.int64, device=device)
+    lse = torch.empty(num_reqs, depth, dtype=torch.float32, device=device)
+    num_chunks = lse_max.shape[-1]
+    block_top = triton.next_power_of_2(num_top)
+    _rank_top_tokens_kernel[(num_reqs * depth,)](
+        top_logits,
+        top_ids,
+        lse_max,
+        lse_sum,
+        num_chunks,
+        tok_lp,
+        tok_id,
+        lse,
+        num_top,
+        BLOCK_TOP=block_top,
+        BLOCK_CHUNKS=triton.next_power_of_2(num_chunks),
+        INVALID=_INVALID_KEY,
+        num_warps=4 if block_top <= 256 else 8,
+    )
+    return tok_lp, tok_id, lse
+
+
 @triton.jit
-def _ddtree_build_kernel(
-    # [num_reqs, depth, num_top] logits and token ids of each depth's top tokens
+def _rank_top_tokens_kernel(
+    # [num_rows, num_top] logits and ids of a position's top tokens, any order
     top_logits_ptr,
     top_ids_ptr,
-    # [num_reqs, depth, num_chunks] logsumexp partials
+    # [num_rows, num_chunks] logsumexp partials
     chunk_max_ptr,
     chunk_sum_ptr,
     num_chunks,
+    # [num_rows, num_top] ranked log-probs and ids; [num_rows] log-normalisers
+    tok_lp_ptr,
+    tok_id_ptr,
+    lse_ptr,
+    num_top,
+    BLOCK_TOP: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr,
+    INVALID: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    cmax = tl.load(
+        chunk_max_ptr + row * num_chunks + chunks,
+        mask=chunks < num_chunks,
+        other=float("-inf"),
+    )
+    csum = tl.load(
+        chunk_sum_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=0.0
+    )
+    gmax = tl.max(cmax, axis=0)
+    lse = gmax + tl.log(tl.sum(csum * tl.exp(cmax - gmax), axis=0))
+    tl.store(lse_ptr + row, lse)
+
+    top = tl.arange(0, BLOCK_TOP)
+    valid = top < num_top
+    logit = tl.load(
+        top_logits_ptr + row * num_top + top, mask=valid, other=float("-inf")
+    ).to(tl.float32)
+    tok = tl.load(top_ids_ptr + row * num_top + top, mask=valid, other=0)
+    key = tl.where(valid, _sort_key(logit, tok.to(tl.int64)), INVALID)
+    key = tl.sort(key, descending=True)
+    tl.store(tok_lp_ptr + row * num_top + top, _score(key) - lse, mask=valid)
+    tl.store(tok_id_ptr + row * num_top + top, _key_tie(key), mask=valid)
+
+
+@triton.jit
+def _score(key):
+    return _from_orderable(key >> 32)
+
+
+@triton.jit
+def _ddtree_select_kernel(
+    # [num_reqs, depth, num_top] each depth's ranked token log-probs and ids
+    tok_lp_ptr,
+    tok_id_ptr,
     # [2, num_pairs] candidate (parent rank, token rank) pairs
     pairs_ptr,
     num_pairs,
-    # Scratch: [num_reqs, BUDGET] keys of the best prefixes so far,
-    # [num_reqs, depth, num_top] sorted token log-probs and ids,
-    # [num_reqs, BUDGET] scores of the last depth's kept nodes by rank,
-    # [num_reqs, depth, BUDGET] node index of each (depth, rank).
+    # Scratch: [num_reqs, 2 * BLOCK_KEPT] kept keys, then a depth's survivors;
+    # [num_reqs, BUDGET] scores of the last depth's kept nodes by rank;
+    # [num_reqs, depth, BUDGET] node index of each (depth, rank);
+    # [num_reqs, BUDGET + 1] ancestor jump pointers.
     keys_ptr,
-    tok_lp_ptr,
-    tok_id_ptr,
     par_score_ptr,
     node_of_rank_ptr,
-    # Outputs (see DDTree) and [num_reqs, depth] log-normalisers.
+    jump_ptr,
+    # Outputs, see DDTree.
     token_ids_ptr,
     parent_ids_ptr,
     depths_ptr,
     mask_ptr,
     num_nodes_ptr,
-    lse_ptr,
     depth,
     num_top,
     RANK_BITS: tl.constexpr,
     INVALID: tl.constexpr,
     BUDGET: tl.constexpr,
-    BLOCK_BUDGET: tl.constexpr,
-    BLOCK_TOP: tl.constexpr,
-    BLOCK_SLOTS: tl.constexpr,
-    BLOCK_CHUNKS: tl.constexpr,
+    BLOCK_KEPT: tl.constexpr,
+    BLOCK_CAND: tl.constexpr,
+    CAP: tl.constexpr,
     NUM_WORDS: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    JUMP_STEPS: tl.constexpr,
 ):
     tl.static_assert(BUDGET <= (1 << RANK_BITS))
-    tl.static_assert(BLOCK_SLOTS >= BUDGET)
+    tl.static_assert(CAP <= BLOCK_KEPT)
     req = tl.program_id(0).to(tl.int64)
-
-    keys_ptr += req * BUDGET
+    keys_ptr += req * 2 * BLOCK_KEPT
     par_score_ptr += req * BUDGET
     tok_lp_ptr += req * depth * num_top
     tok_id_ptr += req * depth * num_top
     node_of_rank_ptr += req * depth * BUDGET
 
-    # 1. Rank each depth's top tokens: logit descending, token id ascending.
-    top = tl.arange(0, BLOCK_TOP)
-    chunks = tl.arange(0, BLOCK_CHUNKS)
-    for d in range(depth):
-        row = req * depth + d
-        cmax = tl.load(
-            chunk_max_ptr + row * num_chunks + chunks,
-            mask=chunks < num_chunks,
-            other=float("-inf"),
-        )
-        csum = tl.load(
-            chunk_sum_ptr + row * num_chunks + chunks,
-            mask=chunks < num_chunks,
-            other=0.0,
-        )
-        gmax = tl.max(cmax, axis=0)
-        lse = gmax + tl.log(tl.sum(csum * tl.exp(cmax - gmax), axis=0))
-        tl.store(lse_ptr + row, lse)
-
-        valid = top < num_top
-        logit = tl.load(
-            top_logits_ptr + row * num_top + top, mask=valid, other=float("-inf")
-        ).to(tl.float32)
-        tok = tl.load(top_ids_ptr + row * num_top + top, mask=valid, other=0)
-        key = tl.where(valid, _sort_key(logit, tok.to(tl.int64)), INVALID)
-        key = tl.sort(key, descending=True)
-        logp = _from_orderable(key >> 32) - lse
-        tl.store(tok_lp_ptr + d * num_top + top, logp, mask=valid)
-        tl.store(tok_id_ptr + d * num_top + top, _key_tie(key), mask=valid)
-
-    # 2. Depth by depth, keep the best BUDGET prefixes of all depths so far. The
+    # 1. Depth by depth, keep the best BUDGET prefixes of all depths so far. The
     # candidates of depth d extend the kept depth d-1 nodes (by rank) with the
-    # depth's ranked tokens; keys order them best first, then by
-    # (depth, parent rank, token rank), which also puts parents before children.
-    budget_offs = tl.arange(0, BLOCK_BUDGET)
-    in_budget = budget_offs < BUDGET
-    tl.store(keys_ptr + budget_offs, tl.full([BLOCK_BUDGET], INVALID, tl.int64),
-             mask=in_budget)
+    # depth's ranked tokens; keys order them best first, then by (depth, parent
+    # rank, token rank), which also puts parents before children. Only
+    # candidates that beat the current BUDGET-th key can enter; when at most CAP
+    # do, they alone are merged with the kept keys, else all are sorted first.
+    kept_offs = tl.arange(0, BLOCK_KEPT)
+    tl.store(keys_ptr + kept_offs, tl.full([BLOCK_KEPT], INVALID, tl.int64))
     tl.store(par_score_ptr, 0.0)  # the root
-    num_parents = 1
-    slots = tl.arange(0, BLOCK_SLOTS)
-    pair = slots - BUDGET
-    is_pair = (pair >= 0) & (pair < num_pairs)
-    pi = tl.load(pairs_ptr + pair, mask=is_pair, other=0)
-    pj = tl.load(pairs_ptr + num_pairs + pair, mask=is_pair, other=0)
+    num_parents = tl.sum((kept_offs == 0).to(tl.int32), axis=0)  # the root
+    cutoff = tl.min(tl.full([BLOCK_KEPT], INVALID, tl.int64), axis=0)
+    cand = tl.arange(0, BLOCK_CAND)
+    is_pair = cand < num_pairs
+    pi = tl.load(pairs_ptr + cand, mask=is_pair, other=0)
+    pj = tl.load(pairs_ptr + num_pairs + cand, mask=is_pair, other=0)
+    tie = (pi << RANK_BITS) | pj
+    merge_offs = tl.arange(0, 2 * BLOCK_KEPT)
     for d in range(1, depth + 1):
         tl.debug_barrier()
-        kept = tl.load(keys_ptr + slots, mask=slots < BUDGET, other=INVALID)
         ok = is_pair & (pi < num_parents) & (pj < num_top)
         score = tl.load(par_score_ptr + pi, mask=ok, other=float("-inf")) + tl.load(
             tok_lp_ptr + (d - 1) * num_top + pj, mask=ok, other=float("-inf")
         )
         ok = ok & (score > float("-inf"))
-        tie = (d << (2 * RANK_BITS)) | (pi << RANK_BITS) | pj
-        key = tl.where(ok, _sort_key(score, tie.to(tl.int64)), INVALID)
-        key = tl.where(slots < BUDGET, kept, key)
-        key = tl.sort(key, descending=True)
+        key = tl.where(
+            ok, _sort_key(score, (tie | (d << (2 * RANK_BITS))).to(tl.int64)), INVALID
+        )
+        enters = key > cutoff
+        num_enter = tl.sum(enters.to(tl.int32), axis=0)
+        if num_enter > CAP:
+            # Rare: sort them all and merge the best BLOCK_KEPT (>= BUDGET).
+            key = tl.sort(key, descending=True)
+            enters = cand < BLOCK_KEPT
+            slot = cand
+            num_enter = tl.minimum(num_enter, BLOCK_KEPT)
+        else:
+            slot = tl.cumsum(enters.to(tl.int32), axis=0) - 1
+        tl.store(keys_ptr + BLOCK_KEPT + slot, key, mask=enters)
         tl.debug_barrier()
-        tl.store(keys_ptr + slots, key, mask=slots < BUDGET)
+        merged = tl.load(
+            keys_ptr + merge_offs,
+            mask=merge_offs < BLOCK_KEPT + num_enter,
+            other=INVALID,
+        )
+        merged = tl.sort(merged, descending=True)
+        tl.debug_barrier()
+        tl.store(keys_ptr + merge_offs, merged, mask=merge_offs < BUDGET)
         tl.debug_barrier()
 
         # The kept nodes of depth d, in rank order, are the next depth's parents.
-        kept = tl.load(keys_ptr + budget_offs, mask=in_budget, other=INVALID)
+        kept = tl.load(keys_ptr + kept_offs)
+        cutoff = tl.sum(tl.where(kept_offs == BUDGET - 1, kept, 0), axis=0)
         at_d = (kept != INVALID) & ((_key_tie(kept) >> (2 * RANK_BITS)) == d)
         rank = tl.cumsum(at_d.to(tl.int32), axis=0) - 1
-        tl.store(par_score_ptr + rank, _from_orderable(kept >> 32), mask=at_d)
+        tl.store(par_score_ptr + rank, _score(kept), mask=at_d)
         num_parents = tl.sum(at_d.to(tl.int32), axis=0)
 
-    # 3. Decode the kept keys into nodes; node n is kept entry n-1.
-    tl.debug_barrier()
-    kept = tl.load(keys_ptr + budget_offs, mask=in_budget, other=INVALID)
+    # 2. Decode the kept keys into nodes; node n is kept entry n-1.
+    in_budget = kept_offs < BUDGET
+    kept = tl.load(keys_ptr + kept_offs)
     real = kept != INVALID
-    tie = _key_tie(kept)
-    node_depth = tl.where(real, tie >> (2 * RANK_BITS), 0).to(tl.int32)
-    parent_rank = (tie >> RANK_BITS) & ((1 << RANK_BITS) - 1)
-    tok_rank = tie & ((1 << RANK_BITS) - 1)
+    node_tie = _key_tie(kept)
+    node_depth = tl.where(real, node_tie >> (2 * RANK_BITS), 0).to(tl.int32)
+    parent_rank = (node_tie >> RANK_BITS) & ((1 << RANK_BITS) - 1)
+    tok_rank = node_tie & ((1 << RANK_BITS) - 1)
     for d in range(1, depth + 1):
         at_d = real & (node_depth == d)
         rank = tl.cumsum(at_d.to(tl.int32), axis=0) - 1
-        tl.store(
-            node_of_rank_ptr + (d - 1) * BUDGET + rank, budget_offs + 1, mask=at_d
-        )
+        tl.store(node_of_rank_ptr + (d - 1) * BUDGET + rank, kept_offs + 1, mask=at_d)
     tl.debug_barrier()
     parent = tl.load(
         node_of_rank_ptr + (node_depth - 2) * BUDGET + parent_rank,
@@ -438,30 +498,52 @@ def _ddtree_build_kernel(
     token = tl.load(
         tok_id_ptr + (node_depth - 1) * num_top + tok_rank, mask=real, other=-1
     )
-    out = req * BUDGET + budget_offs
+    out = req * BUDGET + kept_offs
     tl.store(token_ids_ptr + out, token, mask=in_budget)
     tl.store(parent_ids_ptr + out, parent, mask=in_budget)
     tl.store(depths_ptr + out, node_depth, mask=in_budget)
     tl.store(num_nodes_ptr + req, tl.sum(real.to(tl.int32), axis=0))
-    tl.debug_barrier()
+    # Node n's first jump is its parent; the root jumps to itself.
+    tl.store(jump_ptr + req * (BUDGET + 1) + kept_offs + 1, parent, mask=in_budget)
+    tl.store(jump_ptr + req * (BUDGET + 1), 0)
 
-    # 4. Ancestor-or-self mask rows, walking each row's parent chain.
+    # 3. Ancestor-or-self mask rows by pointer doubling: a row covers its
+    # ancestors nearer than its jump target; each step ORs in the target's row and
+    # doubles the jump. Rows are updated in place, block by block; reading a row
+    # already updated in this step only covers more of the same ancestors.
     words = tl.arange(0, BLOCK_WORDS)
+    word_ok = words < NUM_WORDS
+    row_base = mask_ptr + req * (BUDGET + 1) * NUM_WORDS
     for row_start in range(0, BUDGET + 1, BLOCK_ROWS):
         rows = row_start + tl.arange(0, BLOCK_ROWS)
-        in_rows = rows <= BUDGET
-        acc = tl.zeros([BLOCK_ROWS, BLOCK_WORDS], dtype=tl.int32)
-        cur = tl.where(in_rows, rows, 0)
-        for _ in range(depth + 1):
-            bit = (1 << (cur & 31)).to(tl.int32)
-            hit = words[None, :] == (cur >> 5)[:, None]
-            acc = acc | tl.where(hit, bit[:, None], 0)
-            cur = tl.load(
-                parent_ids_ptr + req * BUDGET + cur - 1, mask=cur > 0, other=0
-            )
-        row_offs = (req * (BUDGET + 1) + rows)[:, None] * NUM_WORDS + words[None, :]
-        tl.store(
-            mask_ptr + row_offs,
-            acc,
-            mask=in_rows[:, None] & (words[None, :] < NUM_WORDS),
+        bit = tl.where(
+            words[None, :] == (rows >> 5)[:, None], (1 << (rows & 31))[:, None], 0
         )
+        tl.store(
+            row_base + rows[:, None] * NUM_WORDS + words[None, :],
+            bit.to(tl.int32),
+            mask=(rows <= BUDGET)[:, None] & word_ok[None, :],
+        )
+    for _ in range(JUMP_STEPS):
+        for row_start in range(0, BUDGET + 1, BLOCK_ROWS):
+            tl.debug_barrier()
+            rows = row_start + tl.arange(0, BLOCK_ROWS)
+            in_rows = rows <= BUDGET
+            tile = in_rows[:, None] & word_ok[None, :]
+            target = tl.load(jump_ptr + req * (BUDGET + 1) + rows, mask=in_rows, other=0)
+            row_bits = tl.load(
+                row_base + rows[:, None] * NUM_WORDS + words[None, :], mask=tile
+            )
+            target_bits = tl.load(
+                row_base + target[:, None] * NUM_WORDS + words[None, :], mask=tile
+            )
+            next_target = tl.load(
+                jump_ptr + req * (BUDGET + 1) + target, mask=in_rows, other=0
+            )
+            tl.debug_barrier()
+            tl.store(
+                row_base + rows[:, None] * NUM_WORDS + words[None, :],
+                row_bits | target_bits,
+                mask=tile,
+            )
+            tl.store(jump_ptr + req * (BUDGET + 1) + rows, next_target, mask=in_rows)
