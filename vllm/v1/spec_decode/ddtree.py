@@ -138,11 +138,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.sample_indices = torch.zeros(
             self.max_num_reqs * self.draft_depth, dtype=torch.int64, device=device
         )
-        # Target rows feeding the drafter's context (see prepare_draft_inputs);
-        # DFlash's full-width hidden-state copy is not needed.
+        # Drafter context entries (prepare_draft_inputs): the step's non-draft
+        # rows plus depth path entries per request. DFlash's full-width copy of
+        # the target's hidden states is not needed.
+        self.max_num_context = self.max_num_tokens + self.draft_depth * self.max_num_reqs
         self.context_rows = torch.zeros(
-            self.max_num_tokens, dtype=torch.int64, device=device
+            self.max_num_context, dtype=torch.int64, device=device
         )
+        self.context_positions = torch.zeros_like(self.context_rows)
         self.hidden_states = None
         # Trees of the drafter's last run, batch order (CUDA graph outputs).
         self.batch_trees = DraftTrees(self.max_num_reqs, self.tree_budget, device)
@@ -169,6 +172,12 @@ class DDTreeSpeculator(DFlashSpeculator):
             block_tables,
             target_input_buffers,
             target_attn_groups,
+        )
+        self._context_slot_mappings = torch.zeros(
+            len(self.draft_kv_cache_group_ids),
+            self.max_num_context,
+            dtype=torch.int64,
+            device=self.device,
         )
         # The target's DDTreeModelState owns the state shared with verification.
         state = getattr(model_state, "ddtree_state", None)

@@ -1,0 +1,512 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One DDTree step through the MRv2 hooks, without a model runner.
+
+A real engine config (tiny Qwen3 target, tiny DFlash drafter with block size 4),
+real TREE_ATTN metadata builders and the real DDTree classes; the target's logits,
+the KV caches and the drafter network are stand-ins. On the CPU every kernel runs
+in the Triton interpreter.
+
+Batch: request state 2 verifies a full tree, state 0 a tree the scheduler trimmed
+to 4 nodes, state 3 runs a chunk of its prefill (5 tokens, no drafts).
+"""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from tests.models.tiny_models import VOCAB_SIZE, make_tiny_dflash, make_tiny_qwen3
+from tests.v1.ddtree_reference import build_ddtree_reference
+from tests.v1.sample.test_tree_rejection_sampler import _StubSampler
+from vllm.config.compilation import CUDAGraphMode
+from vllm.triton_utils import tl, triton
+from vllm.v1.attention.backends.tree_attn import (
+    TreeAttentionBackend,
+    kv_cache_as_kv_first,
+)
+from vllm.v1.attention.ops.tree_kv_compaction import compact_tree_kv_reference
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+from vllm.v1.spec_decode.ddtree_inputs import draft_context_size
+from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree
+from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.utils import AttentionGroup
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BUDGET, BLOCK, DEPTH = 6, 16, 3
+NUM_KV_HEADS, HEAD_SIZE = 2, 64
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+# (request state, tokens scheduled, draft tokens, committed length p0)
+BATCH = [(2, 7, 6, 40), (0, 5, 4, 17), (3, 5, 0, 10)]
+NUM_STATES = 4
+
+
+@triton.jit
+def _log1p(x):
+    return tl.log(1.0 + x)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_shims():
+    """The Triton interpreter lacks libdevice's log1p (vLLM's Gumbel noise)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import vllm.v1.worker.gpu.sample.gumbel as gumbel
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gumbel, "tldevice", types.SimpleNamespace(log1p=_log1p))
+        yield
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    import vllm_ddtree
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    vllm_ddtree.register()
+    root = tmp_path_factory.mktemp("ddtree_step")
+    target = make_tiny_qwen3(root / "target", num_hidden_layers=2)
+    drafter = make_tiny_dflash(root / "drafter", target, block_size=DEPTH + 1)
+    with pytest.MonkeyPatch.context() as mp:
+        # EngineArgs asks the platform for a device type; a CPU-only box has none.
+        mp.setattr(type(current_platform), "device_type", "cuda", raising=False)
+        args = EngineArgs(
+            model=str(target),
+            speculative_config={
+                "method": "ddtree",
+                "model": str(drafter),
+                "tree_budget": BUDGET,
+            },
+            max_model_len=256,
+            max_num_seqs=NUM_STATES,
+            max_num_batched_tokens=128,
+        )
+        return args.create_engine_config()
+
+
+def test_config_carries_ddtree(vllm_config):
+    assert DDTreeConfig.from_vllm_config(vllm_config) == DDTreeConfig(BUDGET, DEPTH)
+
+
+# ---------------------------------------------------------------------------
+# Batch and cache stand-ins.
+# ---------------------------------------------------------------------------
+
+
+def _input_batch(positions: torch.Tensor) -> InputBatch:
+    num_reqs = len(BATCH)
+    q_lens = np.array([q for _, q, _, _ in BATCH], dtype=np.int32)
+    drafts = np.array([b for _, _, b, _ in BATCH], dtype=np.int32)
+    qsl_np = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_np = np.concatenate([[0], np.cumsum(np.where(drafts > 0, drafts + 1, 1))])
+    cu_np = cu_np.astype(np.int32)
+    seq_lens = np.array([p0 + q for _, q, _, p0 in BATCH], dtype=np.int32)
+    num_tokens = int(q_lens.sum())
+    logits_indices = torch.cat(
+        [
+            torch.arange(int(qsl_np[r + 1]) - (int(cu_np[r + 1] - cu_np[r])),
+                         int(qsl_np[r + 1]))
+            for r in range(num_reqs)
+        ]
+    )
+    cu = torch.from_numpy(cu_np)
+    counts = (cu[1:] - cu[:-1]).long()
+    expanded_local_pos = torch.cat([torch.arange(int(c)) for c in counts])
+    idx_mapping = torch.tensor([s for s, _, _, _ in BATCH], dtype=torch.int32)
+    return InputBatch(
+        req_ids=[f"req{r}" for r in range(num_reqs)],
+        num_reqs=num_reqs,
+        num_reqs_after_padding=num_reqs,
+        idx_mapping=idx_mapping.to(DEVICE),
+        idx_mapping_np=idx_mapping.numpy(),
+        expanded_idx_mapping=torch.repeat_interleave(idx_mapping, counts).to(DEVICE),
+        expanded_local_pos=expanded_local_pos.to(torch.int32).to(DEVICE),
+        num_scheduled_tokens=q_lens,
+        num_tokens=num_tokens,
+        num_tokens_after_padding=num_tokens,
+        num_draft_tokens=int(drafts.sum()),
+        num_draft_tokens_per_req=drafts,
+        query_start_loc=torch.from_numpy(qsl_np).to(DEVICE),
+        query_start_loc_np=qsl_np,
+        seq_lens=torch.from_numpy(seq_lens).to(DEVICE),
+        seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+        dcp_local_seq_lens=None,
+        num_computed_tokens_np=np.array([p0 for *_, p0 in BATCH], dtype=np.int32),
+        prefill_len_np=np.array([5, 5, 100], dtype=np.int32),
+        num_computed_prefill_tokens_np=np.array([5, 5, 10], dtype=np.int32),
+        is_prefilling_np=np.array([False, False, True]),
+        max_seq_len_np=None,
+        input_ids=torch.zeros(num_tokens, dtype=torch.int32, device=DEVICE),
+        positions=positions.to(DEVICE),
+        is_padding=torch.zeros(num_tokens, dtype=torch.bool, device=DEVICE),
+        logits_indices=logits_indices.to(DEVICE),
+        cu_num_logits=cu.to(DEVICE),
+        cu_num_logits_np=cu_np,
+        has_structured_output_reqs=False,
+        prompt_lens=None,
+    )
+
+
+def _flat_positions() -> torch.Tensor:
+    """What MRv2 writes before the DDTree hooks: p0, p0 + 1, ... per request."""
+    return torch.cat([torch.arange(p0, p0 + q) for _, q, _, p0 in BATCH])
+
+
+def _block_table(gen) -> torch.Tensor:
+    """[num_reqs, 8] distinct random blocks per request (batch order)."""
+    blocks = torch.randperm(64, generator=gen)[: len(BATCH) * 8] + 1
+    return blocks.view(len(BATCH), 8).to(torch.int32)
+
+
+def _slot_mapping(block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    slots, start = [], 0
+    for r, (_, q, _, _) in enumerate(BATCH):
+        for p in positions[start : start + q].tolist():
+            slots.append(int(block_table[r, p // BLOCK]) * BLOCK + p % BLOCK)
+        start += q
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+def _trees(gen):
+    logits = torch.randn(NUM_STATES, DEPTH, VOCAB_SIZE, generator=gen) * 3
+    return build_ddtree_reference(logits, BUDGET)
+
+
+def _model_state(vllm_config):
+    from vllm.v1.spec_decode.ddtree_verify import DDTreeModelState
+
+    return DDTreeModelState(vllm_config, torch.nn.Module(), None, torch.device(DEVICE))
+
+
+def _attn_groups(vllm_config):
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE
+    )
+    group = AttentionGroup(TreeAttentionBackend, list(LAYERS), spec, 0)
+    group.create_metadata_builders(vllm_config, torch.device(DEVICE), BLOCK)
+    return [[group]]
+
+
+# ---------------------------------------------------------------------------
+# The step.
+# ---------------------------------------------------------------------------
+
+
+def test_verify_inputs_walk_and_compaction(vllm_config, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    state_ms = _model_state(vllm_config)
+    state = state_ms.ddtree_state
+    trees = _trees(gen)
+    for name in ("token_ids", "parent_ids", "depths", "attn_mask"):
+        getattr(state.trees, name).copy_(getattr(trees, name))
+
+    positions = _flat_positions()
+    batch = _input_batch(positions)
+    block_table = _block_table(gen)
+    slot_mapping = _slot_mapping(block_table, positions).to(DEVICE)
+    kv_cache_config = types.SimpleNamespace(
+        kv_cache_groups=[types.SimpleNamespace(layer_names=list(LAYERS))]
+    )
+    attn_groups = _attn_groups(vllm_config)
+    metadata = state_ms.prepare_attn(
+        batch,
+        CUDAGraphMode.NONE,
+        (block_table.to(DEVICE),),
+        slot_mapping[None],
+        attn_groups,
+        kv_cache_config,
+    )
+
+    # Tree rows: node i at p0 + depth_i; the trimmed tree keeps its prefix; the
+    # prefill chunk is untouched. Masks are the trees' rows, in batch order.
+    start = 0
+    for r, (s, q, b, p0) in enumerate(BATCH):
+        got = batch.positions[start : start + q].cpu()
+        if b:
+            want = torch.cat([torch.tensor([p0]), p0 + trees.depths[s, :b].long()])
+            assert torch.equal(
+                state_ms.tree_inputs.attn_mask[r, : b + 1].cpu(),
+                trees.attn_mask[s, : b + 1],
+            )
+        else:
+            want = torch.arange(p0, p0 + q)
+        assert torch.equal(got, want), r
+        start += q
+    assert state_ms.tree_inputs.is_tree[:3].tolist() == [1, 1, 0]
+    rows = metadata[LAYERS[0]].kernel_rows
+    assert rows.tree_mask.data_ptr() == state_ms.tree_inputs.attn_mask.data_ptr()
+    assert rows.is_tree.data_ptr() == state_ms.tree_inputs.is_tree.data_ptr()
+
+    # Walk: the target's greedy choices follow a random path of each tree.
+    cu = batch.cu_num_logits.cpu()
+    batch_trees = [trees.token_ids[s] for s, *_ in BATCH]
+    batch_parents = [trees.parent_ids[s] for s, *_ in BATCH]
+    logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
+    # Request 0 accepts the path to its last node; request 1 the path to its
+    # deepest kept node (paths skip indices, so the KV really moves).
+    paths = [_path_to(batch_parents[0], _deepest(trees.depths[BATCH[0][0]], 6)),
+             _path_to(batch_parents[1], _deepest(trees.depths[BATCH[1][0]], 4))]
+    for r, path in enumerate(paths):
+        cur = 0
+        for node in path:
+            row = int(cu[r]) + cur
+            logits[row, int(batch_trees[r][node - 1])] = logits[row].max() + 1
+            cur = node
+    sampler = _StubSampler(
+        temperature=torch.zeros(NUM_STATES, device=DEVICE),
+        seeds=torch.arange(NUM_STATES, device=DEVICE),
+        prefill_len=torch.tensor([5, 0, 5, 100], dtype=torch.int32, device=DEVICE),
+        num_logprobs=-1,
+    )
+    _, rejection_sampler = state_ms.custom_sampler(sampler)
+    out = rejection_sampler(logits.to(DEVICE), batch, None)
+    verified = state.verified
+    assert verified is not None
+    assert verified.tree_start.tolist() == [0, 7, 16]
+    k = out.num_accepted.tolist()
+    assert k[:2] == [len(p) for p in paths] and k[2] == 0
+    for r, path in enumerate(paths):
+        assert out.accepted_nodes[r, : k[r]].tolist() == path
+    assert any(node != d + 1 for path in paths for d, node in enumerate(path))
+    assert out.num_sampled.tolist() == [k[0] + 1, k[1] + 1, 0]
+    assert out.num_rejected.tolist() == [6 - k[0], 4 - k[1], 0]
+
+    # Compaction moves each accepted node's KV to slot p0 + d in both layers.
+    caches = [
+        torch.randn(64 + 1, NUM_KV_HEADS, BLOCK, 2 * HEAD_SIZE, generator=gen)
+        .to(DTYPE)
+        .to(DEVICE)
+        for _ in LAYERS
+    ]
+    want = [kv_cache_as_kv_first(c.clone(), HEAD_SIZE) for c in caches]
+    compact_tree_kv_reference(
+        want,
+        slot_mapping.cpu(),
+        torch.tensor([0, 7, 16, 21]),
+        out.accepted_nodes.cpu(),
+        out.num_accepted.cpu(),
+    )
+    forward_context = vllm_config.compilation_config.static_forward_context
+    for name, cache in zip(LAYERS, caches):
+        monkeypatch.setitem(forward_context, name, types.SimpleNamespace(kv_cache=cache))
+    state_ms.postprocess_state(batch.idx_mapping, out.num_sampled)
+    for cache, ref in zip(caches, want):
+        assert torch.equal(kv_cache_as_kv_first(cache, HEAD_SIZE).cpu(), ref.cpu())
+
+    # The next step starts from scratch: no stale walk result.
+    state_ms.prepare_attn(
+        _input_batch(_flat_positions()),
+        CUDAGraphMode.NONE,
+        (block_table.to(DEVICE),),
+        slot_mapping[None],
+        attn_groups,
+        kv_cache_config,
+    )
+    assert state.verified is None
+
+
+def test_capture_and_draft_free_batches_are_causal(vllm_config):
+    state_ms = _model_state(vllm_config)
+    state_ms.tree_inputs.is_tree.fill_(1)
+    batch = _input_batch(_flat_positions())
+    batch.num_draft_tokens = 0
+    kv_cache_config = types.SimpleNamespace(
+        kv_cache_groups=[types.SimpleNamespace(layer_names=list(LAYERS))]
+    )
+    block_table = _block_table(torch.Generator().manual_seed(1)).to(DEVICE)
+    slot_mapping = _slot_mapping(block_table.cpu(), _flat_positions())[None]
+    state_ms.prepare_attn(
+        batch,
+        CUDAGraphMode.NONE,
+        (block_table,),
+        slot_mapping.to(DEVICE),
+        _attn_groups(vllm_config),
+        kv_cache_config,
+    )
+    assert not state_ms.tree_inputs.is_tree.any()
+    assert torch.equal(batch.positions.cpu(), _flat_positions())
+
+
+# ---------------------------------------------------------------------------
+# The speculator, with a stand-in drafter network.
+# ---------------------------------------------------------------------------
+
+
+class _Drafter(torch.nn.Module):
+    """DFlash drafter interface; logits depend on (token, position) only."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.hidden = hidden
+        self.context: list[tuple] = []
+
+    def combine_hidden_states(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, : self.hidden] + x[:, self.hidden :].sum(-1, keepdim=True)
+
+    def precompute_and_store_context_kv(self, states, positions, slots=None):
+        self.context.append((states.clone(), positions.clone(),
+                             None if slots is None else slots.clone()))
+
+    def forward(self, input_ids, positions, inputs_embeds=None):
+        x = (input_ids.float() * 0.37 + positions.float() * 1.3)[:, None]
+        return torch.sin(x * torch.arange(1, 9, device=x.device).float())
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        proj = torch.cos(torch.arange(8 * VOCAB_SIZE, device=hidden.device).float())
+        return hidden @ proj.view(8, VOCAB_SIZE) * 4
+
+
+def _speculator(vllm_config, model_state):
+    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
+
+    spec = DDTreeSpeculator(vllm_config, torch.device(DEVICE))
+    spec.model = _Drafter(hidden=vllm_config.model_config.get_hidden_size())
+    spec.draft_attn_layer_names = set()
+    spec.kv_cache_config = types.SimpleNamespace(kv_cache_groups=[])
+    spec.draft_kv_cache_group_ids = [0]
+    spec._layer_group_idx = None
+    spec._group_causal = False
+    spec._context_slot_mappings = torch.zeros(
+        1, spec.max_num_context, dtype=torch.int64, device=DEVICE
+    )
+    spec.state = model_state.ddtree_state
+    spec.query_cudagraph_manager = types.SimpleNamespace(
+        dispatch=lambda num_reqs, num_tokens, uniform, num_active_loras=0: (
+            BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
+        )
+    )
+    return spec
+
+
+def test_speculator_drafts_trees_from_the_accepted_path(vllm_config):
+    gen = torch.Generator().manual_seed(3)
+    model_state = _model_state(vllm_config)
+    spec = _speculator(vllm_config, model_state)
+    assert spec.num_query_per_req == DEPTH + 1
+    positions = _flat_positions()
+    batch = _input_batch(positions)
+    block_table = _block_table(gen).to(DEVICE)
+    spec.block_tables = types.SimpleNamespace(
+        slot_mappings=torch.zeros(1, 128, dtype=torch.int64, device=DEVICE),
+        input_block_tables=[block_table],
+        kernel_block_sizes=[BLOCK],
+    )
+    # Tree positions as the verify writer leaves them, and a walk result.
+    trees = _trees(gen)
+    model_state.ddtree_state.trees.depths.copy_(trees.depths)
+    model_state.ddtree_state.trees.attn_mask.copy_(trees.attn_mask)
+    from vllm.v1.spec_decode.ddtree_inputs import write_tree_verify_inputs
+
+    write_tree_verify_inputs(
+        batch.positions, model_state.tree_inputs.attn_mask,
+        model_state.tree_inputs.is_tree, trees.depths.to(DEVICE),
+        trees.attn_mask.to(DEVICE), batch.idx_mapping, batch.query_start_loc,
+        batch.cu_num_logits, 3,
+    )
+    accepted = _accepted_path(trees)
+    from vllm.v1.spec_decode.ddtree import VerifiedPaths
+
+    model_state.ddtree_state.verified = VerifiedPaths(
+        tree_start=torch.tensor([0, 7, 16], dtype=torch.int32, device=DEVICE),
+        accepted_nodes=accepted[0].to(DEVICE),
+        num_accepted=accepted[1].to(DEVICE),
+    )
+    hidden = vllm_config.model_config.get_hidden_size()
+    num_tokens = batch.num_tokens
+    aux = [torch.randn(num_tokens, hidden, generator=gen).to(DEVICE) for _ in range(2)]
+    last_sampled = torch.arange(100, 100 + NUM_STATES, device=DEVICE)[:, None]
+    next_prefill = torch.arange(200, 200 + NUM_STATES, dtype=torch.int32,
+                                device=DEVICE)
+    num_sampled = torch.tensor([3, 2, 0], dtype=torch.int32, device=DEVICE)
+
+    draft = spec.propose(
+        batch, {}, {}, aux[0], aux, num_sampled,
+        torch.zeros(3, dtype=torch.int32, device=DEVICE), last_sampled, next_prefill,
+        torch.zeros(NUM_STATES, device=DEVICE), torch.zeros(NUM_STATES, device=DEVICE),
+    )
+
+    # Context: root + accepted path (in path order) of the tree requests, all
+    # rows of the prefill chunk; padding entries write no KV.
+    states, ctx_pos, ctx_slots = spec.model.context[-1]
+    n = draft_context_size(num_tokens, batch.num_draft_tokens, 3, DEPTH)
+    assert states.shape[0] == ctx_pos.shape[0] == n
+    k = accepted[1].tolist()
+    want_rows, want_keep = [], []
+    for r, (s, q, b, p0) in enumerate(BATCH):
+        start = int(batch.query_start_loc[r])
+        if b:
+            path = [start] + [start + int(x) for x in accepted[0][r, : k[r]]]
+            want_rows += path + [start] * (1 + DEPTH - len(path))
+            # The committed path sits at p0, p0 + 1, ..., p0 + k.
+            assert batch.positions[path].tolist() == list(range(p0, p0 + len(path)))
+        else:
+            path = list(range(start, start + q))
+            want_rows += path + [start + q - 1] * DEPTH
+        want_keep += [True] * len(path) + [False] * (len(want_rows) - len(want_keep)
+                                                      - len(path))
+    assert ctx_pos.tolist() == batch.positions[want_rows].tolist()
+    assert (ctx_slots >= 0).tolist() == want_keep
+    x = torch.cat(aux, -1)[torch.tensor(want_rows, device=DEVICE)]
+    torch.testing.assert_close(states, spec.model.combine_hidden_states(x))
+
+    # Query: bonus token then masks right after the committed path.
+    ids = spec.input_buffers.input_ids[: 3 * (DEPTH + 1)].view(3, DEPTH + 1).cpu()
+    pos = spec.input_buffers.positions[: 3 * (DEPTH + 1)].view(3, DEPTH + 1).cpu()
+    mask = spec.parallel_drafting_token_id
+    assert ids[:, 0].tolist() == [102, 100, 203]
+    assert (ids[:, 1:] == mask).all()
+    first = [40 + k[0] + 1, 17 + k[1] + 1, 15]
+    assert pos[:, 0].tolist() == first
+
+    # Trees: built from the drafter's logits at the mask rows, stored per state.
+    hidden_q = spec.model.forward(
+        spec.input_buffers.input_ids[: 3 * (DEPTH + 1)].long(),
+        spec.input_buffers.positions[: 3 * (DEPTH + 1)],
+    ).view(3, DEPTH + 1, -1)[:, 1:]
+    want = build_ddtree(spec.model.compute_logits(hidden_q.reshape(-1, 8))
+                        .view(3, DEPTH, -1), BUDGET)
+    for r, (s, *_rest) in enumerate(BATCH):
+        assert torch.equal(model_state.ddtree_state.trees.token_ids[s].cpu(),
+                           want.token_ids[r].cpu())
+        assert torch.equal(model_state.ddtree_state.trees.attn_mask[s].cpu(),
+                           want.attn_mask[r].cpu())
+    assert torch.equal(draft.cpu(), want.token_ids.clamp(min=0).cpu())
+
+
+def _deepest(depths: torch.Tensor, num_nodes: int) -> int:
+    """The last of the deepest nodes among the first num_nodes (1-based)."""
+    d = depths[:num_nodes].tolist()
+    return max(range(num_nodes), key=lambda i: (d[i], i)) + 1
+
+
+def _path_to(parents: torch.Tensor, node: int) -> list[int]:
+    path = []
+    while node:
+        path.append(node)
+        node = int(parents[node - 1])
+    return path[::-1]
+
+
+def _accepted_path(trees):
+    """A valid accepted path per batch row: the first child chain of each tree,
+    cut at 2 nodes; none for the prefill row."""
+    nodes = torch.full((3, DEPTH), -1, dtype=torch.int32)
+    counts = torch.zeros(3, dtype=torch.int32)
+    for r, (s, _, b, _) in enumerate(BATCH):
+        cur, path = 0, []
+        while b and len(path) < 2:
+            children = [i + 1 for i in range(b) if int(trees.parent_ids[s, i]) == cur]
+            if not children:
+                break
+            cur = children[0]
+            path.append(cur)
+        nodes[r, : len(path)] = torch.tensor(path, dtype=torch.int32)
+        counts[r] = len(path)
+    return nodes, counts
