@@ -203,7 +203,9 @@ def _check_target_model(model_config: Any) -> None:
         f"{name}: multimodal inputs are not supported": (
             model_config.is_multimodal_model
         ),
-        f"{name}: M-RoPE positions are not supported": model_config.uses_mrope,
+        f"{name}: multi-dimensional RoPE positions are not supported": (
+            model_config.uses_mrope or model_config.uses_xdrope_dim > 0
+        ),
         f"{name}: sliding-window attention is not supported by TREE_ATTN": (
             model_config.get_sliding_window() is not None
         ),

@@ -1,0 +1,511 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree's speculative config: parsing, every error message, the batch limits,
+the mapping onto vLLM's DFlash config through ``EngineArgs``, and the plugin's
+wrappers (CPU only: engine configs are built, no engine is started)."""
+
+import pickle
+import types
+
+import pytest
+
+from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.v1.spec_decode import ddtree_config as ddt
+from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+
+CFG = DDTreeConfig(tree_budget=128, draft_depth=15)
+
+
+# ---------------------------------------------------------------------------
+# parse_speculative_config
+# ---------------------------------------------------------------------------
+
+
+def test_parse_maps_onto_dflash():
+    budget, dflash = ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree-budget": 32, "revision": "main"}
+    )
+    assert budget == 32
+    assert dflash == {
+        "model": "d",
+        "revision": "main",
+        "method": "dflash",
+        "num_speculative_tokens": 32,
+    }
+
+
+def test_parse_default_budget():
+    budget, dflash = ddt.parse_speculative_config({"method": "ddtree", "model": "d"})
+    assert budget == ddt.DEFAULT_TREE_BUDGET == 64
+    assert dflash["num_speculative_tokens"] == 64
+
+
+@pytest.mark.parametrize("budget", [1, 7, 1024])
+def test_parse_budget_range(budget):
+    assert ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree_budget": budget}
+    )[0] == budget
+
+
+@pytest.mark.parametrize(
+    "budget, match",
+    [
+        (0, r"tree_budget must be in \[1, 1024\], got 0"),
+        (1025, r"tree_budget must be in \[1, 1024\], got 1025"),
+        (-3, r"got -3"),
+        (12.5, r"tree_budget must be an integer in \[1, 1024\], got 12.5"),
+        ("128", r"must be an integer .* got '128'"),
+        (True, r"must be an integer .* got True"),
+        (None, r"must be an integer .* got None"),
+    ],
+)
+def test_parse_bad_budget(budget, match):
+    with pytest.raises(ValueError, match=match):
+        ddt.parse_speculative_config(
+            {"method": "ddtree", "model": "d", "tree_budget": budget}
+        )
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (
+            {"method": "ddtree", "model": "d", "num_speculative_tokens": 15},
+            "sizes its trees with 'tree_budget'; remove 'num_speculative_tokens'",
+        ),
+        ({"method": "ddtree"}, "needs 'model': the path or Hugging Face name"),
+        ({"method": "ddtree", "model": ""}, "needs 'model'"),
+        (
+            {"method": "ddtree", "model": "d", "draft_sample_method": "greedy"},
+            "does not take 'draft_sample_method'",
+        ),
+        (
+            {"method": "ddtree", "model": "d", "parallel_drafting": True, "x": 1},
+            "does not take 'parallel_drafting', 'x'",
+        ),
+        (
+            {"method": "ddtree", "model": "d", "attention_backend": "CUSTOM"},
+            "cannot use TREE_ATTN \\(CUSTOM\\), which is causal-only",
+        ),
+    ],
+)
+def test_parse_errors(raw, match):
+    with pytest.raises(ValueError, match=match):
+        ddt.parse_speculative_config(raw)
+
+
+def test_is_ddtree_method():
+    assert ddt.is_ddtree_method({"method": "ddtree"})
+    assert not ddt.is_ddtree_method({"method": "dflash"})
+    assert not ddt.is_ddtree_method(None)
+
+
+# ---------------------------------------------------------------------------
+# Drafter, engine and request checks
+# ---------------------------------------------------------------------------
+
+
+def _draft_config(arch="DFlashDraftModel", block_size=16):
+    return types.SimpleNamespace(
+        architecture=arch,
+        model="drafter",
+        hf_config=types.SimpleNamespace(block_size=block_size),
+    )
+
+
+def test_draft_depth_is_block_size_minus_one():
+    assert ddt.draft_depth_of(_draft_config(block_size=16)) == 15
+    assert ddt.draft_depth_of(_draft_config(block_size=2)) == 1
+    assert ddt.draft_depth_of(_draft_config(block_size=17)) == 16
+
+
+def test_draft_depth_rejects_non_dflash():
+    with pytest.raises(ValueError, match="drafts with a DFlash drafter, but "
+                       "'drafter' is a Eagle3LlamaForCausalLM"):
+        ddt.draft_depth_of(_draft_config(arch="Eagle3LlamaForCausalLM"))
+
+
+@pytest.mark.parametrize("block_size", [None, 1, 18, "16"])
+def test_draft_depth_rejects_bad_block_size(block_size):
+    with pytest.raises(ValueError, match=r"integer 'block_size' in \[2, 17\]"):
+        ddt.draft_depth_of(_draft_config(block_size=block_size))
+
+
+@pytest.mark.parametrize("backend", [None, "CUSTOM", "custom", "auto"])
+def test_target_backend_is_tree_attn(backend):
+    assert ddt.target_attention_backend(backend) == "CUSTOM"
+
+
+def test_target_backend_conflict():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    with pytest.raises(ValueError, match="backend is set to FLASH_ATTN; drop "
+                       "--attention-backend"):
+        ddt.target_attention_backend(AttentionBackendEnum.FLASH_ATTN)
+
+
+def _args(**overrides):
+    args = dict(
+        pipeline_parallel_size=1,
+        decode_context_parallel_size=1,
+        prefill_context_parallel_size=1,
+        enable_lora=False,
+        kv_cache_dtype="auto",
+    )
+    args.update(overrides)
+    return types.SimpleNamespace(**args)
+
+
+def _target(**overrides):
+    model = dict(
+        model="target",
+        runner_type="generate",
+        is_multimodal_model=False,
+        uses_mrope=False,
+        uses_xdrope_dim=0,
+        is_hybrid=False,
+        is_attention_free=False,
+        is_encoder_decoder=False,
+    )
+    sliding_window = overrides.pop("sliding_window", None)
+    model.update(overrides)
+    return types.SimpleNamespace(**model, get_sliding_window=lambda: sliding_window)
+
+
+@pytest.mark.parametrize(
+    "args, target, match",
+    [
+        (_args(pipeline_parallel_size=2), _target(), "pipeline parallelism"),
+        (_args(decode_context_parallel_size=2), _target(),
+         "decode context parallelism"),
+        (_args(prefill_context_parallel_size=2), _target(),
+         "prefill context parallelism"),
+        (_args(enable_lora=True), _target(), "LoRA adapters; drop --enable-lora"),
+        (_args(kv_cache_dtype="fp8"), _target(),
+         "kv_cache_dtype='fp8' .* use --kv-cache-dtype auto"),
+        (_args(), _target(uses_mrope=True), "multi-dimensional RoPE"),
+        (_args(), _target(is_multimodal_model=True), "multimodal inputs"),
+        (_args(), _target(sliding_window=4096), "sliding-window attention"),
+        (_args(), _target(is_hybrid=True), "hybrid"),
+        (_args(), _target(is_encoder_decoder=True), "encoder-decoder"),
+        (_args(), _target(runner_type="pooling"), "text-generation models"),
+    ],
+)
+def test_engine_checks(args, target, match):
+    with pytest.raises(ValueError, match="DDTree speculative decoding does not "
+                       "support .*" + match):
+        ddt.check_engine_args(args, target)
+
+
+def test_engine_checks_pass():
+    ddt.check_engine_args(_args(kv_cache_dtype="bfloat16"), _target())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_tokens=3, seed=1,
+                       logprobs=2, allowed_token_ids=[1, 2, 3]),
+    ],
+)
+def test_sampling_params_accepted(params):
+    ddt.check_sampling_params(params)
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        (SamplingParams(presence_penalty=0.5), "does not support presence_penalty"),
+        (SamplingParams(frequency_penalty=-0.1), "does not support frequency_penalty"),
+        (SamplingParams(repetition_penalty=1.1), "does not support repetition_penalty"),
+        (SamplingParams(presence_penalty=1, repetition_penalty=2),
+         "presence_penalty, repetition_penalty: .*--generation-config vllm"),
+        (SamplingParams(bad_words=["foo"]), "does not support bad_words"),
+        (SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
+         "does not support structured outputs"),
+    ],
+)
+def test_sampling_params_rejected(params, match):
+    with pytest.raises(ValueError, match=match):
+        ddt.check_sampling_params(params)
+
+
+# ---------------------------------------------------------------------------
+# Batch limits and CUDA-graph sizes
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg, seqs, tokens, user, want",
+    [
+        # Defaults fitted: fewer sequences at large budgets, tokens kept.
+        (CFG, 1024, 8192, (False, False), (63, 8192)),
+        (CFG, 1024, 16384, (False, False), (127, 16384)),
+        (DDTreeConfig(1024, 15), 1024, 8192, (False, False), (7, 8192)),
+        (DDTreeConfig(1024, 15), 1024, 1000, (False, False), (1, 1025)),
+        # Small budgets: the drafter's 16 tokens per request bound the batch.
+        (DDTreeConfig(1, 15), 1024, 8192, (False, False), (512, 8192)),
+        # User's max_num_seqs kept, tokens raised to fit full trees.
+        (CFG, 80, 8192, (True, False), (80, 80 * 129)),
+        (CFG, 8, 8192, (True, False), (8, 8192)),
+        # User's tokens kept, sequences fitted.
+        (CFG, 1024, 1000, (False, True), (7, 1000)),
+        # Both from the user and consistent.
+        (CFG, 4, 1000, (True, True), (4, 1000)),
+        # Both from the user, trees trimmed at full batches (a warning).
+        (CFG, 32, 1000, (True, True), (32, 1000)),
+    ],
+)
+def test_batch_limits(cfg, seqs, tokens, user, want):
+    assert ddt.batch_limits(cfg, seqs, tokens, *user) == want
+
+
+def test_batch_limits_too_few_tokens():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=100 cannot hold "
+                       r"one DDTree step \(129 tokens per request for "
+                       r"tree_budget=128\); raise --max-num-batched-tokens to at "
+                       r"least 129 or lower tree_budget"):
+        ddt.batch_limits(CFG, 8, 100, False, True)
+
+
+def test_batch_limits_drafter_does_not_fit():
+    with pytest.raises(ValueError, match="max_num_seqs=100 requests need 16 drafter "
+                       "tokens each, more than max_num_batched_tokens=1000; raise "
+                       "--max-num-batched-tokens to at least 1600 or lower "
+                       "--max-num-seqs"):
+        ddt.batch_limits(DDTreeConfig(8, 15), 100, 1000, True, True)
+
+
+def test_cudagraph_sizes():
+    sizes = ddt.cudagraph_capture_sizes(CFG, 63, 8192)
+    assert sizes == sorted(set(sizes))
+    verify = [s // 129 for s in sizes if s % 129 == 0]
+    assert verify == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 63]
+    draft = [s // 16 for s in sizes if s % 16 == 0]
+    assert {1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 63} <= set(draft)
+    assert all(s % 129 == 0 or s % 16 == 0 for s in sizes)
+    assert ddt.cudagraph_capture_sizes(CFG, 63, 1000)[-1] <= 1000
+    assert ddt.cudagraph_capture_sizes(DDTreeConfig(4, 15), 1, 8192) == [5, 16]
+
+
+def test_config_roundtrip():
+    vllm_config = types.SimpleNamespace(
+        additional_config={"ddtree": CFG.to_dict()}, speculative_config=object()
+    )
+    assert DDTreeConfig.from_vllm_config(vllm_config) == CFG
+    assert CFG.verify_len == 129 and CFG.draft_len == 16
+    assert CFG.tokens_per_request == 129
+    assert DDTreeConfig(4, 15).tokens_per_request == 16
+    vllm_config.speculative_config = None
+    assert DDTreeConfig.from_vllm_config(vllm_config) is None
+    assert DDTreeConfig.from_vllm_config(types.SimpleNamespace()) is None
+
+
+# ---------------------------------------------------------------------------
+# Through EngineArgs (the plugin's wrappers), tiny checkpoints made here.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    import vllm_ddtree
+
+    vllm_ddtree.register()
+    root = tmp_path_factory.mktemp("ddtree_config")
+    target = make_tiny_qwen3(root / "target")
+    drafter = make_tiny_dflash(root / "drafter", target)
+    return str(target), str(drafter)
+
+
+@pytest.fixture
+def cuda_platform(monkeypatch):
+    """EngineArgs asks the platform for a device type; a CPU-only box has none."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "":
+        monkeypatch.setattr(type(current_platform), "device_type", "cuda",
+                            raising=False)
+
+
+def _engine_config(models, spec=None, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = models
+    if spec is None:
+        spec = {"method": "ddtree", "model": drafter, "tree_budget": 128}
+    args = EngineArgs(model=target, speculative_config=spec, max_model_len=2048,
+                      **kwargs)
+    return args, args.create_engine_config()
+
+
+def test_engine_config_maps_ddtree_onto_dflash(models, cuda_platform):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    args, config = _engine_config(models, max_num_batched_tokens=4096)
+    spec = config.speculative_config
+    assert spec.method == "dflash"
+    assert spec.num_speculative_tokens == 128
+    assert config.num_speculative_tokens == 128
+    assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(128, 15)
+    assert config.attention_config.backend == AttentionBackendEnum.CUSTOM
+    assert spec.attention_backend is None  # the drafter picks a non-causal one
+    sched = config.scheduler_config
+    # The 0.26 DFlash slot reservation does not shrink DDTree's step budget.
+    assert spec.max_num_new_slots_for_drafting == 0
+    assert sched.max_num_scheduled_tokens == sched.max_num_batched_tokens == 4096
+    assert sched.max_num_seqs == 4096 // 129
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    if sizes:
+        assert all(s % 129 == 0 or s % 16 == 0 for s in sizes)
+        assert sched.max_num_seqs * 129 in sizes
+    # Spawned engine cores and workers get it by pickling.
+    assert DDTreeConfig.from_vllm_config(pickle.loads(pickle.dumps(config))) == (
+        DDTreeConfig(128, 15)
+    )
+    # The user's dict is left as given; a second build gives the same config.
+    assert args.speculative_config["method"] == "ddtree"
+    again = args.create_engine_config()
+    assert again.scheduler_config.max_num_seqs == sched.max_num_seqs
+    assert again.compilation_config.cudagraph_capture_sizes == sizes
+
+
+def test_engine_config_spec_flags(models, cuda_platform):
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = models
+    args = EngineArgs(model=target, spec_method="ddtree", spec_model=drafter,
+                      speculative_config={"tree_budget": 8}, max_model_len=2048)
+    config = args.create_engine_config()
+    assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(8, 15)
+    with pytest.raises(ValueError, match="drop --spec-tokens"):
+        EngineArgs(model=target, spec_method="ddtree", spec_model=drafter,
+                   spec_tokens=4).create_engine_config()
+
+
+def test_plain_dflash_is_untouched(models, cuda_platform):
+    target, drafter = models
+    _, config = _engine_config(
+        models, {"method": "dflash", "model": drafter, "num_speculative_tokens": 15},
+        max_num_batched_tokens=4096, max_num_seqs=64,
+    )
+    assert DDTreeConfig.from_vllm_config(config) is None
+    assert config.speculative_config.parallel_drafting
+    assert config.scheduler_config.max_num_scheduled_tokens == 4096 - 14 * 64
+    assert config.attention_config.backend is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_num_batched_tokens=100), "cannot hold one DDTree step"),
+        (dict(attention_backend="FLASH_ATTN"), "backend is set to FLASH_ATTN"),
+        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
+        (dict(enable_lora=True), "LoRA adapters"),
+    ],
+)
+def test_engine_config_errors(models, cuda_platform, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _engine_config(models, **kwargs)
+
+
+def test_engine_config_rejects_non_dflash_drafter(models, cuda_platform):
+    target, _ = models
+    with pytest.raises(ValueError, match="could not load .* as a DFlash drafter"):
+        _engine_config(models, {"method": "ddtree", "model": target})
+
+
+def test_engine_config_rejects_model_runner_v1(models, cuda_platform, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(ValueError, match="unset VLLM_USE_V2_MODEL_RUNNER=0"):
+        _engine_config(models)
+
+
+# ---------------------------------------------------------------------------
+# The plugin's wrappers
+# ---------------------------------------------------------------------------
+
+
+def test_register_is_idempotent(models):
+    import vllm_ddtree
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu import model_states, spec_decode
+
+    before = [
+        EngineArgs.create_speculative_config,
+        EngineArgs.create_engine_config,
+        Scheduler.__init__,
+        spec_decode.init_speculator,
+        model_states.init_model_state,
+    ]
+    vllm_ddtree.register()
+    vllm_ddtree.register()
+    after = [
+        EngineArgs.create_speculative_config,
+        EngineArgs.create_engine_config,
+        Scheduler.__init__,
+        spec_decode.init_speculator,
+        model_states.init_model_state,
+    ]
+    assert before == after
+    # One layer of wrapping, around vLLM's own function.
+    original = EngineArgs.create_speculative_config.__wrapped__
+    assert not hasattr(original, "__wrapped__")
+
+
+def _ddtree_vllm_config():
+    return types.SimpleNamespace(
+        additional_config={"ddtree": CFG.to_dict()}, speculative_config=object()
+    )
+
+
+def test_request_check_runs_only_for_ddtree():
+    from vllm_ddtree import glue
+
+    calls = []
+    original = lambda self, params, tasks: calls.append(params)  # noqa: E731
+    ddtree = types.SimpleNamespace(vllm_config=_ddtree_vllm_config())
+    plain = types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(additional_config={},
+                                          speculative_config=None)
+    )
+    bad = SamplingParams(repetition_penalty=1.2)
+    glue._validate_params(original, plain, bad, ("generate",))
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        glue._validate_params(original, ddtree, bad, ("generate",))
+    glue._validate_params(original, ddtree, SamplingParams(), ("generate",))
+    assert len(calls) == 3
+
+
+def test_scheduler_lookahead_is_the_drafter_block():
+    from vllm_ddtree import glue
+
+    def original(self, *args, **kwargs):
+        self.vllm_config = kwargs["vllm_config"]
+        self.num_lookahead_tokens = 129  # DFlash's num_speculative_tokens + 1
+
+    sched = types.SimpleNamespace()
+    glue._scheduler_init(original, sched, vllm_config=_ddtree_vllm_config())
+    assert sched.num_lookahead_tokens == 16
+
+
+def test_runner_hooks_dispatch_on_config():
+    from vllm_ddtree import glue
+
+    plain = types.SimpleNamespace(additional_config={}, speculative_config=object())
+    assert glue._init_speculator(lambda c, d: "dflash", plain, "cpu") == "dflash"
+    assert glue._init_model_state(lambda *a: "default", plain, None, None, "cpu") == (
+        "default"
+    )
+    with pytest.raises(ValueError, match="DefaultModelState"):
+        glue._init_model_state(
+            lambda *a: types.SimpleNamespace(), _ddtree_vllm_config(),
+            torch_module(), None, "cpu",
+        )
+
+
+def torch_module():
+    import torch
+
+    return torch.nn.Linear(1, 1)
