@@ -1,0 +1,273 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree's per-step input writers against their torch references, exactly.
+
+Random batches mix full trees, trimmed trees, plain decodes and prefill chunks
+in random request-state order, with odd sizes. Small cases run on the CPU in the
+Triton interpreter; large budgets and batches only on a GPU.
+"""
+
+import pytest
+import torch
+
+from tests.v1.ddtree_reference import build_ddtree_reference
+from vllm.v1.spec_decode.ddtree_inputs import (
+    draft_context_size,
+    prepare_draft_inputs,
+    prepare_draft_inputs_reference,
+    write_tree_verify_inputs,
+    write_tree_verify_inputs_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")
+PAD_SLOT_ID = -1
+
+
+def _batch(num_reqs, max_num_reqs, budget, gen, max_prefill=40):
+    """Per request: (state index, tokens scheduled, tree nodes b, p0).
+
+    Kinds: full tree, trimmed tree, decode without drafts, prefill chunk.
+    """
+    states = torch.randperm(max_num_reqs, generator=gen)[:num_reqs].tolist()
+    reqs = []
+    for s in states:
+        kind = int(torch.randint(0, 4, (1,), generator=gen))
+        p0 = int(torch.randint(0, 200, (1,), generator=gen))
+        if kind == 0:
+            b = budget
+        elif kind == 1:
+            b = int(torch.randint(1, budget + 1, (1,), generator=gen))
+        else:
+            b = 0
+        q = b + 1 if kind < 3 else int(torch.randint(2, max_prefill, (1,), generator=gen))
+        reqs.append((s, q, b, p0))
+    return reqs
+
+
+def _layout(reqs):
+    qsl, cu = [0], [0]
+    for _, q, b, _ in reqs:
+        qsl.append(qsl[-1] + q)
+        cu.append(cu[-1] + b + 1)
+    return (torch.tensor(qsl, dtype=torch.int32), torch.tensor(cu, dtype=torch.int32))
+
+
+def _trees(max_num_reqs, depth, budget, gen, vocab=50):
+    logits = torch.randn(max_num_reqs, depth, vocab, generator=gen) * 2
+    return build_ddtree_reference(logits, budget)
+
+
+def _run_verify_writer(num_reqs, budget, depth, seed, pad=0):
+    gen = torch.Generator().manual_seed(seed)
+    max_num_reqs = num_reqs + pad + 3
+    trees = _trees(max_num_reqs, depth, budget, gen)
+    reqs = _batch(num_reqs, max_num_reqs, budget, gen)
+    qsl, cu = _layout(reqs)
+    positions = torch.cat([torch.arange(p0, p0 + q) for _, q, _, p0 in reqs])
+    idx = torch.tensor([s for s, *_ in reqs], dtype=torch.int32)
+    num_words = trees.attn_mask.shape[2]
+    outputs = []
+    for fn, dev in ((write_tree_verify_inputs, DEVICE),
+                    (write_tree_verify_inputs_reference, "cpu")):
+        pos = positions.clone().to(dev)
+        mask = torch.full((max_num_reqs, budget + 1, num_words), -5,
+                          dtype=torch.int32, device=dev)
+        is_tree = torch.full((max_num_reqs,), 7, dtype=torch.int32, device=dev)
+        fn(pos, mask, is_tree, trees.depths.to(dev), trees.attn_mask.to(dev),
+           idx.to(dev), qsl.to(dev), cu.to(dev), num_reqs + pad)
+        outputs.append([t.cpu() for t in (pos, mask, is_tree)])
+    for got, want in zip(*outputs):
+        assert torch.equal(got, want)
+    return reqs, trees, outputs[0]
+
+
+@pytest.mark.parametrize(
+    "num_reqs, budget, depth, pad",
+    [(1, 1, 1, 0), (3, 5, 3, 2), (7, 33, 15, 1), (5, 64, 16, 0)],
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_verify_writer_matches_reference(num_reqs, budget, depth, pad, seed):
+    _run_verify_writer(num_reqs, budget, depth, seed, pad)
+
+
+@gpu_only
+@pytest.mark.parametrize("num_reqs, budget", [(64, 128), (7, 1024), (257, 8)])
+def test_verify_writer_full_size(num_reqs, budget):
+    _run_verify_writer(num_reqs, budget, 15, seed=num_reqs, pad=3)
+
+
+def test_verify_writer_semantics():
+    """Node i at p0 + depth_i (siblings share positions), masks copied, causal
+    rows and graph padding flagged 0."""
+    reqs, trees, (pos, mask, is_tree) = _run_verify_writer(6, 9, 4, seed=5, pad=2)
+    start = 0
+    for r, (s, q, b, p0) in enumerate(reqs):
+        if b:
+            assert pos[start] == p0
+            assert pos[start + 1 : start + q].tolist() == (
+                p0 + trees.depths[s, :b]
+            ).tolist()
+            assert torch.equal(mask[r, : b + 1], trees.attn_mask[s, : b + 1])
+        else:
+            assert pos[start : start + q].tolist() == list(range(p0, p0 + q))
+        assert is_tree[r] == int(b > 0)
+        start += q
+    assert is_tree[6:8].tolist() == [0, 0]
+
+
+def _run_draft_writer(num_reqs, budget, depth, seed, block_size=16,
+                      max_model_len=4096):
+    gen = torch.Generator().manual_seed(seed)
+    max_num_reqs = num_reqs + 3
+    trees = _trees(max_num_reqs, depth, budget, gen)
+    reqs = _batch(num_reqs, max_num_reqs, budget, gen)
+    qsl, cu = _layout(reqs)
+    idx = torch.tensor([s for s, *_ in reqs], dtype=torch.int32)
+    # Tree positions, as the verify writer leaves them.
+    positions = torch.cat(
+        [
+            torch.cat([torch.tensor([p0]), p0 + trees.depths[s, :b].long()])
+            if b
+            else torch.arange(p0, p0 + q)
+            for s, q, b, p0 in reqs
+        ]
+    )
+    # Accepted paths: a random root-to-node path of each tree.
+    accepted = torch.full((num_reqs, depth), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(num_reqs, dtype=torch.int32)
+    for r, (s, _, b, _) in enumerate(reqs):
+        if not b:
+            num_accepted[r] = int(torch.randint(0, depth + 1, (1,), generator=gen))
+            continue  # garbage that must be ignored
+        node = int(torch.randint(0, b + 1, (1,), generator=gen))
+        path = []
+        while node:
+            path.append(node)
+            node = int(trees.parent_ids[s, node - 1])
+        accepted[r, : len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
+        num_accepted[r] = len(path)
+    num_sampled = torch.tensor(
+        [0 if q > b + 1 and int(torch.randint(0, 2, (1,), generator=gen)) else 1 + b
+         for _, q, b, _ in reqs], dtype=torch.int32)
+    last_sampled = torch.randint(0, 1000, (max_num_reqs, 1), generator=gen)
+    next_prefill = torch.randint(0, 1000, (max_num_reqs,), generator=gen,
+                                 dtype=torch.int32)
+    num_blocks = max_model_len // block_size
+    block_table = torch.randint(1, 10_000, (num_reqs, num_blocks), generator=gen,
+                                dtype=torch.int32)
+    num_tokens = int(qsl[-1])
+    num_draft = sum(b for _, _, b, _ in reqs)
+    max_num_tokens = num_tokens + depth * max_num_reqs + 8
+    num_context = draft_context_size(num_tokens, num_draft, num_reqs, depth)
+    assert num_context <= max_num_tokens
+
+    outputs = []
+    for fn, dev in ((prepare_draft_inputs, DEVICE),
+                    (prepare_draft_inputs_reference, "cpu")):
+        def full(n, dtype):
+            return torch.full((n,), -9, dtype=dtype, device=dev)
+
+        outs = [
+            full(max_num_tokens, torch.int32),        # query input ids
+            full(max_num_tokens, torch.int64),        # query positions
+            full(max_num_reqs + 1, torch.int32),      # query start loc
+            full(max_num_reqs, torch.int32),          # seq lens
+            full(max_num_tokens, torch.int64),        # query slots
+            full(max_num_tokens, torch.int64),        # context rows
+            full(max_num_tokens, torch.int64),        # context positions
+            full(max_num_tokens, torch.int64),        # context slots
+            full(max_num_reqs * depth, torch.int64),  # sample indices
+        ]
+        ins = [t.to(dev) for t in (positions, qsl, cu, idx, num_sampled,
+                                   last_sampled, next_prefill, accepted,
+                                   num_accepted, block_table)]
+        fn(*outs, *ins, block_size, 7777, depth, max_num_reqs, max_num_tokens,
+           max_model_len)
+        # Context entries past num_context are not written.
+        for i in (5, 6, 7):
+            outs[i] = outs[i][:num_context]
+        outputs.append([t.cpu() for t in outs])
+    for i, (got, want) in enumerate(zip(*outputs)):
+        assert torch.equal(got, want), i
+    return reqs, accepted, num_accepted, positions, outputs[0]
+
+
+@pytest.mark.parametrize(
+    "num_reqs, budget, depth",
+    [(1, 1, 1), (3, 5, 3), (7, 33, 15), (4, 64, 16)],
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_draft_writer_matches_reference(num_reqs, budget, depth, seed):
+    _run_draft_writer(num_reqs, budget, depth, seed)
+
+
+@gpu_only
+@pytest.mark.parametrize("num_reqs, budget", [(64, 128), (9, 1024), (257, 8)])
+def test_draft_writer_full_size(num_reqs, budget):
+    _run_draft_writer(num_reqs, budget, 15, seed=num_reqs)
+
+
+def _last_committed(reqs, num_accepted, positions):
+    """Position of each request's last committed token after the walk."""
+    last, start = [], 0
+    for r, (_, q, b, _) in enumerate(reqs):
+        root = start + q - (b + 1)
+        last.append(int(positions[root]) + (int(num_accepted[r]) if b else 0))
+        start += q
+    return last
+
+
+def test_draft_writer_near_max_model_len():
+    """Query positions at or past max_model_len are clamped and write no KV."""
+    depth, max_model_len = 5, 120
+    reqs, _, num_accepted, positions, outs = _run_draft_writer(
+        5, 6, depth, seed=2, max_model_len=max_model_len
+    )
+    qpos, qslots = outs[1], outs[4]
+    clipped = 0
+    for r, last in enumerate(_last_committed(reqs, num_accepted, positions)):
+        for off in range(depth + 1):
+            q, p = r * (depth + 1) + off, last + 1 + off
+            assert qpos[q] == min(p, max_model_len - 1)
+            assert (qslots[q] == PAD_SLOT_ID) == (p >= max_model_len)
+            clipped += p >= max_model_len
+    assert clipped > 0
+
+
+def test_draft_writer_semantics():
+    """Context = rows before the root, root, accepted path in order; query =
+    bonus token then masks right after the committed path."""
+    depth = 4
+    reqs, accepted, num_accepted, positions, outs = _run_draft_writer(
+        6, 9, depth, seed=11
+    )
+    ids, qpos, qsl_out, seq_lens, _, rows, cpos, cslots, sample = outs
+    start = ctx = 0
+    for r, (s, q, b, p0) in enumerate(reqs):
+        k = int(num_accepted[r]) if b else 0
+        root = start + q - (b + 1)
+        want = list(range(start, root + 1)) + [root + int(n) for n in accepted[r, :k]]
+        n_ctx = q - b + depth
+        assert rows[ctx : ctx + len(want)].tolist() == want
+        assert (cslots[ctx : ctx + len(want)] >= 0).all()
+        assert (cslots[ctx + len(want) : ctx + n_ctx] == PAD_SLOT_ID).all()
+        if b:
+            # The committed path is contiguous in position: p0, ..., p0 + k.
+            assert cpos[ctx + q - b - 1 : ctx + len(want)].tolist() == list(
+                range(p0, p0 + k + 1)
+            )
+        last = _last_committed(reqs, num_accepted, positions)[r]
+        assert qpos[r * (depth + 1) : (r + 1) * (depth + 1)].tolist() == list(
+            range(last + 1, last + depth + 2)
+        )
+        assert (ids[r * (depth + 1) + 1 : (r + 1) * (depth + 1)] == 7777).all()
+        assert sample[r * depth : (r + 1) * depth].tolist() == list(
+            range(r * (depth + 1) + 1, (r + 1) * (depth + 1))
+        )
+        assert qsl_out[r] == r * (depth + 1)
+        assert seq_lens[r] == last + 1 + depth + 1
+        start += q
+        ctx += n_ctx
+    num_reqs = len(reqs)
+    assert (qsl_out[num_reqs:] == num_reqs * (depth + 1)).all()
+    assert (seq_lens[num_reqs:] == 0).all()
