@@ -1,5 +1,9 @@
 """vLLM plugin that wires the DDTree modules into an unmodified vLLM 0.26.0."""
 
+import importlib
+import importlib.util
+from pathlib import Path
+
 
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group; safe to call repeatedly.
@@ -9,9 +13,26 @@ def register() -> None:
     installs the wrappers of :mod:`vllm_ddtree.glue`, which enable
     ``--speculative-config '{"method": "ddtree", ...}'``.
     """
+    _use_source_checkout()
     from vllm.v1.attention.backends.tree_attn import register_tree_attn_backend
 
     from vllm_ddtree import glue
 
     register_tree_attn_backend()
     glue.apply()
+
+
+def _use_source_checkout() -> None:
+    """Run from a source checkout without installing: ``pip install .`` puts the
+    new ``vllm/v1/...`` modules into vLLM's packages; from a checkout on
+    ``PYTHONPATH`` they are found by adding the checkout's directories to those
+    packages' search paths (in this process only). No-op once installed."""
+    if importlib.util.find_spec("vllm.v1.spec_decode.ddtree") is not None:
+        return
+    root = Path(__file__).resolve().parents[1]
+    for init_dir in sorted({p.parent for p in (root / "vllm").rglob("*.py")}):
+        package = importlib.import_module(
+            ".".join(init_dir.relative_to(root).parts)
+        )
+        if str(init_dir) not in package.__path__:
+            package.__path__.insert(0, str(init_dir))

@@ -1,13 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run one offline vLLM generation and write the output token ids as JSON.
+"""Run offline vLLM generations in a fresh process and write the results as JSON.
 
-Used by the end-to-end tests to run each engine configuration in a fresh process
-(in-process engine core), several at a time on one GPU:
+Used by the end-to-end tests to run each engine configuration in its own process
+(in-process engine core), one process after another on one GPU:
 
     python -m tests.e2e.generate CONFIG_JSON OUT_JSON
 
-CONFIG_JSON holds ``llm`` (kwargs of ``vllm.LLM``), ``prompts`` (token id lists)
-and ``sampling`` (kwargs of ``SamplingParams``).
+CONFIG_JSON holds ``llm`` (kwargs of ``vllm.LLM``) and either ``prompts`` (token
+id lists) and ``sampling`` (kwargs of ``SamplingParams``) for one generation, or
+``runs``: a list of such generations, each with a ``name``, run in order by the
+same engine. A run may carry ``abort: {"index": i, "after_steps": n}``: request i
+is aborted after n engine steps and left out of the results.
+
+OUT_JSON holds ``token_ids`` and ``seconds`` (single generation) or ``runs: {name:
+{"token_ids", "seconds"}}``, plus ``free_blocks: {"start", "end"}`` (free KV
+blocks of the scheduler before the first run and after the last) and
+``metrics`` (every ``vllm:spec_decode*`` metric, when stats are on).
 """
 
 import json
@@ -17,6 +25,44 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_blocks(llm) -> int:
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def _generate(llm, prompts, sampling) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _generate_with_abort(llm, prompts, sampling, index, after_steps):
+    """Step the engine by hand and abort request ``index`` mid-generation; its
+    entry in the result is None."""
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sampling)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            # Internal ids carry a random "-suffix".
+            request_id = out.request_id.split("-")[0]
+            if out.finished and request_id != f"r{index}":
+                done[request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == after_steps:
+            engine.abort_request([f"r{index}"])
+    return [done.get(f"r{i}") for i in range(len(prompts))]
+
+
+def _spec_metrics(llm) -> dict:
+    metrics = {}
+    for m in llm.get_metrics():
+        if "spec_decode" in m.name:
+            metrics[m.name] = getattr(m, "values", getattr(m, "value", None))
+    return metrics
 
 
 def main(config_path: str, out_path: str) -> None:
@@ -31,14 +77,27 @@ def main(config_path: str, out_path: str) -> None:
 
     config = json.loads(Path(config_path).read_text())
     llm = LLM(**config["llm"])
-    prompts = [{"prompt_token_ids": p} for p in config["prompts"]]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(**config["sampling"]))
-    elapsed = time.perf_counter() - start
-    result = {
-        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-        "seconds": elapsed,
-    }
+    single = "runs" not in config
+    runs = [dict(config, name="default")] if single else config["runs"]
+    result: dict = {"runs": {}, "free_blocks": {"start": _free_blocks(llm)}}
+    for run in runs:
+        sampling = SamplingParams(**run["sampling"])
+        start = time.perf_counter()
+        if "abort" in run:
+            token_ids = _generate_with_abort(
+                llm, run["prompts"], sampling, **run["abort"]
+            )
+        else:
+            token_ids = _generate(llm, run["prompts"], sampling)
+        result["runs"][run["name"]] = {
+            "token_ids": token_ids,
+            "seconds": time.perf_counter() - start,
+        }
+    result["free_blocks"]["end"] = _free_blocks(llm)
+    if not config["llm"].get("disable_log_stats", True):
+        result["metrics"] = _spec_metrics(llm)
+    if single:
+        result.update(result["runs"]["default"])
     Path(out_path).write_text(json.dumps(result))
 
 
