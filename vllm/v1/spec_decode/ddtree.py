@@ -209,8 +209,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         logits = self.model.compute_logits(
             last_hidden_states[self.sample_indices[:num_sample]]
         )
+        # [num_reqs, depth, vocab_size] (rows may be strided: vocab padding cut)
         trees = build_ddtree(
-            logits.view(num_reqs, self.draft_depth, -1), self.tree_budget
+            logits.unflatten(0, (num_reqs, self.draft_depth)), self.tree_budget
         )
         self.batch_trees.copy_prefix_(trees, num_reqs)
 
