@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from vllm.triton_utils import tl, triton
-from vllm.v1.sample.ops.exact_topk import exact_topk
 
 # Tree layout (shared with the tree attention backend and the tree sampler):
 # tree token 0 is the root (the previous step's bonus token) and tree token i >= 1 is
@@ -59,6 +58,7 @@ class DDTree:
 
 MAX_BUDGET = 1024
 MAX_DEPTH = 16
+_LSE_CHUNK = 8192
 # Bits of a candidate's tie-break field: depth (5) | parent rank (10) | token rank (10).
 _RANK_BITS = 10
 _INVALID_KEY = -(2**63)
@@ -78,9 +78,8 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int) -> DDTree:
         deterministically: shallower first, then by the parent's rank, then by the
         token's rank at its depth (logit descending, token id ascending).
 
-    Runs as a few launches with fixed shapes and no host sync (an exact radix
-    top-k over the vocabulary, token ranking, tree selection), so it can be
-    captured in a CUDA graph. Example::
+    Runs as three launches with fixed shapes and no host sync, so it can be captured
+    in a CUDA graph. Example::
 
         tree = build_ddtree(torch.randn(2, 15, 151936, device="cuda"), budget=128)
         tree.token_ids.shape  # (2, 128)
@@ -102,15 +101,9 @@ def build_ddtree_with_lse(
     device = draft_logits.device
     num_top = min(budget, vocab)
 
-    rows = draft_logits.reshape(num_reqs * depth, vocab)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    top_logits, top_ids, lse_max, lse_sum = exact_topk(rows, num_top, lse_partials=True)
+    lse_max, lse_sum = _logsumexp_partials(draft_logits)
+    top_logits, top_ids = _top_tokens(draft_logits, num_top)
     tok_lp, tok_id, lse = _rank_top_tokens(top_logits, top_ids, lse_max, lse_sum)
-    tok_lp, tok_id = tok_lp.view(num_reqs, depth, num_top), tok_id.view(
-        num_reqs, depth, num_top
-    )
-    lse = lse.view(num_reqs, depth)
     pairs = _candidate_pairs(budget, device)
 
     num_words = num_mask_words(budget)
@@ -187,6 +180,20 @@ def _check_build_args(draft_logits: torch.Tensor, budget: int) -> None:
         raise ValueError(f"budget must be in 1..{MAX_BUDGET}, got {budget}")
 
 
+def _top_tokens(
+    draft_logits: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``num_top`` highest logits of each position (in any order) and their ids.
+
+    Where logits tie at the cut, the lowest token ids are kept: CUDA's radix-select
+    top-k does so (checked by the GPU tests); on the CPU a stable sort is used.
+    """
+    if draft_logits.is_cuda:
+        return torch.topk(draft_logits, num_top, dim=-1, sorted=False)
+    values, ids = torch.sort(draft_logits, dim=-1, descending=True, stable=True)
+    return values[..., :num_top].contiguous(), ids[..., :num_top].contiguous()
+
+
 @functools.lru_cache(maxsize=16)
 def _candidate_pairs(budget: int, device: torch.device) -> torch.Tensor:
     """[2, num_pairs] int32 (parent rank i, token rank j) worth scoring at a depth.
@@ -203,6 +210,63 @@ def _candidate_pairs(budget: int, device: torch.device) -> torch.Tensor:
         for j in range(budget // (i + 1) - 1)
     ]
     return torch.tensor(pairs, dtype=torch.int32).T.contiguous().to(device)
+
+
+def _logsumexp_partials(
+    draft_logits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per vocab chunk max and sum(exp(x - max)), combined inside the build kernel."""
+    num_reqs, depth, vocab = draft_logits.shape
+    logits = draft_logits.reshape(num_reqs * depth, vocab)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_chunks = triton.cdiv(vocab, _LSE_CHUNK)
+    shape = (num_reqs, depth, num_chunks)
+    chunk_max = torch.empty(shape, dtype=torch.float32, device=logits.device)
+    chunk_sum = torch.empty(shape, dtype=torch.float32, device=logits.device)
+    _logsumexp_partials_kernel[(num_reqs * depth, num_chunks)](
+        logits,
+        logits.stride(0),
+        chunk_max,
+        chunk_sum,
+        vocab,
+        num_chunks,
+        BLOCK=min(_LSE_CHUNK, triton.next_power_of_2(vocab)),
+        CHUNK=_LSE_CHUNK,
+    )
+    return chunk_max, chunk_sum
+
+
+@triton.jit
+def _logsumexp_partials_kernel(
+    # [num_rows, vocab]
+    logits_ptr,
+    logits_stride,
+    # [num_rows, num_chunks]
+    chunk_max_ptr,
+    chunk_sum_ptr,
+    vocab,
+    num_chunks,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    run_max = float("-inf")
+    run_sum = 0.0
+    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(
+            logits_ptr + row * logits_stride + offs,
+            mask=offs < vocab,
+            other=float("-inf"),
+        ).to(tl.float32)
+        new_max = tl.maximum(run_max, tl.max(x, axis=0))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tl.exp(x - safe_max))
+        run_max = new_max
+    tl.store(chunk_max_ptr + row * num_chunks + chunk, run_max)
+    tl.store(chunk_sum_ptr + row * num_chunks + chunk, run_sum)
 
 
 @triton.jit
@@ -238,14 +302,14 @@ def _rank_top_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each depth's top tokens in rank order (logit descending, id ascending), as
     log-probs and ids, plus the depth's log-normaliser; one program per depth."""
-    num_rows, num_top = top_logits.shape
+    num_reqs, depth, num_top = top_logits.shape
     device = top_logits.device
-    tok_lp = torch.empty(num_rows, num_top, dtype=torch.float32, device=device)
-    tok_id = torch.empty(num_rows, num_top, dtype=torch.int64, device=device)
-    lse = torch.empty(num_rows, dtype=torch.float32, device=device)
+    tok_lp = torch.empty(num_reqs, depth, num_top, dtype=torch.float32, device=device)
+    tok_id = torch.empty(num_reqs, depth, num_top, dtype=torch.int64, device=device)
+    lse = torch.empty(num_reqs, depth, dtype=torch.float32, device=device)
     num_chunks = lse_max.shape[-1]
     block_top = triton.next_power_of_2(num_top)
-    _rank_top_tokens_kernel[(num_rows,)](
+    _rank_top_tokens_kernel[(num_reqs * depth,)](
         top_logits,
         top_ids,
         lse_max,
