@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from tests.v1.ddtree_reference import build_ddtree_reference, tree_from_parents
-from vllm.v1.attention.ops.triton_tree_attention import tree_attention
+from vllm.v1.attention.ops.triton_tree_attention import (
+    TreeAttentionConfig,
+    plan_tree_attention,
+    tree_attention,
+)
 from vllm.v1.spec_decode.dflash_tree_builder import DDTree
 
 ON_GPU = torch.cuda.is_available()
@@ -112,13 +116,14 @@ class Batch:
                              generator=gen).to(dtype).to(DEVICE)
         self.scale = head_size**-0.5
 
-    def run(self, tree_mask=None, is_tree=None, num_splits=None, out=None):
+    def run(self, tree_mask=None, is_tree=None, num_splits=None, out=None,
+            config=None):
         if out is None:
             out = torch.full_like(self.q, float("nan"))
         return tree_attention(
             self.q, self.key_cache, self.value_cache, out, self.query_start_loc,
             self.seq_lens, self.block_table, self.scale, tree_mask=tree_mask,
-            is_tree=is_tree, num_splits=num_splits)
+            is_tree=is_tree, num_splits=num_splits, config=config)
 
     def reference(self, visibility):
         return reference_attention(
@@ -161,11 +166,11 @@ def visibilities(trees, q_lens):
 
 
 def check_trees(ctx_lens, trees, q_lens, num_q_heads, num_kv_heads, head_size,
-                block_size, dtype, num_splits=None, seed=0):
+                block_size, dtype, num_splits=None, seed=0, config=None):
     batch = Batch(ctx_lens, q_lens, num_q_heads, num_kv_heads, head_size,
                   block_size, dtype, seed)
     mask, is_tree = pack_masks(trees, q_lens)
-    out = batch.run(mask, is_tree, num_splits=num_splits)
+    out = batch.run(mask, is_tree, num_splits=num_splits, config=config)
     ref = batch.reference(visibilities(trees, q_lens))
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
     return batch, out
@@ -223,7 +228,7 @@ def test_tree_nodes_equal_path_attention_gpu(kind, shape):
 @pytest.mark.parametrize("budget", [1, 15, 63])
 def test_chain_tree_equals_causal(budget):
     """A chain-shaped tree gives exactly the causal rows, bit for bit."""
-    ctx_lens, q_lens = [33, 1000], [budget + 1, budget + 1]
+    ctx_lens, q_lens = [33, 300], [budget + 1, budget + 1]
     chain = random_tree("chain", budget, seed=0)
     batch = Batch(ctx_lens, q_lens, 4, 2, 64, 16, torch.float16)
     mask, is_tree = pack_masks([chain, chain], q_lens)
@@ -256,6 +261,62 @@ def test_mixed_batch_gpu(dtype):
     q_lens = [129, 129, 60, 1, 1, 2048, 300, 200]
     ctx_lens = [4096, 17, 1000, 1, 8000, 0, 5000, 1000]
     check_trees(ctx_lens, trees, q_lens, 32, 8, 128, 16, dtype)
+
+
+# Tile shapes of the kind bench_tree_attn.py --configs sweeps; k32 splits a
+# 300-key context into 8 chunks of 64, the last three empty, so the tail block
+# lands on a split before the last one.
+CPU_CONFIGS = ["m16n32w4s1k32", "m32n64w4s5k32", "m64n128w8s3k32"]
+
+
+@pytest.mark.parametrize("config", CPU_CONFIGS)
+def test_explicit_configs_cpu(config):
+    """Any tile shape gives the reference attention: trees whose masked blocks
+    start mid-word (contexts not multiples of 32), causal rows, empty splits."""
+    trees = [random_tree("heap", 70, seed=6), None, random_tree("parents", 9, seed=7)]
+    q_lens, ctx_lens = [71, 5, 10], [45, 300, 1]
+    check_trees(ctx_lens, trees, q_lens, 2, 1, 32, 16, torch.float32, num_splits=8,
+                config=TreeAttentionConfig.parse(config))
+
+
+def test_config_strings():
+    cfg = TreeAttentionConfig.parse("m64n32w4s3k128")
+    assert cfg == TreeAttentionConfig(64, 32, 4, 3, 128)
+    assert TreeAttentionConfig.parse(str(cfg)) == cfg
+    assert TreeAttentionConfig.parse("m64") == TreeAttentionConfig(block_m=64)
+    for bad in ["m65", "n16", "x3", "m", "m64n64q"]:
+        with pytest.raises(ValueError, match="TreeAttentionConfig|config"):
+            TreeAttentionConfig.parse(bad)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_reqs,block_m,num_splits",
+    [(16, 1, 64, 16), (129, 1, 128, 3), (513, 1, 128, 4), (129 * 64, 64, 128, 1),
+     (1, 1, 16, 32), (64, 64, 16, 1)],
+)
+def test_plan_fills_the_gpu(num_tokens, num_reqs, block_m, num_splits):
+    """Qwen3-8B heads on 132 SMs: a chain at batch 1 splits its context 16 ways
+    (the chunks hold >= 256 keys), a budget-128 tree 3 ways, big batches not."""
+    plan = plan_tree_attention(num_tokens, num_reqs, 32, 8, 128, num_sms=132)
+    assert (plan.config.block_m, plan.num_splits) == (block_m, num_splits)
+    assert plan.block_q * plan.heads_padded == block_m
+
+
+# The tile shapes bench_tree_attn.py sweeps by default, at full size.
+GPU_CONFIGS = ["m128n64w8s5", "m128n64w8s7", "m128n64w8s3", "m128n32w8s5",
+               "m64n64w4s5", "m64n64w8s5", "m64n32w4s5", "m128n128w8s3"]
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", GPU_CONFIGS)
+def test_explicit_configs_gpu(config):
+    trees = [random_tree("heap", 128, seed=0), random_tree("parents", 512, seed=1),
+             None, None, random_tree("heap", 15, seed=2)]
+    q_lens, ctx_lens = [129, 513, 16, 1, 16], [4097, 1000, 300, 2000, 0]
+    cfg = TreeAttentionConfig.parse(config)
+    for num_splits in [None, 5]:
+        check_trees(ctx_lens, trees, q_lens, 32, 8, 128, 16, torch.bfloat16,
+                    num_splits=num_splits, config=cfg)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 8])

@@ -35,16 +35,23 @@ Shapes::
     is_tree            [>= num_reqs] int32                           (optional)
 
 Kernel design. A program owns one query tile: ``BLOCK_Q`` consecutive tokens of
-one request times the query heads of one KV head (GQA packed), and streams the
-paged KV once with an online softmax (FlashAttention-2). The grid is
+one request times the query heads of one KV head (GQA packed, ``BLOCK_M`` rows),
+and streams the paged KV once with an online softmax (FlashAttention-2, exp2 of
+log2(e)-prescaled scores) on the tensor cores. The grid is
 ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads, num_splits)``, which depends
 only on the token and request counts, so uniform batches can be captured in
 CUDA graphs; each program finds its request by binary search over
-``query_start_loc``. When the batch has too few tiles to fill the GPU, the
-committed context of each request is cut into up to ``num_splits`` chunks of at
-least ``_MIN_SPLIT_KEYS`` keys (flash-decoding); a second kernel merges the
-partial results by their log-sum-exp. Masked lanes are ``-inf``; all offsets
-into the KV cache and the activations are int64.
+``query_start_loc``. Committed keys in whole ``BLOCK_N`` blocks need no mask;
+only the last partial block and the request's new keys (the tree) are masked.
+The KV loop is software-pipelined: each key's page comes from the block table,
+an indirect load, so Triton's pipeliner needs ``num_stages = 2 * depth + 1`` for
+``depth`` K/V blocks in flight (5 stages: loads two blocks ahead).
+When the batch has too few tiles to fill the GPU, the committed context of each
+request is cut into up to ``num_splits`` chunks of at least ``min_split_keys``
+keys (flash-decoding); the last chunk of a request also takes its new keys, and a
+second kernel merges the partial results by their log-sum-exp, one program per
+(token, query head). Masked lanes are ``-inf``; all offsets into the KV cache and
+the activations are int64. ``TreeAttentionConfig`` overrides the tile shape.
 
 Example::
 
@@ -74,12 +81,72 @@ import torch
 
 from vllm.triton_utils import tl, triton
 
-# Split the committed context only when the batch has fewer tiles than the GPU
-# runs at once, into at most this many chunks of at least this many keys.
+# Split the committed context only when the batch has too few tiles to fill the
+# GPU, into at most this many chunks.
 _MAX_SPLITS = 32
-_MIN_SPLIT_KEYS = 256
+# Cost model for the split count (_num_splits): fixed cost of one program
+# and of the merge, as fractions of one unsplit tile at a few thousand keys.
+_PROGRAM_OVERHEAD = 0.05
+_MERGE_OVERHEAD = 0.05
 # Number of SMs assumed when the tensors are not on a GPU (interpreter runs).
 _CPU_NUM_SMS = 1
+# Shared memory per SM on Hopper and per program beyond Q and K/V (block-table
+# and mask-word buffers, the 1 KB the driver reserves), for the occupancy estimate.
+_SMEM_PER_SM = 228 * 1024
+_SMEM_EXTRA = 5 * 1024
+
+
+@dataclass(frozen=True)
+class TreeAttentionConfig:
+    """Tile shape and launch parameters of the attention kernel.
+
+    ``block_m`` query rows (tokens x query heads of one KV head) per program and
+    ``block_n`` keys per step; ``num_stages`` is Triton's pipelining depth: the
+    paged K/V loads sit behind a block-table load, so ``2 * d + 1`` stages keep
+    ``d`` blocks in flight. ``min_split_keys`` is the smallest committed chunk
+    of a split (flash-decoding).
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 5
+    min_split_keys: int = 256
+
+    def __post_init__(self):
+        def pow2(x: int) -> bool:
+            return x > 0 and x & (x - 1) == 0
+
+        if not (pow2(self.block_m) and pow2(self.block_n) and self.block_n >= 32
+                and pow2(self.num_warps) and self.num_stages >= 1
+                and self.min_split_keys >= 1):
+            raise ValueError(
+                f"bad TreeAttentionConfig {self!r}: block_m, block_n (>= 32) and "
+                "num_warps must be powers of 2, num_stages and min_split_keys >= 1"
+            )
+
+    def __str__(self) -> str:
+        return (f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+                f"k{self.min_split_keys}")
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeAttentionConfig":
+        """Inverse of ``str``: ``m128n64w8s5`` (missing fields keep defaults)."""
+        names = dict(m="block_m", n="block_n", w="num_warps", s="num_stages",
+                     k="min_split_keys")
+        fields, key, digits = {}, None, ""
+        for ch in text + "$":
+            if ch.isdigit():
+                digits += ch
+                continue
+            if key is not None:
+                if not digits:
+                    raise ValueError(f"bad tree attention config {text!r}")
+                fields[names[key]] = int(digits)
+            if ch != "$" and ch not in names:
+                raise ValueError(f"bad tree attention config {text!r}")
+            key, digits = ch, ""
+        return cls(**fields)
 
 
 def tree_attention(
@@ -103,12 +170,14 @@ def tree_attention(
     # [>= num_reqs] int32, nonzero where the request's rows use tree_mask.
     is_tree: torch.Tensor | None = None,
     num_splits: int | None = None,
+    config: TreeAttentionConfig | None = None,
 ) -> torch.Tensor:
     """Tree/causal attention of the batch's new tokens over the paged KV cache.
 
     Writes ``out`` (rows past ``query_start_loc[-1]`` are left untouched) and
     returns it. ``num_splits`` overrides the split-KV heuristic (tests); it may
     depend only on static sizes if the call is to be captured in a CUDA graph.
+    ``config`` overrides the tile shape chosen from the static sizes.
     """
     check_tree_attention_inputs(
         q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
@@ -120,25 +189,17 @@ def tree_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out
 
-    cfg = _launch_config(q, num_reqs, num_q_heads // num_kv_heads, head_size)
-    if num_splits is None:
-        num_splits = _num_splits(q.device, num_tokens, num_reqs, num_kv_heads, cfg)
-    num_tiles = num_tokens // cfg.block_q + num_reqs
+    plan = plan_tree_attention(
+        num_tokens, num_reqs, num_q_heads, num_kv_heads, head_size,
+        _num_sms(q.device), config, num_splits,
+    )
+    cfg, num_splits = plan.config, plan.num_splits
+    num_tiles = num_tokens // plan.block_q + num_reqs
     has_tree = tree_mask is not None
     if not has_tree:
         tree_mask = is_tree = query_start_loc  # never read
-    part_out, part_lse = _partial_buffers(q, num_splits, cfg.head_size_padded)
+    part_out, part_lse = _partial_buffers(q, num_splits, plan.head_size_padded)
 
-    common = dict(
-        NUM_QUERIES_PER_KV=num_q_heads // num_kv_heads,
-        HEADS_PADDED=cfg.heads_padded,
-        BLOCK_Q=cfg.block_q,
-        BLOCK_M=cfg.block_m,
-        HEAD_SIZE=head_size,
-        HEAD_SIZE_PADDED=cfg.head_size_padded,
-        NUM_SPLITS=num_splits,
-        MIN_SPLIT_KEYS=_MIN_SPLIT_KEYS,
-    )
     _tree_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         out, q, key_cache, value_cache, part_out, part_lse,
         query_start_loc, seq_lens, block_table, tree_mask, is_tree,
@@ -150,24 +211,36 @@ def tree_attention(
         tree_mask.stride(0) if has_tree else 0,
         tree_mask.stride(1) if has_tree else 0,
         tree_mask.shape[1] if has_tree else 0,
+        tree_mask.shape[2] if has_tree else 0,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        PAGE_SIZE=block_size,
+        NUM_QUERIES_PER_KV=num_q_heads // num_kv_heads,
+        HEADS_PADDED=plan.heads_padded,
+        BLOCK_Q=plan.block_q,
+        BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=plan.head_size_padded,
+        PAGE_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        MIN_SPLIT_KEYS=cfg.min_split_keys,
         HAS_TREE=has_tree,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **common,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_tiles, num_kv_heads)](
-            out, part_out, part_lse, query_start_loc, seq_lens, num_reqs,
+        splits_padded = triton.next_power_of_2(num_splits)
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out, part_out, part_lse, query_start_loc, num_reqs,
             out.stride(0), out.stride(1),
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
-            num_warps=4,
-            **common,
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=plan.head_size_padded,
+            NUM_SPLITS=num_splits,
+            SPLITS_PADDED=splits_padded,
+            num_warps=4 if splits_padded * plan.head_size_padded >= 4096 else 2,
         )
     return out
 
@@ -227,53 +300,94 @@ def check_tree_attention_inputs(
 
 
 @dataclass(frozen=True)
-class _LaunchConfig:
+class TreeAttentionPlan:
+    """How ``tree_attention`` launches for given static sizes."""
+
+    config: TreeAttentionConfig  # block_m as launched
+    num_splits: int
     heads_padded: int  # query heads per KV head, padded to a power of 2
-    block_q: int  # query tokens per tile
     head_size_padded: int
-    block_n: int  # keys per inner step
-    num_warps: int
-    num_stages: int
 
     @property
-    def block_m(self) -> int:
-        return self.block_q * self.heads_padded
+    def block_q(self) -> int:  # query tokens per tile
+        return self.config.block_m // self.heads_padded
 
 
-def _launch_config(
-    q: torch.Tensor, num_reqs: int, num_queries_per_kv: int, head_size: int
-) -> _LaunchConfig:
-    """Tile sizes from static sizes only (token and request counts, heads)."""
-    heads_padded = triton.next_power_of_2(num_queries_per_kv)
+def plan_tree_attention(
+    num_tokens: int, num_reqs: int, num_q_heads: int, num_kv_heads: int,
+    head_size: int, num_sms: int, config: TreeAttentionConfig | None = None,
+    num_splits: int | None = None,
+) -> TreeAttentionPlan:
+    """Tile shape and split count from static sizes only (token and request
+    counts, heads), so that a captured CUDA graph stays valid."""
+    heads_padded = triton.next_power_of_2(num_q_heads // num_kv_heads)
     head_size_padded = max(16, triton.next_power_of_2(head_size))
+    if config is None:
+        config = _default_config(num_tokens, num_reqs, heads_padded, head_size_padded)
+    # A tile holds whole tokens (all heads of a KV head) and >= 16 rows (tl.dot).
+    block_m = max(config.block_m, heads_padded, 16)
+    if block_m != config.block_m:
+        config = TreeAttentionConfig(**{**config.__dict__, "block_m": block_m})
+    if num_splits is None:
+        num_splits = _num_splits(
+            num_sms, num_tokens, num_reqs, num_kv_heads, config,
+            block_m // heads_padded, _shared_bytes(config, head_size_padded),
+        )
+    return TreeAttentionPlan(config, num_splits, heads_padded, head_size_padded)
+
+
+def _default_config(
+    num_tokens: int, num_reqs: int, heads_padded: int, head_size_padded: int
+) -> TreeAttentionConfig:
+    """Rows per tile: about the average query length, at most 128 (64 for head
+    sizes above 128); 8 warps for 128-row tiles."""
     max_block_m = 128 if head_size_padded <= 128 else 64
-    # Rows per tile: the average query length, at least 16 rows for tl.dot.
-    avg_q_len = triton.cdiv(q.shape[0], num_reqs)
-    block_q = min(
-        max(1, max_block_m // heads_padded), triton.next_power_of_2(avg_q_len)
-    )
-    block_q = max(block_q, triton.cdiv(16, heads_padded))
-    block_m = block_q * heads_padded
+    avg_q_len = triton.cdiv(num_tokens, num_reqs)
+    block_m = min(max_block_m, heads_padded * triton.next_power_of_2(avg_q_len))
     block_n = 64 if head_size_padded <= 128 else 32
-    num_warps = 8 if block_m * head_size_padded >= 128 * 128 else 4
-    num_stages = 3 if head_size_padded <= 128 and block_m <= 64 else 2
-    return _LaunchConfig(
-        heads_padded, block_q, head_size_padded, block_n, num_warps, num_stages
+    return TreeAttentionConfig(
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=8 if block_m * head_size_padded >= 128 * 128 else 4,
+        num_stages=5,
     )
+
+
+def _shared_bytes(config: TreeAttentionConfig, head_size_padded: int) -> int:
+    """Shared memory of the KV loop in 16-bit types: Q and the K/V buffers in
+    flight (an indirect load takes half the pipeline stages)."""
+    kv_buffers = (config.num_stages - 1) // 2 + 1
+    q_tile = config.block_m * head_size_padded
+    kv_block = 2 * config.block_n * head_size_padded
+    return 2 * (q_tile + kv_buffers * kv_block)
 
 
 def _num_splits(
-    device: torch.device, num_tokens: int, num_reqs: int, num_kv_heads: int,
-    cfg: _LaunchConfig,
+    num_sms: int, num_tokens: int, num_reqs: int, num_kv_heads: int,
+    config: TreeAttentionConfig, block_q: int, shared_bytes: int,
 ) -> int:
-    """Most splits whose programs still fit in one wave of the GPU."""
+    """Split count with the least modelled time: programs run in waves of
+    ``capacity``; a split program costs 1 / splits of a tile plus a fixed
+    overhead, and splitting adds a merge."""
+    per_sm = min(_SMEM_PER_SM // (shared_bytes + _SMEM_EXTRA),
+                 2 if config.num_warps <= 4 else 1)
+    capacity = num_sms * max(1, per_sm)
+    # Tiles of requests of the average query length; a partial tile costs a
+    # whole one.
+    tiles_per_req = triton.cdiv(triton.cdiv(num_tokens, num_reqs), block_q)
+    programs = num_reqs * tiles_per_req * num_kv_heads
+
+    def cost(splits: int) -> float:
+        waves = triton.cdiv(programs * splits, capacity)
+        return waves * (1 / splits + _PROGRAM_OVERHEAD) + _MERGE_OVERHEAD * (splits > 1)
+
+    return min(range(1, _MAX_SPLITS + 1), key=cost)
+
+
+def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        num_sms = _CPU_NUM_SMS
-    capacity = num_sms * (2 if cfg.num_warps <= 4 else 1)
-    programs = max(num_reqs, triton.cdiv(num_tokens, cfg.block_q)) * num_kv_heads
-    return max(1, min(_MAX_SPLITS, capacity // programs))
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _CPU_NUM_SMS
 
 
 def _partial_buffers(
@@ -311,23 +425,6 @@ def _find_request(query_start_loc_ptr, num_reqs, tile_idx, BLOCK_Q: tl.constexpr
 
 
 @triton.jit
-def _tile_rows(
-    query_start_loc_ptr, seq_lens_ptr, num_reqs, tile_idx, BLOCK_Q: tl.constexpr,
-    MIN_SPLIT_KEYS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-):
-    """The tile's request, its first query row, and the request's sizes."""
-    req = _find_request(query_start_loc_ptr, num_reqs, tile_idx, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    row_start = (tile_idx - q_start // BLOCK_Q - req) * BLOCK_Q
-    ctx_len = tl.load(seq_lens_ptr + req) - q_len
-    num_active_splits = tl.minimum(
-        NUM_SPLITS, tl.maximum(1, tl.cdiv(ctx_len, MIN_SPLIT_KEYS))
-    )
-    return req, q_start, q_len, row_start, ctx_len, num_active_splits
-
-
-@triton.jit
 def _load(ptrs, mask, other, USE_MASK: tl.constexpr):
     if USE_MASK:
         x = tl.load(ptrs, mask=mask, other=other)
@@ -337,65 +434,97 @@ def _load(ptrs, mask, other, USE_MASK: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(
-    acc, l_i, m_i,
-    q,  # [BLOCK_M, HEAD_SIZE_PADDED]
-    k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-    key_pos,  # [BLOCK_N] KV positions of this tile
+def _load_kv_block(
+    k_head_ptr, v_head_ptr,  # the caches at this KV head
+    block_table_row_ptr,
+    key_pos,  # [BLOCK_N] KV positions of this block
     key_valid,  # [BLOCK_N]; read only if MASKED
-    visible,  # [BLOCK_M, BLOCK_N]; read only if MASKED
-    kv_head_offset_k, kv_head_offset_v, qk_scale,
     stride_k_blk: tl.int64, stride_k_tok: tl.int64,
     stride_v_blk: tl.int64, stride_v_tok: tl.int64,
     PAGE_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    HEAD_SIZE_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """One online-softmax step over BLOCK_N keys gathered from the paged cache.
-
-    MASKED=False is the fast path for tiles of committed keys that every row
-    sees: no key masks, and every row has a finite running max.
-    """
+    """K and V [BLOCK_N, HEAD_SIZE_PADDED] of BLOCK_N keys of the paged cache:
+    one block-table entry per key gives the key's page, its slot the row."""
     PAD_D: tl.constexpr = HEAD_SIZE != HEAD_SIZE_PADDED
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
-    d_valid = offs_d < HEAD_SIZE
     block = _load(
         block_table_row_ptr + key_pos // PAGE_SIZE, key_valid, 0, MASKED
     ).to(tl.int64)
     slot = (key_pos % PAGE_SIZE).to(tl.int64)
-    # [HEAD_SIZE_PADDED, BLOCK_N]
+    kv_mask = key_valid[:, None] & (offs_d < HEAD_SIZE)[None, :]
     k = _load(
-        k_cache_ptr + kv_head_offset_k + block[None, :] * stride_k_blk
-        + slot[None, :] * stride_k_tok + offs_d[:, None],
-        d_valid[:, None] & key_valid[None, :],
-        0.0,
-        MASKED or PAD_D,
+        k_head_ptr + (block * stride_k_blk + slot * stride_k_tok)[:, None]
+        + offs_d[None, :],
+        kv_mask, 0.0, MASKED or PAD_D,
     )
-    # [BLOCK_N, HEAD_SIZE_PADDED]
     v = _load(
-        v_cache_ptr + kv_head_offset_v + block[:, None] * stride_v_blk
-        + slot[:, None] * stride_v_tok + offs_d[None, :],
-        key_valid[:, None] & d_valid[None, :],
-        0.0,
-        MASKED or PAD_D,
+        v_head_ptr + (block * stride_v_blk + slot * stride_v_tok)[:, None]
+        + offs_d[None, :],
+        kv_mask, 0.0, MASKED or PAD_D,
     )
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        s = tl.where(visible & key_valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    return k, v
+
+
+@triton.jit
+def _softmax_step(
+    acc, l_i, m_i,
+    s,  # [BLOCK_M, BLOCK_N] raw scores, -inf where masked
+    v,  # [BLOCK_N, HEAD_SIZE_PADDED]
+    qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Online-softmax update of (acc, l, m) with one block of scores.
+
+    MASKED=False is the fast path for blocks that every row sees: every row
+    has a finite running max.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     if MASKED:
         # A row that has seen no visible key yet keeps m = -inf; shift it by 0
         # so that exp2 gives 0 instead of NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_shift = m_new
-    p = tl.math.exp2(s - m_shift[:, None])
+    p = tl.math.exp2(s * qk_scale - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(
         p.to(v.dtype), v, input_precision=DOT_PRECISION
     )
     return acc, l_i, m_new
+
+
+@triton.jit
+def _mask_scores(
+    s,  # [BLOCK_M, BLOCK_N]
+    row,  # [BLOCK_M] query row within the request
+    j,  # [BLOCK_N] new-token index of each key (negative: committed key)
+    key_valid,  # [BLOCK_N]
+    mask_row_ptr,  # [BLOCK_M] pointers to the rows' first mask word
+    tree_row,  # [BLOCK_M] rows that read the mask
+    w_first,  # mask word of the block's first key with j >= 0
+    num_words,
+    HAS_TREE: tl.constexpr,
+):
+    """-inf where key j is not visible to the row: j > row or, on a tree row,
+    bit j of the row's ancestor mask is clear. Committed keys (j < 0) are
+    visible to every row. The block's keys span at most BLOCK_N // 32 + 1
+    mask words; each row loads those words, not one word per key."""
+    visible = (j[None, :] <= row[:, None]) & key_valid[None, :]
+    if HAS_TREE:
+        jc = tl.maximum(j, 0)
+        word_of_key = jc // 32 - w_first
+        in_tree = (j < 0)[None, :] | (tree_row == 0)[:, None]
+        for w in tl.static_range(s.shape[1] // 32 + 1):
+            word = tl.load(
+                mask_row_ptr + w_first + w,
+                mask=(tree_row != 0) & (w_first + w < num_words),
+                other=0,
+            )
+            bit = (word[:, None] >> (jc % 32)[None, :]) & 1
+            in_tree = in_tree | ((word_of_key == w)[None, :] & (bit != 0))
+        visible = visible & in_tree
+    return tl.where(visible, s, float("-inf"))
 
 
 @triton.jit
@@ -419,7 +548,7 @@ def _tree_attention_kernel(
     stride_v_blk: tl.int64, stride_v_tok: tl.int64, stride_v_head: tl.int64,
     stride_bt_req: tl.int64,
     stride_mask_req: tl.int64, stride_mask_row: tl.int64,
-    max_tree_len,
+    max_tree_len, num_words,
     stride_po_split: tl.int64, stride_po_tok: tl.int64, stride_po_head: tl.int64,
     stride_pl_split: tl.int64, stride_pl_tok: tl.int64,
     NUM_QUERIES_PER_KV: tl.constexpr,
@@ -437,14 +566,15 @@ def _tree_attention_kernel(
 ):
     tl.static_assert(BLOCK_M == BLOCK_Q * HEADS_PADDED)
     tl.static_assert(BLOCK_M >= 16)
+    tl.static_assert(BLOCK_N % 32 == 0)
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    req, q_start, q_len, row_start, ctx_len, num_active_splits = _tile_rows(
-        query_start_loc_ptr, seq_lens_ptr, num_reqs, tile_idx, BLOCK_Q,
-        MIN_SPLIT_KEYS, NUM_SPLITS,
-    )
-    if (row_start >= q_len) | (split >= num_active_splits):
+    req = _find_request(query_start_loc_ptr, num_reqs, tile_idx, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    row_start = (tile_idx - q_start // BLOCK_Q - req) * BLOCK_Q
+    if row_start >= q_len:
         return
 
     # Row m of the tile is query row row_start + m // HEADS_PADDED (within the
@@ -453,10 +583,23 @@ def _tree_attention_kernel(
     row = row_start + offs_m // HEADS_PADDED
     head = kv_head * NUM_QUERIES_PER_KV + offs_m % HEADS_PADDED
     row_valid = (row < q_len) & (offs_m % HEADS_PADDED < NUM_QUERIES_PER_KV)
-    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
-    d_valid = offs_d < HEAD_SIZE
     tok = (q_start + row).to(tl.int64)
-    io_mask = row_valid[:, None] & d_valid[None, :]
+
+    ctx_len = tl.load(seq_lens_ptr + req) - q_len
+    num_active_splits = tl.minimum(
+        NUM_SPLITS, tl.maximum(1, tl.cdiv(ctx_len, MIN_SPLIT_KEYS))
+    )
+    if split >= num_active_splits:
+        # Nothing to attend: an empty partial that the merge skips.
+        tl.store(
+            part_lse_ptr + split * stride_pl_split + tok * stride_pl_tok + head,
+            tl.full([BLOCK_M], float("-inf"), dtype=tl.float32),
+            mask=row_valid,
+        )
+        return
+
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+    io_mask = row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :]
     q = tl.load(
         q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
         + offs_d[None, :],
@@ -465,77 +608,71 @@ def _tree_attention_kernel(
     )
 
     block_table_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
-    kv_head_offset_k = kv_head.to(tl.int64) * stride_k_head
-    kv_head_offset_v = kv_head.to(tl.int64) * stride_v_head
+    k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * stride_k_head
+    v_head_ptr = v_cache_ptr + kv_head.to(tl.int64) * stride_v_head
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
 
-    # Committed keys of this split: visible to every row.
+    # Committed keys of this split in whole blocks: visible to every row.
     chunk = tl.cdiv(tl.cdiv(ctx_len, num_active_splits), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(ctx_len, kv_lo + chunk)
     full_end = kv_lo + tl.maximum(kv_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
-    all_keys = tl.full([BLOCK_N], 1, dtype=tl.int1)
-    all_rows = tl.full([BLOCK_M, BLOCK_N], 1, dtype=tl.int1)
+    all_keys = tl.full([BLOCK_N], 1, dtype=tl.int1)  # masks only padded dims
     for start in range(kv_lo, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-            start + offs_n, all_keys, all_rows,
-            kv_head_offset_k, kv_head_offset_v, qk_scale,
+        k, v = _load_kv_block(
+            k_head_ptr, v_head_ptr, block_table_row_ptr, start + offs_n, all_keys,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-            PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, DOT_PRECISION, MASKED=False,
+            PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, MASKED=False,
         )
-    if full_end < kv_hi:
-        key_pos = full_end + offs_n
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-            key_pos, key_pos < kv_hi, all_rows,
-            kv_head_offset_k, kv_head_offset_v, qk_scale,
-            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-            PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, DOT_PRECISION, MASKED=True,
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        acc, l_i, m_i = _softmax_step(
+            acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION, MASKED=False
         )
 
-    # The request's new tokens, on split 0: key j is visible to row i iff
-    # j <= i and, on tree rows, bit j of mask row i is set.
-    if split == 0:
-        if HAS_TREE:
-            tree_flag = tl.load(is_tree_ptr + req)
-            mask_row_ptr = (
-                tree_mask_ptr + req.to(tl.int64) * stride_mask_req
-                + row.to(tl.int64)[:, None] * stride_mask_row
-            )
-            mask_rows = (tree_flag != 0) & row_valid & (row < max_tree_len)
-        num_new_keys = tl.minimum(q_len, row_start + BLOCK_Q)
-        for start in range(0, num_new_keys, BLOCK_N):
-            j = start + offs_n
-            visible = j[None, :] <= row[:, None]
-            if HAS_TREE:
-                words = tl.load(
-                    mask_row_ptr + (j // 32)[None, :],
-                    mask=mask_rows[:, None] & visible,
-                    other=0,
-                )
-                bit = (words >> (j % 32)[None, :]) & 1
-                visible = visible & ((bit != 0) | (tree_flag == 0))
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-                ctx_len + j, j < q_len, visible,
-                kv_head_offset_k, kv_head_offset_v, qk_scale,
-                stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, DOT_PRECISION, MASKED=True,
-            )
+    # Masked blocks: the split's partial last block of committed keys and, on
+    # the request's last split, its new keys (key j visible to row i iff j <= i
+    # and, on tree rows, bit j of mask row i is set).
+    masked_lo = tl.minimum(full_end, ctx_len)
+    masked_hi = kv_hi
+    if split == num_active_splits - 1:
+        masked_hi = ctx_len + tl.minimum(q_len, row_start + BLOCK_Q)
+    mask_row_ptr = tree_mask_ptr
+    tree_row = row_valid
+    if HAS_TREE:
+        tree_flag = tl.load(is_tree_ptr + req)
+        mask_row_ptr = (
+            tree_mask_ptr + req.to(tl.int64) * stride_mask_req
+            + row.to(tl.int64) * stride_mask_row
+        )
+        tree_row = (tree_flag != 0) & row_valid & (row < max_tree_len)
+    for start in range(masked_lo, masked_hi, BLOCK_N):
+        key_pos = start + offs_n
+        key_valid = key_pos < masked_hi
+        k, v = _load_kv_block(
+            k_head_ptr, v_head_ptr, block_table_row_ptr, key_pos, key_valid,
+            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+            PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, MASKED=True,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = _mask_scores(
+            s, row, key_pos - ctx_len, key_valid, mask_row_ptr, tree_row,
+            tl.maximum(start - ctx_len, 0) // 32, num_words, HAS_TREE,
+        )
+        acc, l_i, m_i = _softmax_step(
+            acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION, MASKED=True
+        )
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_ptrs = (
-        out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
-        + offs_d[None, :]
-    )
     if NUM_SPLITS == 1:
-        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
-    elif num_active_splits == 1:
-        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(
+            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
+            + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
     else:
         tl.store(
             part_out_ptr + split * stride_po_split + tok[:, None] * stride_po_tok
@@ -556,61 +693,42 @@ def _merge_splits_kernel(
     part_out_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_SIZE_PADDED] fp32
     part_lse_ptr,  # [num_splits, num_tokens, num_q_heads] fp32
     query_start_loc_ptr,  # [num_reqs + 1]
-    seq_lens_ptr,  # [num_reqs]
     num_reqs,
     stride_o_tok: tl.int64, stride_o_head: tl.int64,
     stride_po_split: tl.int64, stride_po_tok: tl.int64, stride_po_head: tl.int64,
     stride_pl_split: tl.int64, stride_pl_tok: tl.int64,
-    NUM_QUERIES_PER_KV: tl.constexpr,
-    HEADS_PADDED: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_KEYS: tl.constexpr,
+    SPLITS_PADDED: tl.constexpr,
 ):
-    """Merge the split partial outputs of one query tile by log-sum-exp."""
-    tile_idx = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    req, q_start, q_len, row_start, ctx_len, num_active_splits = _tile_rows(
-        query_start_loc_ptr, seq_lens_ptr, num_reqs, tile_idx, BLOCK_Q,
-        MIN_SPLIT_KEYS, NUM_SPLITS,
-    )
-    # With one active split the main kernel wrote the output directly.
-    if (row_start >= q_len) | (num_active_splits == 1):
+    """Merge one (token, query head)'s split partial outputs by log-sum-exp.
+
+    Every split wrote a log2-sum-exp for the row (-inf when it saw no key); the
+    last split holds the row's own token, so the largest one is finite.
+    """
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if tok >= tl.load(query_start_loc_ptr + num_reqs):
         return
-
-    offs_m = tl.arange(0, BLOCK_M)
-    row = row_start + offs_m // HEADS_PADDED
-    head = kv_head * NUM_QUERIES_PER_KV + offs_m % HEADS_PADDED
-    row_valid = (row < q_len) & (offs_m % HEADS_PADDED < NUM_QUERIES_PER_KV)
+    offs_s = tl.arange(0, SPLITS_PADDED)
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
-    io_mask = row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :]
-    tok = (q_start + row).to(tl.int64)
-    lse_ptr = part_lse_ptr + tok * stride_pl_tok + head
-    po_ptr = (
-        part_out_ptr + tok[:, None] * stride_po_tok + head[:, None] * stride_po_head
-        + offs_d[None, :]
+    lse = tl.load(
+        part_lse_ptr + offs_s * stride_pl_split + tok * stride_pl_tok + head,
+        mask=offs_s < NUM_SPLITS,
+        other=float("-inf"),
     )
-
-    # Split 0 holds every row's own token, so its lse is finite on valid rows.
-    lse_max = tl.load(lse_ptr, mask=row_valid, other=0.0)
-    for s in range(1, num_active_splits):
-        lse_s = tl.load(lse_ptr + s * stride_pl_split, mask=row_valid, other=0.0)
-        lse_max = tl.maximum(lse_max, lse_s)
-    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-    for s in range(0, num_active_splits):
-        lse_s = tl.load(lse_ptr + s * stride_pl_split, mask=row_valid, other=0.0)
-        w = tl.math.exp2(lse_s - lse_max)
-        o_s = tl.load(po_ptr + s * stride_po_split, mask=io_mask, other=0.0)
-        denom += w
-        acc += w[:, None] * o_s
-    o = acc / denom[:, None]
+    w = tl.math.exp2(lse - tl.max(lse, axis=0))
+    # [SPLITS_PADDED, HEAD_SIZE_PADDED]
+    o = tl.load(
+        part_out_ptr + offs_s[:, None] * stride_po_split + tok * stride_po_tok
+        + head * stride_po_head + offs_d[None, :],
+        mask=(lse > float("-inf"))[:, None] & (offs_d < HEAD_SIZE)[None, :],
+        other=0.0,
+    )
+    o = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
     tl.store(
-        out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
-        + offs_d[None, :],
+        out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
         o.to(out_ptr.dtype.element_ty),
-        mask=io_mask,
+        mask=offs_d < HEAD_SIZE,
     )
