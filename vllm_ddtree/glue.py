@@ -95,7 +95,9 @@ def _ddtree_of(vllm_config: Any):
 # ---------------------------------------------------------------------------
 
 
-def _create_speculative_config(original, self, target_model_config, target_parallel_config):
+def _create_speculative_config(
+    original, self, target_model_config, target_parallel_config
+):
     from vllm.v1.spec_decode import ddtree_config as ddt
 
     _fold_spec_flags(self)

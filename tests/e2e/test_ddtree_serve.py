@@ -103,7 +103,8 @@ def server(tmp_path_factory):
     try:
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"server exited:\n{(tmp / 'server.log').read_text()[-6000:]}")
+                log_tail = (tmp / 'server.log').read_text()[-6000:]
+                pytest.fail(f"server exited:\n{log_tail}")
             try:
                 urllib.request.urlopen(f"{base}/health", timeout=5)
                 break

@@ -39,7 +39,10 @@ def _batch(num_reqs, max_num_reqs, budget, gen, max_prefill=40):
             b = int(torch.randint(1, budget + 1, (1,), generator=gen))
         else:
             b = 0
-        q = b + 1 if kind < 3 else int(torch.randint(2, max_prefill, (1,), generator=gen))
+        if kind < 3:
+            q = b + 1
+        else:
+            q = int(torch.randint(2, max_prefill, (1,), generator=gen))
         reqs.append((s, q, b, p0))
     return reqs
 

@@ -295,7 +295,8 @@ def test_verify_inputs_walk_and_compaction(vllm_config, monkeypatch):
     )
     forward_context = vllm_config.compilation_config.static_forward_context
     for name, cache in zip(LAYERS, caches):
-        monkeypatch.setitem(forward_context, name, types.SimpleNamespace(kv_cache=cache))
+        layer = types.SimpleNamespace(kv_cache=cache)
+        monkeypatch.setitem(forward_context, name, layer)
     state_ms.postprocess_state(batch.idx_mapping, out.num_sampled)
     for cache, ref in zip(caches, want):
         assert torch.equal(kv_cache_as_kv_first(cache, HEAD_SIZE).cpu(), ref.cpu())

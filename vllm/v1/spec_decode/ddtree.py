@@ -58,7 +58,9 @@ class DraftTrees:
             max_num_reqs, budget, dtype=torch.int32, device=device
         )
         # [max_num_reqs, budget] int32; 1..depth, 0 on padding nodes.
-        self.depths = torch.zeros(max_num_reqs, budget, dtype=torch.int32, device=device)
+        self.depths = torch.zeros(
+            max_num_reqs, budget, dtype=torch.int32, device=device
+        )
         # [max_num_reqs, budget + 1, num_words] int32 ancestor-or-self masks.
         self.attn_mask = torch.zeros(
             max_num_reqs,
@@ -141,7 +143,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Drafter context entries (prepare_draft_inputs): the step's non-draft
         # rows plus depth path entries per request. DFlash's full-width copy of
         # the target's hidden states is not needed.
-        self.max_num_context = self.max_num_tokens + self.draft_depth * self.max_num_reqs
+        self.max_num_context = (
+            self.max_num_tokens + self.draft_depth * self.max_num_reqs
+        )
         self.context_rows = torch.zeros(
             self.max_num_context, dtype=torch.int64, device=device
         )
@@ -274,7 +278,9 @@ class DDTreeSpeculator(DFlashSpeculator):
             num_reqs,
             self.draft_depth,
         )
-        self._prepare_inputs(input_batch, num_sampled, last_sampled, next_prefill_tokens)
+        self._prepare_inputs(
+            input_batch, num_sampled, last_sampled, next_prefill_tokens
+        )
         context = self._context_hidden_states(
             last_hidden_states, aux_hidden_states, self.context_rows, num_context
         )
@@ -322,7 +328,9 @@ class DDTreeSpeculator(DFlashSpeculator):
             )
         if not dummy_run:
             assert self.state is not None
-            self.state.trees.scatter_(input_batch.idx_mapping, self.batch_trees, num_reqs)
+            self.state.trees.scatter_(
+                input_batch.idx_mapping, self.batch_trees, num_reqs
+            )
         return self._draft_tokens(num_reqs)
 
     def _prepare_inputs(

@@ -291,7 +291,8 @@ def cudagraph_capture_sizes(
     drafter's batches)."""
     num_reqs = [n for n in (1, 2, 4) if n < max_num_seqs]
     num_reqs += list(range(8, max_num_seqs, 8)) + [max_num_seqs]
-    sizes = {n * cfg.verify_len for n in num_reqs} | {n * cfg.draft_len for n in num_reqs}
+    sizes = {n * cfg.verify_len for n in num_reqs}
+    sizes |= {n * cfg.draft_len for n in num_reqs}
     return sorted(s for s in sizes if s <= max_num_batched_tokens)
 
 

@@ -110,7 +110,9 @@ class DDTreeModelState(DefaultModelState):
         # [num_kv_cache_groups, num_tokens] slot mappings of the current step.
         self._slot_mappings: torch.Tensor | None = None
 
-    def custom_sampler(self, sampler: Sampler) -> tuple[Sampler, DDTreeRejectionSampler]:
+    def custom_sampler(
+        self, sampler: Sampler
+    ) -> tuple[Sampler, DDTreeRejectionSampler]:
         return sampler, DDTreeRejectionSampler(sampler, self.ddtree_state)
 
     def prepare_attn(
