@@ -18,11 +18,14 @@ gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")
 PAD_SLOT_ID = -1
 
 # Physical dimension orders of a [2, num_blocks, block_size, heads, head_size]
-# cache: vLLM's FlashAttention default, the HND layout, and num-blocks-first.
+# cache: K and V apart in NHD and HND, num-blocks-first, and vLLM 0.26's
+# FLASH_ATTN layout, whose slots hold [heads, K|V, head_size] contiguously (the
+# compactor copies such slots as 8-byte words).
 LAYOUTS = {
     "nhd": (0, 1, 2, 3, 4),
     "hnd": (0, 1, 3, 2, 4),
     "blocks_first": (1, 0, 2, 3, 4),
+    "packed_kv": (1, 2, 3, 0, 4),
 }
 
 
@@ -105,6 +108,14 @@ def test_matches_reference(dtype, layout, block_size):
     batch = _batch(num_nodes, num_accepted, block_size, 16, offsets, gen)
     want = _run_both(caches, *batch)
     _assert_bits_equal(caches, want)
+
+
+def test_packed_slots_are_copied_as_words():
+    caches = _kv_caches(2, 4, 16, 2, 8, torch.float16, "packed_kv")
+    assert TreeKVCompactor(caches).num_planes == 1
+    for layout in ("nhd", "hnd", "blocks_first"):
+        caches = _kv_caches(2, 4, 16, 2, 8, torch.float16, layout)
+        assert TreeKVCompactor(caches).num_planes == 2
 
 
 def test_overlapping_path_in_place():
@@ -195,13 +206,14 @@ def test_rejects_bad_caches():
 
 
 @gpu_only
+@pytest.mark.parametrize("layout", ["packed_kv", "nhd"])
 @pytest.mark.parametrize("num_reqs,budget", [(1, 128), (64, 128), (4, 1024)])
-def test_qwen3_8b_shape(num_reqs, budget):
+def test_qwen3_8b_shape(num_reqs, budget, layout):
     """36 layers, 8 KV heads of 128, bf16, block 16, paths of up to 15 nodes."""
     gen = torch.Generator().manual_seed(num_reqs)
     max_depth = 15
     num_blocks = num_reqs * ((budget + 1 + 40) // 16 + 2) + 8
-    caches = _kv_caches(36, num_blocks, 16, 8, 128, torch.bfloat16, "nhd")
+    caches = _kv_caches(36, num_blocks, 16, 8, 128, torch.bfloat16, layout)
     num_accepted = torch.randint(0, max_depth + 1, (num_reqs,), generator=gen)
     num_accepted[0] = max_depth
     offsets = torch.randint(0, 40, (num_reqs,), generator=gen).tolist()
@@ -216,7 +228,7 @@ def test_qwen3_8b_shape(num_reqs, budget):
 def test_cuda_graph_replay():
     """Captured once, the launch serves any accepted paths of the same shapes."""
     gen = torch.Generator().manual_seed(0)
-    caches = _kv_caches(4, 64, 16, 8, 128, torch.bfloat16, "nhd")
+    caches = _kv_caches(4, 64, 16, 8, 128, torch.bfloat16, "packed_kv")
     compactor = TreeKVCompactor(caches)
     first = _batch([32] * 4, [15, 0, 7, 3], 16, 64, [0, 3, 14, 30], gen)
     buffers = [t.to(DEVICE) for t in first]

@@ -52,6 +52,18 @@ class TreeKVCompactor:
         _, _, self.block_size, num_kv_heads, self.head_size = first.shape
         self.slot_elems = num_kv_heads * self.head_size
         self.strides = first.stride()
+        # K and V are copied by separate programs, element by element...
+        self.num_planes = 2
+        words = _slot_words(self.kv_caches)
+        if words is not None:
+            # ...unless a slot's K and V form one contiguous span (vLLM's NHD
+            # FLASH_ATTN layout): then the span is copied as 8-byte words.
+            itemsize = first.element_size()
+            _, block_stride, slot_stride, _, _ = self.strides
+            self.raw_type, self.num_planes = tl.int64, 1
+            self.head_size = self.slot_elems = words
+            self.strides = (0, block_stride * itemsize // 8,
+                            slot_stride * itemsize // 8, 0, 1)
         # [num_layers] base addresses, read by the kernel and cast to pointers.
         self.layer_ptrs = torch.tensor(
             [cache.data_ptr() for cache in self.kv_caches],
@@ -79,7 +91,7 @@ class TreeKVCompactor:
         )
         grid = (
             num_reqs,
-            2 * self.layer_ptrs.shape[0],
+            self.num_planes * self.layer_ptrs.shape[0],
             triton.cdiv(self.slot_elems, elem_block),
         )
         _tree_kv_compaction_kernel[grid](
@@ -101,6 +113,7 @@ class TreeKVCompactor:
             SLOT_ELEMS=self.slot_elems,
             DEPTH_BLOCK=depth_block,
             ELEM_BLOCK=elem_block,
+            NUM_PLANES=self.num_planes,
             num_warps=4,
         )
 
@@ -112,6 +125,24 @@ def _unique_caches(kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
     for cache in kv_caches:
         seen.setdefault((cache.data_ptr(), cache.stride()), cache)
     return list(seen.values())
+
+
+def _slot_words(kv_caches: list[torch.Tensor]) -> int | None:
+    """8-byte words of one slot's K and V if, in every cache, they form one
+    contiguous 8-byte aligned span; else None."""
+    first = kv_caches[0]
+    _, _, _, num_heads, head_size = first.shape
+    kv_stride, block_stride, slot_stride, head_stride, dim_stride = first.stride()
+    plane = num_heads * head_size
+    packed = dim_stride == 1 and (
+        (kv_stride == head_size and head_stride == 2 * head_size)  # [H, 2, D]
+        or (head_stride == head_size and kv_stride == plane)  # [2, H, D]
+    )
+    itemsize = first.element_size()
+    aligned = all(
+        (n * itemsize) % 8 == 0 for n in (2 * plane, block_stride, slot_stride)
+    ) and all(cache.data_ptr() % 8 == 0 for cache in kv_caches)
+    return 2 * plane * itemsize // 8 if packed and aligned else None
 
 
 def _check_kv_caches(kv_caches: list[torch.Tensor]) -> None:
@@ -189,13 +220,14 @@ def _tree_kv_compaction_kernel(
     SLOT_ELEMS: tl.constexpr,
     DEPTH_BLOCK: tl.constexpr,
     ELEM_BLOCK: tl.constexpr,
+    NUM_PLANES: tl.constexpr,
 ):
     req_idx = tl.program_id(0).to(tl.int64)
     num_accepted = tl.minimum(tl.load(num_accepted_ptr + req_idx), max_depth)
     if num_accepted <= 0:
         return
-    layer = tl.program_id(1) // 2
-    kv = (tl.program_id(1) % 2).to(tl.int64)
+    layer = tl.program_id(1) // NUM_PLANES
+    kv = (tl.program_id(1) % NUM_PLANES).to(tl.int64)
     start = tl.load(query_start_loc_ptr + req_idx).to(tl.int64)
 
     # Row d - 1 of the tile moves flattened index idx_d to flattened index d.
