@@ -1,7 +1,6 @@
 """vLLM plugin that wires the DDTree modules into an unmodified vLLM 0.26.0."""
 
 import importlib
-import importlib.util
 from pathlib import Path
 
 
@@ -23,13 +22,14 @@ def register() -> None:
 
 
 def _use_source_checkout() -> None:
-    """Run from a source checkout without installing: ``pip install .`` puts the
-    new ``vllm/v1/...`` modules into vLLM's packages; from a checkout on
-    ``PYTHONPATH`` they are found by adding the checkout's directories to those
-    packages' search paths (in this process only). No-op once installed."""
-    if importlib.util.find_spec("vllm.v1.spec_decode.ddtree") is not None:
-        return
+    """Run from a source checkout: ``pip install .`` puts the new ``vllm/v1/...``
+    modules into vLLM's packages; when this package is imported from a checkout
+    (on ``PYTHONPATH``), the checkout's modules are found first instead, by
+    putting its directories at the front of those packages' search paths (in
+    this process only). No-op for an installed package."""
     root = Path(__file__).resolve().parents[1]
+    if not (root / "setup.py").is_file() or not (root / "vllm").is_dir():
+        return
     for init_dir in sorted({p.parent for p in (root / "vllm").rglob("*.py")}):
         package = importlib.import_module(
             ".".join(init_dir.relative_to(root).parts)
