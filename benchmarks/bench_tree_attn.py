@@ -6,19 +6,26 @@ KV cache in vLLM 0.26's FLASH_ATTN layout. For every (batch, budget, context):
 
 * ours: ``tree_attention`` verifying a tree of ``budget`` nodes per request
   (q_len = budget + 1, per-request ancestor masks), or, for budget 15, a causal
-  chain of 16 tokens (what DFlash verifies);
+  chain of 16 tokens (what DFlash verifies), once per ``--configs`` entry
+  ("default" = the kernel's own choice, else a ``TreeAttentionConfig`` string
+  such as ``m128n64w8s5``: block_m, block_n, num_warps, num_stages);
 * FA3: ``flash_attn_varlen_func(..., causal=True, fa_version=3)`` on the same
   queries and pages, as vLLM calls it under full CUDA graphs (AOT scheduler
   metadata, up to 32 splits), and with its default heuristics; the faster counts;
-* the device-to-device copy bandwidth of the GPU, measured first.
+* the device-to-device copy bandwidth of the GPU, measured first (read + write
+  bytes, the faster of cudaMemcpy and a copy kernel, after a warmup).
 
 Each kernel is captured in a CUDA graph (several launches on different KV pages,
 so that the KV is read from HBM, not L2) and replayed after warmup; times are
-per launch. KV bandwidth = bytes of committed KV read / time. Results are printed
-as a table and written to ``--out`` as JSON and markdown.
+per launch. KV bandwidth = bytes of committed KV read / time. The first config's
+results are printed as a table and written to ``--out`` as JSON and markdown;
+with several configs, a comparison table and a per-config summary follow.
 
     python benchmarks/bench_tree_attn.py            # full grid, about 3 minutes
     python benchmarks/bench_tree_attn.py --quick    # a few points
+    python benchmarks/bench_tree_attn.py --sweep    # the default configs against
+                                                    # candidates, about 3 minutes
+    python benchmarks/bench_tree_attn.py --sweep --configs default m64n64w4s5
 """
 
 import argparse
@@ -35,13 +42,23 @@ sys.path.insert(0, str(ROOT))
 import conftest  # noqa: E402,F401  (this working tree's vllm/ modules first)
 
 from tests.v1.ddtree_reference import build_ddtree_reference  # noqa: E402
-from vllm.v1.attention.ops.triton_tree_attention import tree_attention  # noqa: E402
+from vllm.triton_utils import tl, triton  # noqa: E402
+from vllm.v1.attention.ops.triton_tree_attention import (  # noqa: E402
+    TreeAttentionConfig,
+    plan_tree_attention,
+    tree_attention,
+)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
 DTYPE = torch.bfloat16
 CHAIN_BUDGET = 15
 KV_BYTES_PER_TOKEN = NUM_KV_HEADS * HEAD_SIZE * 2 * DTYPE.itemsize
 PEAK_BF16_TFLOPS = 989.0  # H200 dense, for the compute-bound column only
+# Candidates --sweep compares with the kernel's default choice (keep in sync with
+# GPU_CONFIGS in tests/v1/attention/test_tree_attention.py).
+SWEEP_CONFIGS = ["default", "m128n64w8s5", "m128n64w8s7", "m128n64w8s3",
+                 "m128n32w8s5", "m64n64w4s5", "m64n64w8s5", "m64n32w4s5",
+                 "m128n128w8s3"]
 
 
 def parse_args():
@@ -51,20 +68,37 @@ def parse_args():
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--configs", nargs="+", default=None,
+                   help="'default' and/or TreeAttentionConfig strings; the first "
+                        "one fills the main table")
     p.add_argument("--quick", action="store_true", help="batch 1/8, budget 15/128, 4K")
+    p.add_argument("--sweep", action="store_true",
+                   help="compare SWEEP_CONFIGS (or --configs) at batch 1/8/64, "
+                        "budget 15/64/128/512, 4K, and batch 1 at 16K")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args()
+    args.points = [(c, b, B) for c in args.contexts for b in args.batches
+                   for B in args.budgets]
     if args.quick:
-        args.batches, args.budgets, args.contexts = [1, 8], [15, 128], [4096]
+        args.points = [(4096, b, B) for b in (1, 8) for B in (15, 128)]
+    if args.sweep:
+        args.points = [(4096, b, B) for b in (1, 8, 64) for B in (15, 64, 128, 512)]
+        args.points += [(16384, 1, 15), (16384, 1, 128)]
+        if args.configs is None:
+            args.configs = SWEEP_CONFIGS
+    args.configs = args.configs or ["default"]
+    for name in args.configs:
+        if name != "default":
+            TreeAttentionConfig.parse(name)  # fail before any GPU work
     return args
 
 
 # ----------------------------------------------------------------- timing
 
 
-def time_graph(launch, num_rotations: int, iters: int) -> float:
+def time_graph(launch, num_rotations: int, iters: int, warmup: int = 1) -> float:
     """Seconds per launch: ``launch(i)`` for i in rotations, captured in one
-    CUDA graph and replayed ``iters`` times after warmup."""
+    CUDA graph and replayed ``iters`` times after ``warmup`` replays."""
     launches = max(num_rotations, 8)
     for i in range(num_rotations):  # compile, autotune, allocate
         launch(i)
@@ -73,7 +107,8 @@ def time_graph(launch, num_rotations: int, iters: int) -> float:
     with torch.cuda.graph(graph):
         for i in range(launches):
             launch(i % num_rotations)
-    graph.replay()
+    for _ in range(warmup):
+        graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
         enable_timing=True)
@@ -86,12 +121,36 @@ def time_graph(launch, num_rotations: int, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / (iters * launches)
 
 
-def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+def copy_bandwidth(num_bytes: int = 2**31, iters: int = 20) -> dict[str, float]:
+    """Device-to-device copy bandwidth in bytes/s (read + write), by
+    cudaMemcpy (a graph memcpy node; copy engines) and by a copy kernel on the
+    SMs, each after ~1 s of warmup replays so the clocks settle."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32, device="cuda").normal_()
     dst = torch.empty_like(src)
-    seconds = time_graph(lambda i: dst.copy_(src), 1, iters)
-    return 2 * num_bytes / seconds
+    block = 8192
+    grid = (triton.cdiv(src.numel(), block),)
+
+    def kernel(i):
+        _copy_kernel[grid](src, dst, src.numel(), BLOCK=block, num_warps=8)
+
+    def memcpy(i):
+        dst.copy_(src)
+
+    result = {}
+    for name, fn in [("kernel", kernel), ("memcpy", memcpy)]:
+        seconds = time_graph(fn, 1, iters, warmup=100)
+        result[name] = 2 * num_bytes / seconds
+    assert torch.equal(src, dst)
+    del src, dst
+    torch.cuda.empty_cache()
+    return result
 
 
 # ----------------------------------------------------------------- problem
@@ -129,10 +188,20 @@ class Problem:
         self.committed_kv_bytes = batch * context * KV_BYTES_PER_TOKEN
         self.committed_flops = 4 * num_tokens * NUM_Q_HEADS * context * HEAD_SIZE
 
-    def ours(self, i):
-        tree_attention(self.q, self.key_cache, self.value_cache, self.out,
-                       self.query_start_loc, self.seq_lens, self.block_tables[i],
-                       HEAD_SIZE**-0.5, tree_mask=self.tree_mask, is_tree=self.is_tree)
+    def ours(self, config: TreeAttentionConfig | None):
+        def launch(i):
+            tree_attention(
+                self.q, self.key_cache, self.value_cache, self.out,
+                self.query_start_loc, self.seq_lens, self.block_tables[i],
+                HEAD_SIZE**-0.5, tree_mask=self.tree_mask, is_tree=self.is_tree,
+                config=config)
+        return launch
+
+    def plan(self, config: TreeAttentionConfig | None) -> str:
+        plan = plan_tree_attention(
+            self.q.shape[0], self.batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE,
+            torch.cuda.get_device_properties(0).multi_processor_count, config)
+        return f"{plan.config}x{plan.num_splits}"
 
     def fa3_launchers(self):
         from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
@@ -177,38 +246,52 @@ def random_tree_masks(batch, budget, gen, distinct=8):
 
 
 def run_point(batch, budget, context, args, l2_bytes, copy_bw, gen):
+    """Rows (one per config) of one point, the first config's first."""
     p = Problem(batch, budget, context, args.block_size, l2_bytes, gen)
-    t_ours = time_graph(p.ours, p.num_rotations, args.iters)
     fa_out, fa_launchers = p.fa3_launchers()
     t_fa3 = min(time_graph(f, p.num_rotations, args.iters) for f in fa_launchers)
-    row = dict(
-        batch=batch, budget=budget, context=context,
-        kind="chain" if p.is_chain else "tree", q_len=p.q_len,
-        ours_us=t_ours * 1e6, fa3_us=t_fa3 * 1e6, ratio=t_ours / t_fa3,
-        ours_kv_tbps=p.committed_kv_bytes / t_ours / 1e12,
-        fa3_kv_tbps=p.committed_kv_bytes / t_fa3 / 1e12,
-        ours_pct_copy=100 * p.committed_kv_bytes / t_ours / copy_bw,
-        ours_tflops=p.committed_flops / t_ours / 1e12,
-        # Bandwidth reachable if the committed-KV FLOPs ran at tensor-core peak.
-        roofline_pct_copy=100 * min(1.0, p.committed_kv_bytes / copy_bw / (
-            p.committed_flops / (PEAK_BF16_TFLOPS * 1e12))),
-    )
-    if p.is_chain:  # same semantics as FA3: check the numbers agree
-        p.ours(0)
-        fa_launchers[0](0)
-        row["max_abs_diff_vs_fa3"] = (p.out.float() - fa_out.float()).abs().max().item()
+    fa_launchers[0](0)
+    rows, first_out = [], None
+    for name in args.configs:
+        config = None if name == "default" else TreeAttentionConfig.parse(name)
+        t_ours = time_graph(p.ours(config), p.num_rotations, args.iters)
+        p.ours(config)(0)
+        if first_out is None:
+            first_out = p.out.clone()
+        row = dict(
+            config=name, plan=p.plan(config),
+            batch=batch, budget=budget, context=context,
+            kind="chain" if p.is_chain else "tree", q_len=p.q_len,
+            ours_us=t_ours * 1e6, fa3_us=t_fa3 * 1e6, ratio=t_ours / t_fa3,
+            ours_kv_tbps=p.committed_kv_bytes / t_ours / 1e12,
+            fa3_kv_tbps=p.committed_kv_bytes / t_fa3 / 1e12,
+            ours_pct_copy=100 * p.committed_kv_bytes / t_ours / copy_bw,
+            ours_tflops=p.committed_flops / t_ours / 1e12,
+            # Bandwidth reachable if the committed-KV FLOPs ran at tensor-core
+            # peak.
+            roofline_pct_copy=100 * min(1.0, p.committed_kv_bytes / copy_bw / (
+                p.committed_flops / (PEAK_BF16_TFLOPS * 1e12))),
+            # Every config computes the same attention.
+            max_abs_diff_vs_first=(p.out.float() - first_out.float()).abs().max()
+            .item(),
+        )
+        if p.is_chain:  # same semantics as FA3: check the numbers agree
+            row["max_abs_diff_vs_fa3"] = (p.out.float() - fa_out.float()).abs(
+            ).max().item()
+        rows.append(row)
     del p
     torch.cuda.empty_cache()
-    return row
+    return rows
 
 
-def write_results(rows, copy_bw, out_dir: Path):
+def write_results(rows, comparison, meta, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(), copy_tbps=copy_bw / 1e12,
-                heads=[NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE], dtype=str(DTYPE))
     (out_dir / "bench_tree_attn.json").write_text(
-        json.dumps(dict(meta=meta, rows=rows), indent=1))
-    (out_dir / "bench_tree_attn.md").write_text(markdown_table(rows, meta))
+        json.dumps(dict(meta=meta, rows=rows, configs=comparison), indent=1))
+    text = markdown_table(rows, meta)
+    if len(meta["configs"]) > 1:
+        text += "\n" + comparison_markdown(comparison, meta["configs"])
+    (out_dir / "bench_tree_attn.md").write_text(text)
 
 
 COLUMNS = [("batch", "{}"), ("context", "{}"), ("budget", "{}"), ("kind", "{}"),
@@ -218,9 +301,9 @@ COLUMNS = [("batch", "{}"), ("context", "{}"), ("budget", "{}"), ("kind", "{}"),
 
 
 def markdown_table(rows, meta) -> str:
-    head = (f"Tree attention vs FA3 on {meta['device']}, heads "
-            f"{meta['heads']}, {meta['dtype']}; copy bandwidth "
-            f"{meta['copy_tbps']:.2f} TB/s. ratio = ours / FA3 time; "
+    head = (f"Tree attention ({meta['configs'][0]} config) vs FA3 on "
+            f"{meta['device']}, heads {meta['heads']}, {meta['dtype']}; copy "
+            f"bandwidth {meta['copy_tbps']:.2f} TB/s. ratio = ours / FA3 time; "
             "pct_copy = committed-KV bandwidth / copy bandwidth; roofline = the "
             "same at tensor-core peak.\n\n")
     names = [c for c, _ in COLUMNS]
@@ -228,6 +311,22 @@ def markdown_table(rows, meta) -> str:
     for row in rows:
         lines.append("| " + " | ".join(f.format(row[c]) for c, f in COLUMNS) + " |")
     return head + "\n".join(lines) + "\n"
+
+
+def comparison_markdown(comparison, configs) -> str:
+    """Per point: FA3 and every config's time (us) and ratio; the best config."""
+    names = ["batch", "context", "budget", "fa3_us"] + configs + ["best"]
+    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    for point in comparison:
+        cells = [str(point[k]) for k in ("batch", "context", "budget")]
+        cells.append(f"{point['fa3_us']:.1f}")
+        for name in configs:
+            us = point["us"][name]
+            cells.append(f"{us:.1f} ({us / point['fa3_us']:.2f})")
+        cells.append(point["best"])
+        lines.append("| " + " | ".join(cells) + " |")
+    return ("Configs: time in us (ours / FA3); plans are in the JSON.\n\n"
+            + "\n".join(lines) + "\n")
 
 
 def print_table(rows):
@@ -239,6 +338,23 @@ def print_table(rows):
                         for (c, f), w in zip(COLUMNS, widths)))
 
 
+def summarize_configs(comparison, configs):
+    """Geometric-mean ours/FA3 per config over chain and tree points, and how
+    often each config is the fastest."""
+    print(f"\n{'config':>14}  {'chain_vs_fa3':>12}  {'tree_vs_fa3':>11}  "
+          f"{'all_vs_fa3':>10}  {'best_at':>7}  worst_vs_first")
+    for name in configs:
+        ratios = {kind: [p["us"][name] / p["fa3_us"] for p in comparison
+                         if kind in ("all", p["kind"])]
+                  for kind in ("chain", "tree", "all")}
+        geo = {k: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")
+               for k, v in ratios.items()}
+        wins = sum(p["best"] == name for p in comparison)
+        worst = max(p["us"][name] / p["us"][configs[0]] for p in comparison)
+        print(f"{name:>14}  {geo['chain']:12.3f}  {geo['tree']:11.3f}  "
+              f"{geo['all']:10.3f}  {wins:7d}  {worst:.2f}")
+
+
 def main():
     args = parse_args()
     if not torch.cuda.is_available():
@@ -247,20 +363,37 @@ def main():
     gen = torch.Generator().manual_seed(0)
     started = time.time()
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
-    copy_bw = copy_bandwidth()
-    print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s", flush=True)
-    rows = []
-    for context in args.contexts:
-        for batch in args.batches:
-            for budget in args.budgets:
-                row = run_point(batch, budget, context, args, l2_bytes, copy_bw, gen)
-                rows.append(row)
-                print(f"[{time.time() - started:6.1f}s] b={batch} ctx={context} "
-                      f"B={budget}: ours {row['ours_us']:.1f} us, "
-                      f"FA3 {row['fa3_us']:.1f} us", flush=True)
-    write_results(rows, copy_bw, args.out)
+    copy = copy_bandwidth()
+    copy_bw = max(copy.values())
+    print("device-to-device copy (read + write): " + ", ".join(
+        f"{k} {v / 1e12:.2f} TB/s" for k, v in copy.items()), flush=True)
+    rows, comparison = [], []
+    for context, batch, budget in args.points:
+        point_rows = run_point(batch, budget, context, args, l2_bytes, copy_bw, gen)
+        rows.append(point_rows[0])
+        us = {r["config"]: r["ours_us"] for r in point_rows}
+        comparison.append(dict(
+            batch=batch, context=context, budget=budget, kind=point_rows[0]["kind"],
+            fa3_us=point_rows[0]["fa3_us"], us=us, best=min(us, key=us.get),
+            plans={r["config"]: r["plan"] for r in point_rows},
+            max_abs_diff_vs_first={r["config"]: r["max_abs_diff_vs_first"]
+                                   for r in point_rows}))
+        bad = [r["config"] for r in point_rows if r["max_abs_diff_vs_first"] > 0.05]
+        print(f"[{time.time() - started:6.1f}s] b={batch} ctx={context} "
+              f"B={budget}: FA3 {point_rows[0]['fa3_us']:.1f} us; "
+              + ", ".join(f"{r['config']} {r['ours_us']:.1f}" for r in point_rows)
+              + (f"; MISMATCH {bad}" if bad else ""), flush=True)
+    meta = dict(device=torch.cuda.get_device_name(), copy_tbps=copy_bw / 1e12,
+                copy_tbps_by_method={k: v / 1e12 for k, v in copy.items()},
+                heads=[NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE], dtype=str(DTYPE),
+                configs=args.configs)
+    write_results(rows, comparison, meta, args.out)
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; total "
           f"{time.time() - started:.0f} s; results in {args.out}")
+    if len(args.configs) > 1:
+        print(comparison_markdown(comparison, args.configs))
+        summarize_configs(comparison, args.configs)
+        print(f"\nmain table below: config {args.configs[0]}")
     print_table(rows)
     chain = [r for r in rows if r["kind"] == "chain"]
     if chain:

@@ -203,7 +203,7 @@ def tree_attention(
     _tree_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         out, q, key_cache, value_cache, part_out, part_lse,
         query_start_loc, seq_lens, block_table, tree_mask, is_tree,
-        num_reqs, softmax_scale * math.log2(math.e),
+        num_reqs, num_splits, softmax_scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -222,7 +222,6 @@ def tree_attention(
         HEAD_SIZE=head_size,
         HEAD_SIZE_PADDED=plan.head_size_padded,
         PAGE_SIZE=block_size,
-        NUM_SPLITS=num_splits,
         MIN_SPLIT_KEYS=cfg.min_split_keys,
         HAS_TREE=has_tree,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -232,13 +231,12 @@ def tree_attention(
     if num_splits > 1:
         splits_padded = triton.next_power_of_2(num_splits)
         _merge_splits_kernel[(num_tokens, num_q_heads)](
-            out, part_out, part_lse, query_start_loc, num_reqs,
+            out, part_out, part_lse, query_start_loc, num_reqs, num_splits,
             out.stride(0), out.stride(1),
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             HEAD_SIZE=head_size,
             HEAD_SIZE_PADDED=plan.head_size_padded,
-            NUM_SPLITS=num_splits,
             SPLITS_PADDED=splits_padded,
             num_warps=4 if splits_padded * plan.head_size_padded >= 4096 else 2,
         )
@@ -527,7 +525,9 @@ def _mask_scores(
     return tl.where(visible, s, float("-inf"))
 
 
-@triton.jit
+# Sizes that change from step to step or between batch shapes stay out of
+# the kernels' specialisation (fewer compiles; one binary per tile shape).
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _tree_attention_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_size]
     q_ptr,  # [num_tokens, num_q_heads, head_size]
@@ -541,6 +541,7 @@ def _tree_attention_kernel(
     tree_mask_ptr,  # [>= num_reqs, max_tree_len, num_words]
     is_tree_ptr,  # [>= num_reqs]
     num_reqs,
+    num_splits,
     qk_scale,  # softmax scale * log2(e)
     stride_q_tok: tl.int64, stride_q_head: tl.int64,
     stride_o_tok: tl.int64, stride_o_head: tl.int64,
@@ -559,7 +560,6 @@ def _tree_attention_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_KEYS: tl.constexpr,
     HAS_TREE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -587,7 +587,7 @@ def _tree_attention_kernel(
 
     ctx_len = tl.load(seq_lens_ptr + req) - q_len
     num_active_splits = tl.minimum(
-        NUM_SPLITS, tl.maximum(1, tl.cdiv(ctx_len, MIN_SPLIT_KEYS))
+        num_splits, tl.maximum(1, tl.cdiv(ctx_len, MIN_SPLIT_KEYS))
     )
     if split >= num_active_splits:
         # Nothing to attend: an empty partial that the merge skips.
@@ -666,7 +666,7 @@ def _tree_attention_kernel(
         )
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         tl.store(
             out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
             + offs_d[None, :],
@@ -687,19 +687,19 @@ def _tree_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_size]
     part_out_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_SIZE_PADDED] fp32
     part_lse_ptr,  # [num_splits, num_tokens, num_q_heads] fp32
     query_start_loc_ptr,  # [num_reqs + 1]
     num_reqs,
+    num_splits,
     stride_o_tok: tl.int64, stride_o_head: tl.int64,
     stride_po_split: tl.int64, stride_po_tok: tl.int64, stride_po_head: tl.int64,
     stride_pl_split: tl.int64, stride_pl_tok: tl.int64,
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PADDED: tl.constexpr,
 ):
     """Merge one (token, query head)'s split partial outputs by log-sum-exp.
@@ -715,7 +715,7 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     lse = tl.load(
         part_lse_ptr + offs_s * stride_pl_split + tok * stride_pl_tok + head,
-        mask=offs_s < NUM_SPLITS,
+        mask=offs_s < num_splits,
         other=float("-inf"),
     )
     w = tl.math.exp2(lse - tl.max(lse, axis=0))
