@@ -508,21 +508,24 @@ def _mask_scores(
     bit j of the row's ancestor mask is clear. Committed keys (j < 0) are
     visible to every row. The block's keys span at most BLOCK_N // 32 + 1
     mask words; each row loads those words, not one word per key."""
-    visible = (j[None, :] <= row[:, None]) & key_valid[None, :]
+    s = tl.where((j[None, :] <= row[:, None]) & key_valid[None, :], s, float("-inf"))
     if HAS_TREE:
         jc = tl.maximum(j, 0)
-        word_of_key = jc // 32 - w_first
-        in_tree = (j < 0)[None, :] | (tree_row == 0)[:, None]
+        # Committed keys match no word. Masking s word by word keeps no
+        # [BLOCK_M, BLOCK_N] temporaries alive (registers).
+        word_of_key = tl.where(j < 0, -1, jc // 32 - w_first)
         for w in tl.static_range(s.shape[1] // 32 + 1):
             word = tl.load(
                 mask_row_ptr + w_first + w,
-                mask=(tree_row != 0) & (w_first + w < num_words),
+                mask=tree_row & (w_first + w < num_words),
                 other=0,
             )
-            bit = (word[:, None] >> (jc % 32)[None, :]) & 1
-            in_tree = in_tree | ((word_of_key == w)[None, :] & (bit != 0))
-        visible = visible & in_tree
-    return tl.where(visible, s, float("-inf"))
+            hidden = ((word[:, None] >> (jc % 32)[None, :]) & 1) == 0
+            s = tl.where(
+                (word_of_key == w)[None, :] & tree_row[:, None] & hidden,
+                float("-inf"), s,
+            )
+    return s
 
 
 # Sizes that change from step to step or between batch shapes stay out of
