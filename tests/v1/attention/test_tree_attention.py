@@ -8,6 +8,13 @@ reads). On the CPU the kernel runs in the Triton interpreter at small sizes; the
 same tests run the full grid of shapes on a GPU.
 """
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -317,6 +324,65 @@ def test_explicit_configs_gpu(config):
     for num_splits in [None, 5]:
         check_trees(ctx_lens, trees, q_lens, 32, 8, 128, 16, torch.bfloat16,
                     num_splits=num_splits, config=cfg)
+
+
+# Compiles the default tree tile shape for sm90 without a GPU (Triton needs no
+# driver for that) and reports what the KV loop became.
+SM90_PROBE = textwrap.dedent("""
+    import re, sys, json
+    import triton, triton.language as tl
+    import vllm.triton_utils as tu
+    tu.triton, tu.tl, tu.HAS_TRITON = triton, tl, True
+    sys.path.insert(0, sys.argv[1])
+    import conftest
+    from triton.backends.compiler import GPUTarget
+    from vllm.v1.attention.ops import triton_tree_attention as tta
+    kernel, cfg = tta._tree_attention_kernel, tta.TreeAttentionConfig()
+    names = kernel.arg_names
+    sig = {n: "i64" if n.startswith("stride") else "i32" for n in names}
+    sig.update({n: "*i32" for n in names if n.endswith("_ptr")})
+    sig.update({n: "*bf16" for n in ["out_ptr", "q_ptr", "k_cache_ptr",
+                                     "v_cache_ptr"]})
+    sig.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale="fp32")
+    consts = dict(NUM_QUERIES_PER_KV=4, HEADS_PADDED=4, BLOCK_Q=cfg.block_m // 4,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_SIZE=128,
+                  HEAD_SIZE_PADDED=128, PAGE_SIZE=16,
+                  MIN_SPLIT_KEYS=cfg.min_split_keys, HAS_TREE=True,
+                  DOT_PRECISION="tf32")
+    sig.update({n: "constexpr" for n in consts})
+    # Pointers and static strides are 16-aligned at run time; Triton
+    # specialises on that, and cp.async needs it.
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride_")
+               and not n.startswith(("stride_bt", "stride_mask"))]
+    src = triton.compiler.ASTSource(
+        fn=kernel, signature=sig,
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=cfg.num_warps,
+                                    num_stages=cfg.num_stages))
+    print(json.dumps(dict(
+        wgmma=k.asm["ptx"].count("wgmma.mma_async"),
+        waits=[int(n) for n in re.findall(r"async_wait .*?num = (\\d+)",
+                                          k.asm["ttgir"])],
+        shared=k.metadata.shared)))
+""")
+
+
+def test_sm90_kernel_uses_wgmma_and_prefetches_kv():
+    """The KV loop runs on Hopper tensor cores (wgmma) with K/V blocks still in
+    flight while a block is computed: the block-table load in front of them
+    takes half of Triton's pipeline stages, so too few stages silently
+    serialise loads and math."""
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, "-c", SM90_PROBE, str(root)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    assert probe["wgmma"] > 0
+    assert max(probe["waits"]) >= 3  # async copy groups left in flight
+    assert probe["shared"] <= 227 * 1024
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
