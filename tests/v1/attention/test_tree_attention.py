@@ -326,8 +326,8 @@ def test_explicit_configs_gpu(config):
                     num_splits=num_splits, config=cfg)
 
 
-# Compiles the default tree tile shape for sm90 without a GPU (Triton needs no
-# driver for that) and reports what the KV loop became.
+# Compiles the tile shape of a budget-128 tree (Qwen3-8B heads) for sm90 without
+# a GPU (Triton needs no driver for that) and reports what the KV loop became.
 SM90_PROBE = textwrap.dedent("""
     import re, sys, json
     import triton, triton.language as tl
@@ -337,7 +337,8 @@ SM90_PROBE = textwrap.dedent("""
     import conftest
     from triton.backends.compiler import GPUTarget
     from vllm.v1.attention.ops import triton_tree_attention as tta
-    kernel, cfg = tta._tree_attention_kernel, tta.TreeAttentionConfig()
+    kernel = tta._tree_attention_kernel
+    cfg = tta.plan_tree_attention(129, 1, 32, 8, 128, num_sms=132).config
     names = kernel.arg_names
     sig = {n: "i64" if n.startswith("stride") else "i32" for n in names}
     sig.update({n: "*i32" for n in names if n.endswith("_ptr")})
