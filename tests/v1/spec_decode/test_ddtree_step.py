@@ -18,7 +18,6 @@ import torch
 
 from tests.models.tiny_models import VOCAB_SIZE, make_tiny_dflash, make_tiny_qwen3
 from tests.v1.ddtree_reference import build_ddtree_reference
-from tests.v1.sample.test_tree_rejection_sampler import _StubSampler
 from vllm.config.compilation import CUDAGraphMode
 from vllm.triton_utils import tl, triton
 from vllm.v1.attention.backends.tree_attn import (
@@ -29,6 +28,7 @@ from vllm.v1.attention.ops.tree_kv_compaction import compact_tree_kv_reference
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm.v1.spec_decode.ddtree_inputs import draft_context_size
+from vllm.v1.sample.tree_rejection_sampler import apply_sampling_params
 from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.input_batch import InputBatch
@@ -62,6 +62,30 @@ def _interpreter_shims():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gumbel, "tldevice", types.SimpleNamespace(log1p=_log1p))
         yield
+
+
+class _StubSampler:
+    """The parts of MRv2's ``Sampler`` the tree rejection sampler reads (the real
+    one needs UVA memory, which a CPU-only machine lacks): temperature only."""
+
+    def __init__(self, temperature, seeds, prefill_len):
+        self.compute_nans = False
+        self.use_fp64_gumbel = False
+        self.logprobs_mode = "raw_logprobs"
+        self.sampling_states = types.SimpleNamespace(
+            temperature=types.SimpleNamespace(gpu=temperature),
+            seeds=types.SimpleNamespace(gpu=seeds),
+            max_num_logprobs=lambda idx_mapping_np: -1,
+        )
+        self.req_states = types.SimpleNamespace(
+            prefill_len=types.SimpleNamespace(gpu=prefill_len)
+        )
+
+    def apply_sampling_params(
+        self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids, local_pos
+    ):
+        temperature = self.sampling_states.temperature.gpu
+        return apply_sampling_params(logits.clone(), expanded_idx_mapping, temperature)
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +287,6 @@ def test_verify_inputs_walk_and_compaction(vllm_config, monkeypatch):
         temperature=torch.zeros(NUM_STATES, device=DEVICE),
         seeds=torch.arange(NUM_STATES, device=DEVICE),
         prefill_len=torch.tensor([5, 0, 5, 100], dtype=torch.int32, device=DEVICE),
-        num_logprobs=-1,
     )
     _, rejection_sampler = state_ms.custom_sampler(sampler)
     out = rejection_sampler(logits.to(DEVICE), batch, None)
