@@ -254,7 +254,7 @@ def _logsumexp_partials_kernel(
     chunk = tl.program_id(1)
     run_max = float("-inf")
     run_sum = 0.0
-    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, vocab), BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(
             logits_ptr + row * logits_stride + offs,
