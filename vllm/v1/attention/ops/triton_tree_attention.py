@@ -191,7 +191,7 @@ def tree_attention(
 
     plan = plan_tree_attention(
         num_tokens, num_reqs, num_q_heads, num_kv_heads, head_size,
-        _num_sms(q.device), config, num_splits,
+        _num_sms(q.device), config, num_splits, q.element_size(),
     )
     cfg, num_splits = plan.config, plan.num_splits
     num_tiles = num_tokens // plan.block_q + num_reqs
@@ -314,14 +314,16 @@ class TreeAttentionPlan:
 def plan_tree_attention(
     num_tokens: int, num_reqs: int, num_q_heads: int, num_kv_heads: int,
     head_size: int, num_sms: int, config: TreeAttentionConfig | None = None,
-    num_splits: int | None = None,
+    num_splits: int | None = None, itemsize: int = 2,
 ) -> TreeAttentionPlan:
     """Tile shape and split count from static sizes only (token and request
-    counts, heads), so that a captured CUDA graph stays valid."""
+    counts, heads, dtype size), so that a captured CUDA graph stays valid."""
     heads_padded = triton.next_power_of_2(num_q_heads // num_kv_heads)
     head_size_padded = max(16, triton.next_power_of_2(head_size))
     if config is None:
-        config = _default_config(num_tokens, num_reqs, heads_padded, head_size_padded)
+        config = _default_config(
+            num_tokens, num_reqs, heads_padded, head_size_padded, itemsize
+        )
     # A tile holds whole tokens (all heads of a KV head) and >= 16 rows (tl.dot).
     block_m = max(config.block_m, heads_padded, 16)
     if block_m != config.block_m:
@@ -329,24 +331,27 @@ def plan_tree_attention(
     if num_splits is None:
         num_splits = _num_splits(
             num_sms, num_tokens, num_reqs, num_kv_heads, config,
-            block_m // heads_padded, _shared_bytes(config, head_size_padded),
+            block_m // heads_padded,
+            _shared_bytes(config, head_size_padded) * itemsize // 2,
         )
     return TreeAttentionPlan(config, num_splits, heads_padded, head_size_padded)
 
 
 def _default_config(
-    num_tokens: int, num_reqs: int, heads_padded: int, head_size_padded: int
+    num_tokens: int, num_reqs: int, heads_padded: int, head_size_padded: int,
+    itemsize: int,
 ) -> TreeAttentionConfig:
-    """Rows per tile: about the average query length, at most 128 (64 for head
-    sizes above 128); 8 warps for 128-row tiles."""
-    max_block_m = 128 if head_size_padded <= 128 else 64
+    """Rows per tile: about the average query length, at most 128 (64 for rows
+    wider than 256 bytes: head size 256, or fp32); 8 warps for 128-row tiles."""
+    width = head_size_padded * itemsize // 2  # the head size in 16-bit units
+    max_block_m = 128 if width <= 128 else 64
     avg_q_len = triton.cdiv(num_tokens, num_reqs)
     block_m = min(max_block_m, heads_padded * triton.next_power_of_2(avg_q_len))
-    block_n = 64 if head_size_padded <= 128 else 32
+    block_n = 64 if width <= 128 else 32
     return TreeAttentionConfig(
         block_m=block_m,
         block_n=block_n,
-        num_warps=8 if block_m * head_size_padded >= 128 * 128 else 4,
+        num_warps=8 if block_m * width >= 128 * 128 else 4,
         num_stages=5,
     )
 
