@@ -177,11 +177,13 @@ class TreeRejectionSampler:
             out, input_batch.cu_num_logits, input_batch.expanded_local_pos
         )
         expanded_logits = logits.shape[0] != input_batch.idx_mapping.shape[0]
+        cu_np = input_batch.cu_num_logits_np
         return compute_topk_scores(
             logits[rows],
             max_num_logprobs,
             flat_sampled,
-            input_batch.cu_num_logits_np.tolist() if expanded_logits else None,
+            # A host NumPy array, as in vLLM's own rejection sampler: no sync.
+            cu_np.tolist() if expanded_logits else None,  # sync-ok
             logits_mode=self.sampler.logprobs_mode
             in ("raw_logits", "processed_logits"),
         )
@@ -351,10 +353,11 @@ def walk_trees_reference(
     max_depth: int,
 ) -> TreeSampleOutput:
     """Slow Python walk with ``walk_trees``'s contract, for tests."""
-    node_sampled = node_sampled.cpu().tolist()
-    tokens = tree_token_ids.cpu().tolist()
-    parents = tree_parent_ids.cpu().tolist()
-    cu = cu_num_logits.cpu().tolist()
+    # sync-ok: reference only, never on the step path.
+    node_sampled = node_sampled.cpu().tolist()  # sync-ok
+    tokens = tree_token_ids.cpu().tolist()  # sync-ok
+    parents = tree_parent_ids.cpu().tolist()  # sync-ok
+    cu = cu_num_logits.cpu().tolist()  # sync-ok
     num_reqs, budget = tree_token_ids.shape
     sampled = torch.full((num_reqs, budget + 1), -1, dtype=torch.int64)
     accepted = torch.full((num_reqs, max_depth), -1, dtype=torch.int32)
