@@ -78,8 +78,10 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int) -> DDTree:
         deterministically: shallower first, then by the parent's rank, then by the
         token's rank at its depth (logit descending, token id ascending).
 
-    Runs as three launches with fixed shapes and no host sync, so it can be captured
-    in a CUDA graph. Example::
+    Runs as a few launches with fixed shapes and no host sync (log-normalisers,
+    ``torch.topk`` of each position, token ranking, tree selection), so it can be
+    captured in a CUDA graph once it has run outside the graph for this budget
+    (the candidate table below is copied to the device on first use). Example::
 
         tree = build_ddtree(torch.randn(2, 15, 151936, device="cuda"), budget=128)
         tree.token_ids.shape  # (2, 128)
@@ -202,7 +204,8 @@ def _candidate_pairs(budget: int, device: torch.device) -> torch.Tensor:
     is beaten by the (i+1)(j+1)-1 pairs (i'<=i, j'<=j) and by the i+1 parents of
     rank <= i: if (i+1)(j+2) > budget it cannot make the top ``budget``. At depth 1
     the root is the only parent and all ``budget`` tokens can be children, hence
-    the extra pair (0, budget-1). This table is built once per budget.
+    the extra pair (0, budget-1). This table is built on the host once per
+    (budget, device); the copy cannot happen inside a CUDA-graph capture.
     """
     pairs = [(0, budget - 1)] + [
         (i, j)
