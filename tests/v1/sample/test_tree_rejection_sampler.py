@@ -5,7 +5,6 @@ Small shapes run on the CPU through the Triton interpreter; the full-size cases
 (vocab 151936, budgets up to 1024, many seeds) run only on a GPU.
 """
 
-import os
 import types
 from collections import Counter
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from tests.v1.ddtree_reference import build_ddtree_reference
-from vllm.triton_utils import tl, triton
+from tests.v1.sample.mrv2_stubs import StubSampler, interpreter_shims
 from vllm.v1.sample.tree_rejection_sampler import (
     TreeRejectionSampler,
     TreeSampleOutput,
@@ -32,25 +31,9 @@ ON_GPU = DEVICE == "cuda"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 
 
-@triton.jit
-def _log1p(x):
-    return tl.log(1.0 + x)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_shims():
-    """Fill two gaps of the CPU test setup: Triton's interpreter has no libdevice
-    (vLLM's Gumbel noise calls ``log1p``), and vLLM's Triton top-k/top-p asks an
-    unknown platform for its SM count, so use vLLM's PyTorch top-k/top-p."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
-    import vllm.v1.worker.gpu.sample.gumbel as gumbel
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gumbel, "tldevice", types.SimpleNamespace(log1p=_log1p))
-        mp.setattr(topk_topp, "HAS_TRITON", False)
+    with interpreter_shims():
         yield
 
 
@@ -698,30 +681,6 @@ def test_biased_verifier_is_detected():
 # ---------------------------------------------------------------------------
 
 
-class _StubSampler:
-    """The parts of vLLM's MRv2 ``Sampler`` that ``TreeRejectionSampler`` uses
-    (vLLM's own needs UVA memory, which a CPU-only machine lacks)."""
-
-    def __init__(self, temperature, seeds, prefill_len, num_logprobs):
-        self.compute_nans = False
-        self.use_fp64_gumbel = False
-        self.logprobs_mode = "raw_logprobs"
-        self.sampling_states = types.SimpleNamespace(
-            temperature=types.SimpleNamespace(gpu=temperature),
-            seeds=types.SimpleNamespace(gpu=seeds),
-            max_num_logprobs=lambda idx_mapping_np: num_logprobs,
-        )
-        self.req_states = types.SimpleNamespace(
-            prefill_len=types.SimpleNamespace(gpu=prefill_len)
-        )
-
-    def apply_sampling_params(
-        self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids, local_pos
-    ):
-        temperature = self.sampling_states.temperature.gpu
-        return apply_sampling_params(logits.clone(), expanded_idx_mapping, temperature)
-
-
 def _input_batch(tokens, parents, num_nodes, seq_lens, p0):
     """An MRv2 InputBatch's fields for decode rows that verify whole trees."""
     num_reqs = len(num_nodes)
@@ -758,7 +717,7 @@ def test_tree_rejection_sampler_class(num_logprobs):
     logits = torch.randn(int(cu[-1]), vocab, generator=gen)
     _steer(logits, tree.token_ids, tree.parent_ids, cu, num_nodes, gen)
     logits = logits.to(DEVICE)
-    sampler = _StubSampler(
+    sampler = StubSampler(
         temperature=torch.tensor([0.0, 1.0, 1.0], device=DEVICE),
         seeds=torch.tensor([1, 2, 3], device=DEVICE),
         prefill_len=torch.tensor([5, 5, 50], dtype=torch.int32, device=DEVICE),

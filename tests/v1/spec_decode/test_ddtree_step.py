@@ -18,8 +18,8 @@ import torch
 
 from tests.models.tiny_models import VOCAB_SIZE, make_tiny_dflash, make_tiny_qwen3
 from tests.v1.ddtree_reference import build_ddtree_reference
+from tests.v1.sample.mrv2_stubs import StubSampler, interpreter_shims
 from vllm.config.compilation import CUDAGraphMode
-from vllm.triton_utils import tl, triton
 from vllm.v1.attention.backends.tree_attn import (
     TreeAttentionBackend,
     kv_cache_as_kv_first,
@@ -28,7 +28,6 @@ from vllm.v1.attention.ops.tree_kv_compaction import compact_tree_kv_reference
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm.v1.spec_decode.ddtree_inputs import draft_context_size
-from vllm.v1.sample.tree_rejection_sampler import apply_sampling_params
 from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.input_batch import InputBatch
@@ -44,48 +43,10 @@ BATCH = [(2, 7, 6, 40), (0, 5, 4, 17), (3, 5, 0, 10)]
 NUM_STATES = 4
 
 
-@triton.jit
-def _log1p(x):
-    return tl.log(1.0 + x)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_shims():
-    """The Triton interpreter lacks libdevice's log1p (vLLM's Gumbel noise)."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    with interpreter_shims():
         yield
-        return
-    import vllm.v1.worker.gpu.sample.gumbel as gumbel
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gumbel, "tldevice", types.SimpleNamespace(log1p=_log1p))
-        yield
-
-
-class _StubSampler:
-    """The parts of MRv2's ``Sampler`` the tree rejection sampler reads (the real
-    one needs UVA memory, which a CPU-only machine lacks): temperature only."""
-
-    def __init__(self, temperature, seeds, prefill_len):
-        self.compute_nans = False
-        self.use_fp64_gumbel = False
-        self.logprobs_mode = "raw_logprobs"
-        self.sampling_states = types.SimpleNamespace(
-            temperature=types.SimpleNamespace(gpu=temperature),
-            seeds=types.SimpleNamespace(gpu=seeds),
-            max_num_logprobs=lambda idx_mapping_np: -1,
-        )
-        self.req_states = types.SimpleNamespace(
-            prefill_len=types.SimpleNamespace(gpu=prefill_len)
-        )
-
-    def apply_sampling_params(
-        self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids, local_pos
-    ):
-        temperature = self.sampling_states.temperature.gpu
-        return apply_sampling_params(logits.clone(), expanded_idx_mapping, temperature)
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +244,7 @@ def test_verify_inputs_walk_and_compaction(vllm_config, monkeypatch):
             row = int(cu[r]) + cur
             logits[row, int(batch_trees[r][node - 1])] = logits[row].max() + 1
             cur = node
-    sampler = _StubSampler(
+    sampler = StubSampler(
         temperature=torch.zeros(NUM_STATES, device=DEVICE),
         seeds=torch.arange(NUM_STATES, device=DEVICE),
         prefill_len=torch.tensor([5, 0, 5, 100], dtype=torch.int32, device=DEVICE),

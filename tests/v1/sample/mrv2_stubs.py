@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Stand-ins for the parts of vLLM's MRv2 sampler that CPU tests cannot build."""
+
+import contextlib
+import os
+import types
+
+import pytest
+
+from vllm.triton_utils import tl, triton
+from vllm.v1.sample.tree_rejection_sampler import apply_sampling_params
+
+
+@triton.jit
+def _log1p(x):
+    return tl.log(1.0 + x)
+
+
+@contextlib.contextmanager
+def interpreter_shims():
+    """Fill two gaps of the CPU test setup: Triton's interpreter has no libdevice
+    (vLLM's Gumbel noise calls ``log1p``), and vLLM's Triton top-k/top-p asks an
+    unknown platform for its SM count, so use vLLM's PyTorch top-k/top-p."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
+    import vllm.v1.worker.gpu.sample.gumbel as gumbel
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gumbel, "tldevice", types.SimpleNamespace(log1p=_log1p))
+        mp.setattr(topk_topp, "HAS_TRITON", False)
+        yield
+
+
+class StubSampler:
+    """The parts of vLLM's MRv2 ``Sampler`` that ``TreeRejectionSampler`` uses
+    (vLLM's own needs UVA memory, which a CPU-only machine lacks): temperature
+    only, and ``num_logprobs`` logprobs (-1: none)."""
+
+    def __init__(self, temperature, seeds, prefill_len, num_logprobs=-1):
+        self.compute_nans = False
+        self.use_fp64_gumbel = False
+        self.logprobs_mode = "raw_logprobs"
+        self.sampling_states = types.SimpleNamespace(
+            temperature=types.SimpleNamespace(gpu=temperature),
+            seeds=types.SimpleNamespace(gpu=seeds),
+            max_num_logprobs=lambda idx_mapping_np: num_logprobs,
+        )
+        self.req_states = types.SimpleNamespace(
+            prefill_len=types.SimpleNamespace(gpu=prefill_len)
+        )
+
+    def apply_sampling_params(
+        self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids, local_pos
+    ):
+        temperature = self.sampling_states.temperature.gpu
+        return apply_sampling_params(logits.clone(), expanded_idx_mapping, temperature)
