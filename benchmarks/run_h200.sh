@@ -7,15 +7,19 @@ source .gpu/install.sh >/dev/null
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 \
   VLLM_HOST_IP=127.0.0.1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
+# Engine logs of the end-to-end tests, kept with the results.
+export DDTREE_E2E_LOG_DIR=${DDTREE_E2E_LOG_DIR:-$OUT/e2e_logs}
+# Seconds per command (the device tool allows 600 per call).
+LIMIT=${LIMIT:-560}
 what=$1; shift
 case "$what" in
   tests)
-    timeout 560 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 "$@" \
-      2>&1 | tee "$OUT/pytest_gpu.log" | grep -v -i warn | tail -40 ;;
+    timeout $LIMIT python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 "$@" \
+      2>&1 | tee -a "$OUT/pytest_gpu.log" | grep -v -i warn | tail -40 ;;
   bench-ops)
-    timeout 560 python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
+    timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_ops.log" | tail -30 ;;
   bench-attn)
-    timeout 560 python3 benchmarks/bench_tree_attn.py --out "$OUT" "$@" 2>&1 \
+    timeout $LIMIT python3 benchmarks/bench_tree_attn.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_attn.log" | tail -40 ;;
 esac

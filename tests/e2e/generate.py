@@ -27,6 +27,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def save_log(name: str, text: str) -> None:
+    """Keep an engine process's output under ``$DDTREE_E2E_LOG_DIR`` (GPU runs set
+    it to their results folder), if set."""
+    log_dir = os.environ.get("DDTREE_E2E_LOG_DIR")
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(log_dir) / f"{name}.log").write_text(text)
+
+
 def _free_blocks(llm) -> int:
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.e2e.generate import save_log
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(
@@ -139,6 +140,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
             timeout=600,
         )
         (tmp / f"{name}.log").write_text(proc.stdout)
+        save_log(f"ddtree_llm_{name}", proc.stdout)
         if proc.returncode == 0:
             out[name] = json.loads(res.read_text())
         else:

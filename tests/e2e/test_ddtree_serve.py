@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.e2e.generate import save_log
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(
@@ -122,6 +123,7 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        save_log("ddtree_serve", (tmp / "server.log").read_text())
 
 
 def test_completions(server):

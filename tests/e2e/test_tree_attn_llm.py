@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from tests.e2e.generate import save_log
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(
@@ -27,6 +28,7 @@ def run_configs(tmp_path, configs: dict[str, dict]) -> dict[str, dict]:
             [sys.executable, "-m", "tests.e2e.generate", str(cfg), str(out)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
         )
+        save_log(f"tree_attn_llm_{name}", proc.stdout)
         if proc.returncode != 0:
             pytest.fail(f"configuration {name} failed:\n{proc.stdout[-4000:]}")
         results[name] = json.loads(out.read_text())
