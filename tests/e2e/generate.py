@@ -12,8 +12,10 @@ id lists) and ``sampling`` (kwargs of ``SamplingParams``) for one generation, or
 same engine. A run may carry ``abort: {"index": i, "after_steps": n}``: request i
 is aborted after n engine steps and left out of the results.
 
-OUT_JSON holds ``token_ids`` and ``seconds`` (single generation) or ``runs: {name:
-{"token_ids", "seconds"}}``, plus ``free_blocks: {"start", "end"}`` (free KV
+OUT_JSON holds ``token_ids``, ``logprobs`` (per request and position the top
+``[[token_id, logprob], ...]``, or None unless the sampling asks for logprobs) and
+``seconds`` (single generation) or ``runs: {name: {"token_ids", "logprobs",
+"seconds"}}``, plus ``free_blocks: {"start", "end"}`` (free KV
 blocks of the scheduler before the first run and after the last) and
 ``metrics`` (every ``vllm:spec_decode*`` metric, when stats are on).
 """
@@ -41,9 +43,22 @@ def _free_blocks(llm) -> int:
     return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
-def _generate(llm, prompts, sampling) -> list[list[int]]:
+def _top_logprobs(completion) -> list | None:
+    """Per position ``[[token_id, logprob], ...]``, or None without logprobs."""
+    if completion.logprobs is None:
+        return None
+    lps = completion.logprobs
+    return [
+        [[tok, lp.logprob] for tok, lp in lps[i].items()] for i in range(len(lps))
+    ]
+
+
+def _generate(llm, prompts, sampling) -> tuple[list, list]:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return (
+        [list(o.outputs[0].token_ids) for o in outputs],
+        [_top_logprobs(o.outputs[0]) for o in outputs],
+    )
 
 
 def _generate_with_abort(llm, prompts, sampling, index, after_steps):
@@ -52,18 +67,22 @@ def _generate_with_abort(llm, prompts, sampling, index, after_steps):
     engine = llm.llm_engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sampling)
-    done: dict[str, list[int]] = {}
+    done: dict[str, tuple] = {}
     steps = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             # Internal ids carry a random "-suffix".
             request_id = out.request_id.split("-")[0]
             if out.finished and request_id != f"r{index}":
-                done[request_id] = list(out.outputs[0].token_ids)
+                completion = out.outputs[0]
+                done[request_id] = (
+                    list(completion.token_ids), _top_logprobs(completion)
+                )
         steps += 1
         if steps == after_steps:
             engine.abort_request([f"r{index}"])
-    return [done.get(f"r{i}") for i in range(len(prompts))]
+    picked = [done.get(f"r{i}", (None, None)) for i in range(len(prompts))]
+    return [t for t, _ in picked], [lp for _, lp in picked]
 
 
 def _spec_metrics(llm) -> dict:
@@ -93,13 +112,14 @@ def main(config_path: str, out_path: str) -> None:
         sampling = SamplingParams(**run["sampling"])
         start = time.perf_counter()
         if "abort" in run:
-            token_ids = _generate_with_abort(
+            token_ids, logprobs = _generate_with_abort(
                 llm, run["prompts"], sampling, **run["abort"]
             )
         else:
-            token_ids = _generate(llm, run["prompts"], sampling)
+            token_ids, logprobs = _generate(llm, run["prompts"], sampling)
         result["runs"][run["name"]] = {
             "token_ids": token_ids,
+            "logprobs": logprobs,
             "seconds": time.perf_counter() - start,
         }
     result["free_blocks"]["end"] = _free_blocks(llm)

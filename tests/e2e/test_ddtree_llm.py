@@ -14,7 +14,12 @@ meanwhile), and each process runs several batches:
   cache hits), aborts a request mid-generation, samples at temperature 1 with a
   seed twice, and reports free KV blocks and the spec-decode metrics.
 
-Greedy outputs must equal ``ref`` token for token. The whole module takes about
+Greedy outputs must equal ``ref`` token for token, up to numerical ties
+(tests/e2e/compare.py: TREE_ATTN and FlashAttention logits are not bitwise
+equal, so a token whose bf16 logit ties the runner-up's may swap; the reference
+must rate the swapped-in token within 0.25 nats, and the comparison of that
+request stops there). DFlash (FlashAttention only) must equal ``ref`` exactly. The
+whole module takes about
 6-7 minutes on one H200 (mostly engine start-up: compile and graph capture, ~50 s
 per configuration). To split it, set ``DDTREE_E2E_BUDGETS`` (e.g. ``1,8,64`` and
 then ``128,512``); tests of budgets not run are skipped.
@@ -29,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.e2e.compare import NUM_LOGPROBS, compare_greedy
 from tests.e2e.generate import save_log
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 
@@ -44,7 +50,8 @@ RUN_BUDGETS = tuple(
 BATCHES = (1, 7, 32)
 MAX_TOKENS = 64
 DEPTH = 15
-GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+          "logprobs": NUM_LOGPROBS}
 SEEDED = {"temperature": 1.0, "seed": 1234, "max_tokens": MAX_TOKENS,
           "ignore_eos": True}
 
@@ -171,27 +178,35 @@ def test_dflash_equals_reference(results):
         assert dflash[f"b{n}"]["token_ids"] == ref[f"b{n}"]["token_ids"], n
 
 
+def _assert_greedy_close(got: dict, want: dict, label: str, skip=()) -> None:
+    """``got`` equals ``want`` token for token up to numerical ties."""
+    want_tokens = [None if i in skip else t for i, t in enumerate(want["token_ids"])]
+    cmp = compare_greedy(
+        got["token_ids"], got["logprobs"], want_tokens, want["logprobs"]
+    )
+    print(f"{label}: {cmp.summary()}")
+    assert not cmp.errors, f"{label}: " + "; ".join(cmp.errors)
+    assert cmp.num_requests == len(want_tokens) - len(skip)
+
+
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_ddtree_greedy_equals_reference(results, budget):
     ref, ddtree = _get(results, "ref"), _get(results, f"ddtree_{budget}")
     for n in BATCHES:
-        got, want = ddtree[f"b{n}"]["token_ids"], ref[f"b{n}"]["token_ids"]
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert g == w, f"batch {n}, request {i}"
-        assert len(got) == len(want)
+        _assert_greedy_close(ddtree[f"b{n}"], ref[f"b{n}"], f"B={budget}, batch {n}")
 
 
 def test_prefix_cache_hits_give_the_same_tokens(results):
     ref, ddtree = _get(results, "ref"), _get(results, "ddtree_64")
-    assert ddtree["b32_again"]["token_ids"] == ref["b32"]["token_ids"]
+    # The second pass over the same 32 prompts hits the prefix cache.
+    _assert_greedy_close(ddtree["b32_again"], ref["b32"], "prefix-cache pass")
 
 
 def test_abort_mid_generation(results):
     ref, ddtree = _get(results, "ref"), _get(results, "ddtree_64")
-    got, want = ddtree["abort"]["token_ids"], ref["b7"]["token_ids"]
-    assert got[3] is None
-    for i in (0, 1, 2, 4, 5, 6):
-        assert got[i] == want[i], i
+    got = ddtree["abort"]
+    assert got["token_ids"][3] is None
+    _assert_greedy_close(got, ref["b7"], "abort", skip=(3,))
 
 
 def test_free_kv_blocks_return_to_start(results):
