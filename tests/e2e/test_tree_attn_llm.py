@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """TREE_ATTN inside vLLM: as the target's backend, greedy tokens equal FLASH_ATTN's,
 without speculation and with DFlash verifying 16-token chains (CUDA graphs on), up
-to numerical ties (tests/e2e/compare.py); FLASH_ATTN with DFlash equals it
-exactly."""
+to numerical ties (tests/e2e/compare.py)."""
 
 import json
 import subprocess
@@ -82,8 +81,7 @@ def test_tree_attn_greedy_equals_flash_attn(tmp_path):
     )
     reference = results["fa"]
     assert all(len(t) == 96 for t in reference["token_ids"])
-    assert results["fa_dflash"]["token_ids"] == reference["token_ids"]
-    for name in ("tree", "tree_dflash"):
+    for name in ("tree", "fa_dflash", "tree_dflash"):
         got = results[name]
         cmp = compare_greedy(
             got["token_ids"], got["logprobs"],
