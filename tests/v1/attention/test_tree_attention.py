@@ -309,6 +309,25 @@ def test_plan_fills_the_gpu(num_tokens, num_reqs, block_m, num_splits):
     assert plan.block_q * plan.heads_padded == block_m
 
 
+@pytest.mark.parametrize(
+    "num_tokens,num_reqs,num_warps",
+    # 16-token chains: batch 1 (8 tiles x 16 splits) and batch 8 (64 x 2) fit on
+    # 132 SMs one program each -> 8 warps; batch 64 (512 tiles) -> 4 warps, two
+    # programs per SM. 128-row tiles always get 8 warps.
+    # Single-token decodes (16-row tiles) keep 4.
+    [(16, 1, 8), (16 * 8, 8, 8), (16 * 64, 64, 4), (129, 1, 8), (129 * 64, 64, 8),
+     (1, 1, 4), (64, 64, 4)],
+)
+def test_plan_warps(num_tokens, num_reqs, num_warps):
+    plan = plan_tree_attention(num_tokens, num_reqs, 32, 8, 128, num_sms=132)
+    assert plan.config.num_warps == num_warps
+    # An explicit config is launched as given.
+    cfg = TreeAttentionConfig.parse("m64n64w4s5")
+    plan = plan_tree_attention(num_tokens, num_reqs, 32, 8, 128, num_sms=132,
+                               config=cfg)
+    assert plan.config.num_warps == 4
+
+
 # The tile shapes bench_tree_attn.py sweeps by default, at full size.
 GPU_CONFIGS = ["m128n64w8s5", "m128n64w8s7", "m128n64w8s3", "m128n32w8s5",
                "m64n64w4s5", "m64n64w8s5", "m64n32w4s5", "m128n128w8s3"]

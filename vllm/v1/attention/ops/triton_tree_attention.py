@@ -320,6 +320,7 @@ def plan_tree_attention(
     counts, heads, dtype size), so that a captured CUDA graph stays valid."""
     heads_padded = triton.next_power_of_2(num_q_heads // num_kv_heads)
     head_size_padded = max(16, triton.next_power_of_2(head_size))
+    user_config = config
     if config is None:
         config = _default_config(
             num_tokens, num_reqs, heads_padded, head_size_padded, itemsize
@@ -328,13 +329,36 @@ def plan_tree_attention(
     block_m = max(config.block_m, heads_padded, 16)
     if block_m != config.block_m:
         config = TreeAttentionConfig(**{**config.__dict__, "block_m": block_m})
+    chosen_splits = num_splits
     if num_splits is None:
-        num_splits = _num_splits(
-            num_sms, num_tokens, num_reqs, num_kv_heads, config,
-            block_m // heads_padded,
-            _shared_bytes(config, head_size_padded) * itemsize // 2,
-        )
+        num_splits = _plan_splits(num_sms, num_tokens, num_reqs, num_kv_heads,
+                                  config, heads_padded, head_size_padded, itemsize)
+    if user_config is None and config.num_warps == 4 and config.block_m >= 64:
+        # Half-size tiles get 4 warps so that two programs share an SM; when the
+        # whole grid fits on the SMs one program each anyway, 8 warps are faster
+        # (H200, Qwen3-8B heads, 16-token chains: 18.5 vs 20.7 us at batch 1 and
+        # 62.8 vs 79.2 us at batch 8, 4K context; 36.0 vs 43.6 us at 16K;
+        # benchmarks/results/bench_tree_attn.json, --sweep).
+        wide = TreeAttentionConfig(**{**config.__dict__, "num_warps": 8})
+        wide_splits = chosen_splits or _plan_splits(
+            num_sms, num_tokens, num_reqs, num_kv_heads, wide, heads_padded,
+            head_size_padded, itemsize)
+        tiles = triton.cdiv(triton.cdiv(num_tokens, num_reqs), block_m // heads_padded)
+        if num_reqs * tiles * num_kv_heads * wide_splits <= num_sms:
+            config, num_splits = wide, wide_splits
     return TreeAttentionPlan(config, num_splits, heads_padded, head_size_padded)
+
+
+def _plan_splits(
+    num_sms: int, num_tokens: int, num_reqs: int, num_kv_heads: int,
+    config: TreeAttentionConfig, heads_padded: int, head_size_padded: int,
+    itemsize: int,
+) -> int:
+    return _num_splits(
+        num_sms, num_tokens, num_reqs, num_kv_heads, config,
+        config.block_m // heads_padded,
+        _shared_bytes(config, head_size_padded) * itemsize // 2,
+    )
 
 
 def _default_config(
