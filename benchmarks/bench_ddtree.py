@@ -1,0 +1,869 @@
+# SPDX-License-Identifier: Apache-2.0
+"""End-to-end DDTree benchmark through vLLM: no speculation, DFlash (15 draft
+tokens) and DDTree at several tree budgets, measured side by side.
+
+Modes:
+
+* ``e2e``: a trained target/drafter pair (``--target``, ``--drafter``) on held-out
+  prompts (``--prompts``: JSON or JSONL of texts or token-id lists), offline
+  ``vllm.LLM``. Batches 1, 8, 32; temperatures 0 and 1.
+* ``cost``: a Qwen3-8B-shaped target and a DFlash-8B-shaped drafter from
+  ``benchmarks/model_configs`` (config.json only, ``load_format="dummy"``, no
+  tokenizer), random prompts, ``ignore_eos``, fixed output length. With random
+  weights nothing is accepted beyond chance, so the decode step time is the cost
+  of verify + draft + tree ops. Batches 1, 4, 16, 64; temperature 0.
+* ``serve``: like ``e2e`` through ``vllm serve`` and vLLM's own ``vllm bench
+  serve`` (text prompts only).
+* ``report``: merge the results of one or more ``--out`` directories into one
+  markdown table.
+
+Every engine configuration (``none``, ``dflash``, ``ddtree-<B>``) runs in its own
+process, one after another (vLLM's memory profiler fails when engines share a GPU
+concurrently), and measures all its batches and temperatures: a warm-up, the same
+requests with max_tokens=1 (prefill), then the timed generation. Each measurement
+is appended at once to ``<out>/results.jsonl``; a rerun with the same ``--out`` (or
+``--resume-from`` earlier output directories) skips what is already measured, so
+a long sweep splits into GPU commands that each fit a time limit
+(``--limit-seconds``). ``<out>/results.md`` holds the table with ratios to DFlash
+and to no speculation of the same batch and temperature, per-depth acceptance and
+issue 5's targets. See docs/bench_ddtree.md for the H200 commands.
+
+    python benchmarks/bench_ddtree.py cost --out OUT [--configs none,dflash,ddtree-128]
+    python benchmarks/bench_ddtree.py e2e --target T --drafter D --prompts P --out OUT
+    python benchmarks/bench_ddtree.py report OUT [OUT2 ...]
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_ddtree_report import (  # noqa: E402
+    REPORT_FILE,
+    RESULTS_FILE,
+    SETUP_FILE,
+    append_row,
+    budget_of,
+    check_setup,
+    config_order,
+    load_rows,
+    markdown_report,
+    merge_rows,
+    metric_delta,
+    metric_totals,
+    pending,
+    row_key,
+    spec_stats,
+    timing_stats,
+)
+
+MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"
+DFLASH_TOKENS = 15  # DFlash's chain: a block of 16 minus the root
+DRAFT_LEN = DFLASH_TOKENS + 1
+MAX_BUDGET = 1024
+ALL_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
+# Qwen3's vocabulary below its special tokens, for random prompts.
+RANDOM_VOCAB = 151643
+SERVED_NAME = "bench"
+MODE_DEFAULTS = {
+    "e2e": {"batches": (1, 8, 32), "temperatures": (0.0, 1.0), "max_tokens": 256,
+            "num_prompts": 32, "config_seconds": 120},
+    "serve": {"batches": (1, 8, 32), "temperatures": (0.0, 1.0), "max_tokens": 256,
+              "num_prompts": 64, "config_seconds": 150},
+    "cost": {"batches": (1, 4, 16, 64), "temperatures": (0.0,), "max_tokens": 128,
+             "waves": 2, "config_seconds": 120},
+}
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="mode", required=True)
+    for mode, text in (
+        ("e2e", "a trained target/drafter pair through vllm.LLM"),
+        ("cost", "Qwen3-8B / DFlash-8B shapes, dummy weights: time per step"),
+        ("serve", "a trained pair through vllm serve + vllm bench serve"),
+    ):
+        p = sub.add_parser(mode, help=text, description=text)
+        _add_run_args(p, mode)
+    p = sub.add_parser("report", help="merge result directories into one table")
+    p.add_argument("dirs", type=Path, nargs="+", help="--out directories, later wins")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the merged results.jsonl and results.md here")
+    return parser
+
+
+def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
+    d = MODE_DEFAULTS[mode]
+    paired = mode != "cost"
+    p.add_argument("--out", type=Path, required=True,
+                   help="results directory (created; reused to resume)")
+    p.add_argument("--resume-from", type=Path, nargs="*", default=[],
+                   help="earlier --out directories whose results count as done")
+    p.add_argument("--target", type=Path, required=paired,
+                   default=None if paired else MODEL_CONFIGS / "qwen3_8b",
+                   help="target model directory")
+    p.add_argument("--drafter", type=Path, required=paired,
+                   default=None if paired else MODEL_CONFIGS / "dflash_qwen3_8b",
+                   help="DFlash drafter directory")
+    if paired:
+        p.add_argument("--prompts", type=Path, required=True,
+                       help="JSON list / JSONL of texts or token-id lists (held out)")
+        p.add_argument("--ignore-eos", action="store_true",
+                       help="generate max-tokens tokens whatever the model says")
+    else:
+        p.add_argument("--input-len", type=int, default=1024,
+                       help="random prompt length in tokens")
+    p.add_argument("--configs", default="none,dflash,ddtree",
+                   help="comma list of none, dflash, ddtree (= every --budgets), "
+                        "ddtree-<B>")
+    p.add_argument("--budgets", default=",".join(map(str, ALL_BUDGETS)),
+                   help="tree budgets that 'ddtree' in --configs expands to")
+    p.add_argument("--batches", default=",".join(map(str, d["batches"])))
+    p.add_argument("--temperatures", default=",".join(map(str, d["temperatures"])))
+    p.add_argument("--max-tokens", type=int, default=d["max_tokens"])
+    if paired:
+        p.add_argument("--num-prompts", type=int, default=d["num_prompts"],
+                       help="requests per (batch, temperature): waves of batch "
+                            "requests (e2e), at most batch at once (serve)")
+    else:
+        p.add_argument("--waves", type=int, default=d["waves"],
+                       help="timed waves of batch random prompts per batch")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-step-tokens", type=int, default=33000,
+                   help="skip DDTree batches whose batch x (B + 1) verified "
+                        "tokens per step exceed this (logits memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit-seconds", type=float, default=0,
+                   help="stop before starting a config that would not finish in "
+                        "this many seconds from the start (0: no limit)")
+    p.add_argument("--config-seconds", type=float, default=d["config_seconds"],
+                   help="expected seconds per config before one was measured")
+
+
+def parse_int_list(text: str, name: str, lo: int, hi: int | None = None) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be a comma list of integers, got {text!r}")
+    if not values:
+        raise ValueError(f"{name} is empty")
+    bad = [v for v in values if v < lo or (hi is not None and v > hi)]
+    if bad:
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be {bound}, got {bad}")
+    return sorted(set(values))
+
+
+def parse_float_list(text: str, name: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be a comma list of numbers, got {text!r}")
+    if not values:
+        raise ValueError(f"{name} is empty")
+    if any(v < 0 or math.isnan(v) for v in values):
+        raise ValueError(f"{name} must be >= 0, got {values}")
+    return sorted(set(values))
+
+
+def parse_configs(text: str, budgets: list[int]) -> list[str]:
+    """``none,dflash,ddtree,ddtree-128`` -> config names, none and dflash first,
+    then DDTree by budget; ``ddtree`` expands to every budget."""
+    names: set[str] = set()
+    for raw in (t.strip() for t in text.split(",")):
+        if raw in ("none", "dflash"):
+            names.add(raw)
+        elif raw == "ddtree":
+            names.update(f"ddtree-{b}" for b in budgets)
+        elif budget_of(raw) is not None:
+            if not 1 <= budget_of(raw) <= MAX_BUDGET:
+                raise ValueError(f"{raw}: tree_budget must be in [1, {MAX_BUDGET}]")
+            names.add(raw)
+        else:
+            raise ValueError(
+                f"unknown config {raw!r}; use none, dflash, ddtree (every "
+                "--budgets) or ddtree-<budget>"
+            )
+    return sorted(names, key=config_order)
+
+
+def validate(args: argparse.Namespace) -> argparse.Namespace:
+    """Parse the list options in place; ``ValueError`` names the bad option."""
+    budgets = parse_int_list(args.budgets, "--budgets", 1, MAX_BUDGET)
+    args.configs = parse_configs(args.configs, budgets)
+    args.batches = parse_int_list(args.batches, "--batches", 1)
+    args.temperatures = parse_float_list(args.temperatures, "--temperatures")
+    if args.max_tokens < 2:
+        raise ValueError("--max-tokens must be >= 2 (the decode phase is the "
+                         "difference to a max_tokens=1 run)")
+    if getattr(args, "num_prompts", 1) < 1 or getattr(args, "waves", 1) < 1:
+        raise ValueError("--num-prompts and --waves must be >= 1")
+    if args.limit_seconds < 0 or args.config_seconds <= 0:
+        raise ValueError("--limit-seconds must be >= 0, --config-seconds > 0")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+    for flag in ("target", "drafter"):
+        path = getattr(args, flag)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--{flag} {path}: no config.json there")
+    if getattr(args, "prompts", None) is not None and not args.prompts.is_file():
+        raise ValueError(f"--prompts {args.prompts}: no such file")
+    if getattr(args, "input_len", 1) < 1:
+        raise ValueError("--input-len must be >= 1")
+    if args.mode == "cost" and args.input_len + args.max_tokens > args.max_model_len:
+        raise ValueError(
+            f"--input-len {args.input_len} + --max-tokens {args.max_tokens} exceed "
+            f"--max-model-len {args.max_model_len}"
+        )
+    return args
+
+
+# ---------------------------------------------------------------------------
+# Engine configurations
+# ---------------------------------------------------------------------------
+
+
+def speculative_config(config: str, drafter: Path) -> dict | None:
+    if config == "none":
+        return None
+    if config == "dflash":
+        return {"method": "dflash", "model": str(drafter),
+                "num_speculative_tokens": DFLASH_TOKENS}
+    return {"method": "ddtree", "model": str(drafter),
+            "tree_budget": budget_of(config)}
+
+
+def step_tokens(config: str, batch: int) -> int:
+    """Target tokens one uniform decode step verifies."""
+    if config == "none":
+        return batch
+    if config == "dflash":
+        return batch * DRAFT_LEN
+    return batch * (budget_of(config) + 1)
+
+
+def fitting_batches(config: str, batches: list[int], max_step_tokens: int):
+    """(batches to run, batches skipped because a step would exceed the limit)."""
+    fit = [b for b in batches if step_tokens(config, b) <= max_step_tokens]
+    return fit, [b for b in batches if b not in fit]
+
+
+def request_ladder(max_batch: int) -> list[int]:
+    """Batch sizes given CUDA graphs: 1, 2, 4, 8, 16, 24, ..., max_batch, the
+    ladder DDTree's own default uses (ddtree_config.cudagraph_capture_sizes)."""
+    sizes = [n for n in (1, 2, 4) if n < max_batch]
+    return sizes + list(range(8, max_batch, 8)) + [max_batch]
+
+
+def capture_sizes(config: str, max_batch: int) -> list[int] | None:
+    """CUDA-graph sizes for no-spec and DFlash on the same request ladder as
+    DDTree's default (vLLM's own default stops at 512 tokens, which would leave a
+    DFlash batch of 64 = 1024 tokens without a graph). None for DDTree: its
+    plugin picks multiples of B + 1."""
+    if budget_of(config) is not None:
+        return None
+    per_request = 1 if config == "none" else DRAFT_LEN
+    return [n * per_request for n in request_ladder(max_batch)]
+
+
+def engine_kwargs(args, config: str, max_batch: int) -> dict:
+    kwargs = {
+        "model": str(args.target),
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": max_batch,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "seed": args.seed,
+        "disable_log_stats": False,
+        "enable_prefix_caching": False,
+    }
+    if args.mode == "cost":
+        kwargs.update(load_format="dummy", skip_tokenizer_init=True)
+    spec = speculative_config(config, args.drafter)
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    sizes = capture_sizes(config, max_batch)
+    if sizes is not None:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+    return kwargs
+
+
+# ---------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------
+
+
+def load_prompts(path: Path) -> list:
+    """Texts or token-id lists from a JSON list (or ``{"prompts": [...]}``, as
+    ``benchmarks/train_pair`` writes its held-out prompts) or a JSONL file; an item
+    may also be ``{"prompt_token_ids": [...]}``, ``{"prompt": ...}`` or
+    ``{"text": ...}``."""
+    text = Path(path).read_text()
+    if path.suffix == ".jsonl":
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        items = json.loads(text)
+        if isinstance(items, dict):
+            items = items.get("prompts")
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{path}: expected a non-empty list of prompts")
+    prompts = [_prompt_item(item, path, i) for i, item in enumerate(items)]
+    if len({type(p) for p in prompts}) > 1:
+        raise ValueError(f"{path}: mixes texts and token-id lists")
+    return prompts
+
+
+def _prompt_item(item, path: Path, index: int):
+    if isinstance(item, dict):
+        item = next((item[k] for k in ("prompt_token_ids", "prompt", "text")
+                     if k in item), None)
+    if isinstance(item, str) and item:
+        return item
+    if (isinstance(item, list) and item
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t in item)):
+        return item
+    raise ValueError(
+        f"{path}: prompt {index} is neither a non-empty text nor a list of "
+        "token ids"
+    )
+
+
+def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(RANDOM_VOCAB) for _ in range(length)] for _ in range(count)]
+
+
+def batch_requests(prompts: list, batch: int, num_prompts: int) -> list:
+    """Requests for one (batch, temperature) measurement: ``num_prompts`` rounded
+    up to whole waves of ``batch``, taken from the prompts in order (cycling)."""
+    n = max(1, math.ceil(num_prompts / batch)) * batch
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def check_prompt_lengths(prompts: list, max_tokens: int, max_model_len: int) -> None:
+    too_long = [i for i, p in enumerate(prompts)
+                if isinstance(p, list) and len(p) + max_tokens > max_model_len]
+    if too_long:
+        raise ValueError(
+            f"prompts {too_long[:5]} plus --max-tokens {max_tokens} exceed "
+            f"--max-model-len {max_model_len}"
+        )
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def setup_of(args) -> dict:
+    """What makes results comparable; a resumed run must match it."""
+    setup = {
+        "mode": args.mode,
+        "target_config": _sha(args.target / "config.json"),
+        "drafter_config": _sha(args.drafter / "config.json"),
+        "max_tokens": args.max_tokens,
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
+        "info": {"target": str(args.target), "drafter": str(args.drafter)},
+    }
+    if args.mode == "cost":
+        setup.update(input_len=args.input_len, waves=args.waves)
+    else:
+        setup["num_prompts"] = args.num_prompts
+        setup["prompts"] = _sha(args.prompts)
+        setup["ignore_eos"] = args.ignore_eos
+        setup["info"]["prompts"] = str(args.prompts)
+    return setup
+
+
+# ---------------------------------------------------------------------------
+# Orchestration (one process per engine config)
+# ---------------------------------------------------------------------------
+
+
+def prepare_out(args, setup: dict) -> set:
+    """Check every earlier setup, copy earlier rows into ``--out`` (so it is
+    complete on its own) and return the keys already measured."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    for d in [*args.resume_from, args.out]:
+        path = d / SETUP_FILE
+        if path.is_file():
+            check_setup(setup, json.loads(path.read_text()), str(d))
+        elif d != args.out and not (d / RESULTS_FILE).is_file():
+            raise ValueError(f"--resume-from {d}: no {RESULTS_FILE} there")
+    (args.out / SETUP_FILE).write_text(json.dumps(setup, indent=1))
+    own = {row_key(r) for r in load_rows([args.out])}
+    for row in merge_rows(load_rows(args.resume_from)):
+        if row_key(row) not in own:
+            append_row(args.out, row)
+            own.add(row_key(row))
+    return own
+
+
+def run_id() -> str:
+    """Names the GPU command that measured a row (ratios across commands are
+    marked in the report)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    return f"{stamp}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+
+
+class Clock:
+    """The --limit-seconds budget of this command."""
+
+    def __init__(self, limit_s: float, default_config_s: float):
+        self.start = time.monotonic()
+        self.limit_s = limit_s
+        self.config_s = [default_config_s]
+
+    def remaining(self) -> float:
+        if not self.limit_s:
+            return math.inf
+        return self.limit_s - (time.monotonic() - self.start)
+
+    def can_start(self) -> bool:
+        return self.remaining() >= max(self.config_s)
+
+    def record(self, seconds: float) -> None:
+        if len(self.config_s) == 1:
+            self.config_s = [seconds]  # measured replaces the default guess
+        else:
+            self.config_s.append(seconds)
+
+
+def plan(args, done: set) -> list[tuple[str, list[int], list]]:
+    """(config, batches it runs, pending (batch, temperature) pairs) per config."""
+    out = []
+    for config in args.configs:
+        fit, skipped = fitting_batches(config, args.batches, args.max_step_tokens)
+        if skipped:
+            print(f"bench_ddtree: {config}: skipping batches {skipped} "
+                  f"(> --max-step-tokens {args.max_step_tokens} per step)")
+        out.append((config, fit, pending(config, fit, args.temperatures, done)))
+    return out
+
+
+def run_sweep(args) -> int:
+    setup = setup_of(args)
+    done = prepare_out(args, setup)
+    prompts = None
+    if args.mode != "cost":
+        prompts = load_prompts(args.prompts)
+        check_prompt_lengths(prompts, args.max_tokens, args.max_model_len)
+        if args.mode == "serve" and not isinstance(prompts[0], str):
+            raise ValueError("serve mode needs text prompts (vllm bench serve's "
+                             "custom dataset); --prompts holds token ids")
+    clock, rid, failed = Clock(args.limit_seconds, args.config_seconds), run_id(), []
+    todo = plan(args, done)
+    for i, (config, fit, runs) in enumerate(todo, 1):
+        tag = f"[{i}/{len(todo)}] {config}"
+        if not runs:
+            print(f"{tag}: nothing to do (measured already or no batch fits)")
+            continue
+        if not clock.can_start():
+            left = [c for c, _, r in todo[i - 1:] if r]
+            print(f"{tag}: stopping, {clock.remaining():.0f} s left of "
+                  f"--limit-seconds, a config takes ~{max(clock.config_s):.0f} s; "
+                  f"not started: {', '.join(left)}. Rerun with --resume-from "
+                  "this --out to continue.")
+            break
+        print(f"{tag}: starting {len(runs)} measurements "
+              f"(batch, T) = {runs}", flush=True)
+        start = time.monotonic()
+        runner = run_serve_config if args.mode == "serve" else run_offline_config
+        ok = runner(args, config, max(fit), runs, prompts, rid, clock.remaining())
+        clock.record(time.monotonic() - start)
+        if not ok:
+            failed.append(config)
+        _print_new_rows(args.out, config, runs, time.monotonic() - start)
+    write_report(args.out, args.mode, setup)
+    if failed:
+        print(f"bench_ddtree: failed configs (see {args.out}/logs): {failed}")
+    return 1 if failed else 0
+
+
+def _print_new_rows(out: Path, config: str, runs: list, seconds: float) -> None:
+    wanted = {(config, b, t) for b, t in runs}
+    rows = [r for r in merge_rows(load_rows([out])) if row_key(r) in wanted]
+    print(f"    {config}: {len(rows)}/{len(runs)} measured in {seconds:.0f} s")
+    for r in rows:
+        tau = r.get("acceptance_length")
+        print(f"    batch {r['batch']:>3} T={r['temperature']}: "
+              f"{r.get('tok_s') or 0:9.1f} tok/s, "
+              f"{r.get('decode_ms_per_step') or float('nan'):7.2f} ms/step, "
+              f"accept len {tau if tau is None else round(tau, 2)}", flush=True)
+
+
+def run_offline_config(args, config, max_batch, runs, prompts, rid, time_left) -> bool:
+    """One engine config in a fresh process (``_worker``); True if it exited 0."""
+    logs = args.out / "logs"
+    logs.mkdir(exist_ok=True)
+    spec_path = logs / f"{config}.spec.json"
+    spec_path.write_text(json.dumps(
+        worker_spec(args, config, max_batch, runs, prompts, rid)))
+    with (logs / f"{config}.log").open("a") as log:
+        return _run_logged(
+            [sys.executable, str(Path(__file__).resolve()), "_worker", str(spec_path)],
+            log, time_left, _worker_env(),
+        )
+
+
+def worker_spec(args, config, max_batch, runs, prompts, rid) -> dict:
+    """What the worker process of one engine config needs (JSON)."""
+    requests = {}
+    for batch in sorted({b for b, _ in runs}):
+        if args.mode == "cost":
+            requests[str(batch)] = random_prompts(
+                args.waves * batch, args.input_len, args.seed + batch
+            )
+        else:
+            requests[str(batch)] = batch_requests(prompts, batch, args.num_prompts)
+    return {
+        "llm": engine_kwargs(args, config, max_batch),
+        "runs": runs,
+        "requests": requests,
+        "max_tokens": args.max_tokens,
+        "ignore_eos": args.mode == "cost" or args.ignore_eos,
+        "detokenize": args.mode != "cost",
+        "out": str(args.out),
+        "row": {"mode": args.mode, "config": config, "run_id": rid,
+                "tree_budget": budget_of(config), "max_tokens": args.max_tokens},
+    }
+
+
+def _worker_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _run_logged(cmd: list[str], log, time_left: float, env: dict) -> bool:
+    """Run ``cmd`` in its own session with output to ``log``; kill its process
+    group when ``time_left`` runs out."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        return proc.wait(timeout=None if math.isinf(time_left) else time_left) == 0
+    except subprocess.TimeoutExpired:
+        print(f"    time limit: killing {cmd[-1]} (finished rows are kept)")
+        _kill_group(proc)
+        return False
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+# ---------------------------------------------------------------------------
+# Worker: one engine, every (batch, temperature) of one config
+# ---------------------------------------------------------------------------
+
+
+def worker_main(spec_path: Path) -> None:
+    import faulthandler
+
+    # A hung engine shows where it sits in the log before the time limit kills it.
+    faulthandler.dump_traceback_later(600, exit=False)
+    try:
+        run_worker(json.loads(Path(spec_path).read_text()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def run_worker(spec: dict) -> None:
+    import torch
+
+    import conftest  # noqa: F401  (this working tree's vllm/ modules first)
+    import vllm_ddtree
+
+    vllm_ddtree.register()
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(**spec["llm"])
+    engine = _engine_info(llm, time.perf_counter() - start)
+    print("bench_ddtree worker: engine " + json.dumps(engine), flush=True)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    for batch, temperature in spec["runs"]:
+        row = measure(llm, SamplingParams, spec["requests"][str(batch)], batch,
+                      temperature, spec)
+        row.update(spec["row"], engine=engine, gpu=gpu,
+                   time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        append_row(Path(spec["out"]), row)
+        print("bench_ddtree worker: row " + json.dumps(row), flush=True)
+
+
+def _engine_info(llm, startup_s: float) -> dict:
+    cfg = llm.llm_engine.vllm_config
+    return {
+        "startup_s": round(startup_s, 1),
+        "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+        "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
+        "cudagraph_capture_sizes": cfg.compilation_config.cudagraph_capture_sizes,
+        "async_scheduling": cfg.scheduler_config.async_scheduling,
+    }
+
+
+def _as_input(prompt) -> dict:
+    return {"prompt_token_ids": prompt} if isinstance(prompt, list) else {
+        "prompt": prompt}
+
+
+def measure(llm, sampling_cls, requests: list, batch: int, temperature: float,
+            spec: dict) -> dict:
+    """Warm-up, prefill-only (max_tokens=1) and timed generation of ``requests``
+    in waves of ``batch``; one result row."""
+    waves = [[_as_input(p) for p in requests[i:i + batch]]
+             for i in range(0, len(requests), batch)]
+
+    def params(max_tokens: int):
+        return sampling_cls(temperature=temperature, max_tokens=max_tokens,
+                            ignore_eos=spec["ignore_eos"],
+                            detokenize=spec["detokenize"])
+
+    def timed(max_tokens: int):
+        before = metric_totals(llm.get_metrics())
+        start = time.perf_counter()
+        outputs = [o for wave in waves
+                   for o in llm.generate(wave, params(max_tokens), use_tqdm=False)]
+        wall = time.perf_counter() - start
+        delta = metric_delta(before, metric_totals(llm.get_metrics()))
+        return wall, delta, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    llm.generate(waves[0], params(min(16, spec["max_tokens"])), use_tqdm=False)
+    prefill_wall, prefill, _ = timed(1)
+    wall, full, tokens = timed(spec["max_tokens"])
+    return {
+        "batch": batch,
+        "temperature": float(temperature),
+        "num_requests": len(requests),
+        **timing_stats(full, prefill, wall, prefill_wall, tokens),
+        **spec_stats(full),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Serve mode: vllm serve + vllm bench serve
+# ---------------------------------------------------------------------------
+
+
+def serve_row(result: dict) -> dict:
+    """A ``vllm bench serve --save-result`` JSON -> the numbers of a result row
+    (no step counts: the server's steps are not seen from outside)."""
+    per_depth = list(result.get("spec_decode_per_position_acceptance_rates") or [])
+    drafts = result.get("spec_decode_num_drafts")
+    return {
+        "output_tokens": result.get("total_output_tokens"),
+        "wall_s": result.get("duration"),
+        "tok_s": result.get("output_throughput"),
+        "mean_tpot_ms": result.get("mean_tpot_ms"),
+        "mean_ttft_ms": result.get("mean_ttft_ms"),
+        "completed": result.get("completed"),
+        "failed": result.get("failed"),
+        "num_drafts": drafts,
+        "num_draft_tokens": result.get("spec_decode_draft_tokens"),
+        "num_accepted_tokens": result.get("spec_decode_accepted_tokens"),
+        "acceptance_length": result.get("spec_decode_acceptance_length") if drafts
+        else None,
+        "per_depth": per_depth[:DFLASH_TOKENS],
+    }
+
+
+def _plugin_site(path: Path) -> Path:
+    """A directory whose dist-info advertises the plugin's entry point, so that
+    every vllm serve process (API server, engine core, workers) loads it."""
+    info = path / "vllm_ddtree-0.1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nddtree = vllm_ddtree:register\n")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(base: str, proc: subprocess.Popen, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=5)
+            return True
+        except (urllib.error.URLError, ConnectionError, OSError):
+            time.sleep(2)
+    return False
+
+
+def serve_command(args, config: str, max_batch: int, port: int) -> list[str]:
+    kw = engine_kwargs(args, config, max_batch)
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", kw["model"],
+        "--served-model-name", SERVED_NAME,
+        "--max-model-len", str(kw["max_model_len"]),
+        "--max-num-seqs", str(kw["max_num_seqs"]),
+        "--gpu-memory-utilization", str(kw["gpu_memory_utilization"]),
+        "--seed", str(kw["seed"]), "--no-enable-prefix-caching",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]
+    if "speculative_config" in kw:
+        cmd += ["--speculative-config", json.dumps(kw["speculative_config"])]
+    if "compilation_config" in kw:
+        cmd += ["--compilation-config", json.dumps(kw["compilation_config"])]
+    return cmd
+
+
+def bench_command(args, base: str, dataset: Path, batch: int, temperature: float,
+                  result: Path) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        "--backend", "vllm", "--base-url", base,
+        "--model", str(args.target), "--served-model-name", SERVED_NAME,
+        "--dataset-name", "custom", "--dataset-path", str(dataset),
+        "--custom-output-len", str(args.max_tokens), "--skip-chat-template",
+        "--disable-shuffle", "--seed", str(args.seed),
+        "--num-prompts", str(max(args.num_prompts, batch)),
+        "--max-concurrency", str(batch), "--num-warmups", str(batch),
+        "--temperature", str(temperature), "--disable-tqdm",
+        "--save-result", "--result-dir", str(result.parent),
+        "--result-filename", result.name,
+    ]
+    return cmd + (["--ignore-eos"] if args.ignore_eos else [])
+
+
+def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> bool:
+    logs = args.out / "logs"
+    logs.mkdir(exist_ok=True)
+    dataset = logs / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    env = _worker_env()
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(_plugin_site(logs / "plugin_site")), str(ROOT), env.get("PYTHONPATH", "")])
+    deadline = time.monotonic() + min(time_left, 1e9)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    ok = True
+    with (logs / f"{config}.log").open("a") as log:
+        server = subprocess.Popen(serve_command(args, config, max_batch, port),
+                                  stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  cwd=ROOT, start_new_session=True)
+        try:
+            if not _wait_healthy(base, server, deadline):
+                print(f"    {config}: server did not come up (see its log)")
+                return False
+            for batch, temperature in runs:
+                result = logs / f"{config}_b{batch}_t{temperature}.json"
+                good = _run_logged(
+                    bench_command(args, base, dataset, batch, temperature, result),
+                    log, deadline - time.monotonic(), env)
+                if not good or not result.is_file():
+                    ok = False
+                    break
+                row = serve_row(json.loads(result.read_text()))
+                row.update(mode="serve", config=config, run_id=rid, batch=batch,
+                           temperature=float(temperature), max_tokens=args.max_tokens,
+                           tree_budget=budget_of(config),
+                           time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                append_row(args.out, row)
+        finally:
+            _kill_group(server)
+    return ok
+
+
+# ---------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------
+
+
+def write_report(out: Path, mode: str, setup: dict | None) -> str:
+    text = markdown_report(load_rows([out]), mode, setup)
+    (out / REPORT_FILE).write_text(text)
+    print(text)
+    return text
+
+
+def report_main(args) -> int:
+    missing = [d for d in args.dirs if not (d / RESULTS_FILE).is_file()]
+    if missing:
+        raise ValueError(f"no {RESULTS_FILE} in {', '.join(map(str, missing))}")
+    setups = [json.loads((d / SETUP_FILE).read_text()) for d in args.dirs
+              if (d / SETUP_FILE).is_file()]
+    for other, d in zip(setups[1:], args.dirs[1:]):
+        check_setup(setups[0], other, str(d))
+    rows = merge_rows(load_rows(args.dirs))
+    mode = setups[0]["mode"] if setups else str(rows[0].get("mode", "e2e"))
+    text = markdown_report(rows, mode, setups[0] if setups else None)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / RESULTS_FILE).write_text(
+            "".join(json.dumps(r) + "\n" for r in rows))
+        if setups:
+            (args.out / SETUP_FILE).write_text(json.dumps(setups[0], indent=1))
+        (args.out / REPORT_FILE).write_text(text)
+    print(text)
+    return 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.mode in MODE_DEFAULTS:
+        try:
+            validate(args)
+        except ValueError as e:
+            parser.error(str(e))
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_worker"]:  # internal: one engine config (run_offline_config)
+        worker_main(Path(argv[1]))
+        return 0
+    args = parse_args(argv)
+    try:
+        return report_main(args) if args.mode == "report" else run_sweep(args)
+    except ValueError as e:
+        print(f"bench_ddtree: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

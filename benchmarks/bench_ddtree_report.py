@@ -1,0 +1,393 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Results of ``benchmarks/bench_ddtree.py``: metric arithmetic, result rows, resume
+bookkeeping and the markdown report. Pure Python (no torch, no vLLM), so the CPU
+tests cover all of it.
+
+A result row is one (engine config, batch, temperature) measurement, one JSON line
+in ``<out>/results.jsonl``. Its key fields:
+
+* ``config``: ``none`` (no speculation), ``dflash`` (DFlash chain, 15 draft tokens)
+  or ``ddtree-<B>`` (tree_budget B); ``batch``; ``temperature``;
+* ``tok_s``: output tokens / wall time of the whole generation (prefill included);
+* ``decode_ms_per_step``: (wall - prefill-only wall) / (steps - prefill-only steps),
+  the time of one decode step (verify + draft + tree ops); ``ms_per_step`` = wall /
+  steps of the whole generation;
+* ``acceptance_length`` = 1 + accepted / drafts (tokens emitted per verified draft
+  or tree) and ``per_depth``: the fraction of drafts whose accepted path reached
+  depth d, d = 1..15, from vLLM's ``vllm:spec_decode_*`` counters;
+* ``run_id``: the GPU command that measured it (ratios between rows of different
+  runs are marked in the report).
+"""
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# One observation per engine step that returned outputs.
+STEPS = "vllm:iteration_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens"
+# The DFlash drafter's depth: blocks of 16 give 15 draft positions.
+MAX_DEPTH = 15
+RESULTS_FILE = "results.jsonl"
+SETUP_FILE = "setup.json"
+REPORT_FILE = "results.md"
+# Issue 5 targets.
+E2E_TARGET = 0.95  # DDTree/DFlash throughput >= 0.95 x their acceptance ratio
+STEP_TARGETS = {128: 1.10, 512: 1.30}  # 8B shape, batch 1: step time vs DFlash's
+
+
+# ---------------------------------------------------------------------------
+# Metrics: vllm.LLM.get_metrics() snapshots -> per-measurement numbers
+# ---------------------------------------------------------------------------
+
+
+def metric_totals(metrics: Iterable) -> dict[str, float | list[int]]:
+    """Sum every metric of a ``get_metrics()`` snapshot over its label sets:
+    counters and gauges by value, the per-position vector element-wise,
+    histograms by observation count."""
+    totals: dict[str, float | list[int]] = {}
+    for m in metrics:
+        if hasattr(m, "values"):
+            totals[m.name] = _add_lists(totals.get(m.name, []), list(m.values))
+        elif hasattr(m, "count"):
+            totals[m.name] = totals.get(m.name, 0) + m.count
+        elif hasattr(m, "value"):
+            totals[m.name] = totals.get(m.name, 0) + m.value
+    return totals
+
+
+def metric_delta(before: Mapping, after: Mapping) -> dict[str, float | list[int]]:
+    """``after - before`` for every metric in ``after`` (lists element-wise)."""
+    delta: dict[str, float | list[int]] = {}
+    for name, value in after.items():
+        old = before.get(name)
+        if isinstance(value, list):
+            delta[name] = _add_lists(value, [-v for v in (old or [])])
+        else:
+            delta[name] = value - (old or 0)
+    return delta
+
+
+def _add_lists(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def spec_stats(delta: Mapping, max_depth: int = MAX_DEPTH) -> dict:
+    """Acceptance numbers of one measurement from its metric delta.
+
+    ``acceptance_length`` = 1 + accepted / drafts; ``per_depth[d - 1]`` = drafts
+    whose accepted path reached depth d / drafts. DDTree sizes vLLM's per-position
+    vector by tree_budget, but no path is deeper than the drafter's 15 positions,
+    so the vector is cut at ``max_depth``. None without drafts (no speculation)."""
+    drafts = int(delta.get(DRAFTS, 0))
+    accepted = int(delta.get(ACCEPTED, 0))
+    draft_tokens = int(delta.get(DRAFT_TOKENS, 0))
+    per_pos = list(delta.get(ACCEPTED_PER_POS, []))[:max_depth]
+    stats = {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "accepted_per_pos": per_pos,
+        "acceptance_length": None,
+        "draft_acceptance_rate": None,
+        "per_depth": [],
+    }
+    if drafts > 0:
+        stats["acceptance_length"] = 1 + accepted / drafts
+        stats["per_depth"] = [n / drafts for n in per_pos]
+    if draft_tokens > 0:
+        stats["draft_acceptance_rate"] = accepted / draft_tokens
+    return stats
+
+
+def timing_stats(
+    full: Mapping,
+    prefill: Mapping,
+    wall_s: float,
+    prefill_wall_s: float,
+    output_tokens: int,
+) -> dict:
+    """Throughput and step times of one measurement.
+
+    ``full`` / ``prefill`` are the metric deltas of the timed generation and of the
+    same requests with max_tokens=1 (prefill plus one sampled token): the
+    difference is the decode phase."""
+    steps = int(full.get(STEPS, 0))
+    prefill_steps = int(prefill.get(STEPS, 0))
+    decode_steps = steps - prefill_steps
+    decode_s = wall_s - prefill_wall_s
+    return {
+        "output_tokens": output_tokens,
+        "wall_s": wall_s,
+        "tok_s": output_tokens / wall_s if wall_s > 0 else None,
+        "steps": steps,
+        "ms_per_step": 1000 * wall_s / steps if steps > 0 else None,
+        "prefill_wall_s": prefill_wall_s,
+        "prefill_steps": prefill_steps,
+        "decode_steps": decode_steps,
+        "decode_ms_per_step": (
+            1000 * decode_s / decode_steps
+            if decode_steps > 0 and decode_s > 0 else None
+        ),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Rows: keys, files, resume
+# ---------------------------------------------------------------------------
+
+
+def row_key(row: Mapping) -> tuple[str, int, float]:
+    return (str(row["config"]), int(row["batch"]), float(row["temperature"]))
+
+
+def load_rows(dirs: Iterable[Path]) -> list[dict]:
+    """Rows of ``results.jsonl`` in each directory, in order. A line cut short (a
+    process killed mid-write) is skipped."""
+    rows = []
+    for d in dirs:
+        path = Path(d) / RESULTS_FILE
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"bench_ddtree: skipping a truncated line in {path}")
+    return rows
+
+
+def merge_rows(rows: Iterable[Mapping]) -> list[dict]:
+    """One row per (config, batch, temperature), the last one seen winning;
+    sorted by batch, temperature, config."""
+    merged = {row_key(r): dict(r) for r in rows}
+    return [merged[k] for k in sorted(merged, key=_sort_key)]
+
+
+def _sort_key(key: tuple[str, int, float]):
+    config, batch, temperature = key
+    return (batch, temperature, config_order(config))
+
+
+def config_order(config: str) -> tuple[int, int]:
+    """none, dflash, then ddtree by budget."""
+    if config == "none":
+        return (0, 0)
+    if config == "dflash":
+        return (1, 0)
+    return (2, budget_of(config) or 0)
+
+
+def budget_of(config: str) -> int | None:
+    if config.startswith("ddtree-") and config[7:].isdigit():
+        return int(config[7:])
+    return None
+
+
+def append_row(out_dir: Path, row: Mapping) -> None:
+    """One JSON line, flushed to disk at once (a later kill keeps it)."""
+    path = Path(out_dir) / RESULTS_FILE
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def pending(
+    config: str,
+    batches: Sequence[int],
+    temperatures: Sequence[float],
+    done: set[tuple[str, int, float]],
+) -> list[tuple[int, float]]:
+    """(batch, temperature) pairs of ``config`` not measured yet."""
+    return [
+        (b, float(t))
+        for b in batches
+        for t in temperatures
+        if (config, int(b), float(t)) not in done
+    ]
+
+
+def check_setup(current: Mapping, existing: Mapping, where: str) -> None:
+    """Results measured under another setup must not be mixed in: raise
+    ``ValueError`` naming the settings that differ. ``info`` is not compared."""
+    keys = (set(current) | set(existing)) - {"info"}
+    differ = sorted(k for k in keys if current.get(k) != existing.get(k))
+    if differ:
+        details = ", ".join(
+            f"{k}: {existing.get(k)!r} there, {current.get(k)!r} now" for k in differ
+        )
+        raise ValueError(
+            f"{where} holds results of a different setup ({details}); use a new "
+            "--out directory or the same settings"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Ratios and targets
+# ---------------------------------------------------------------------------
+
+
+def _ratio(a, b) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def with_ratios(rows: Sequence[Mapping]) -> list[dict]:
+    """Each row plus its ratios to DFlash's and no speculation's rows of the same
+    batch and temperature: ``tok_s_vs_dflash``, ``tok_s_vs_none``,
+    ``tau_vs_dflash``, ``step_vs_dflash``, ``step_vs_none`` (decode step times),
+    and ``same_run`` (False when a baseline came from another GPU command)."""
+    by_key = {row_key(r): r for r in rows}
+    out = []
+    for r in rows:
+        _, batch, temperature = row_key(r)
+        dflash = by_key.get(("dflash", batch, temperature))
+        none = by_key.get(("none", batch, temperature))
+        row = dict(r)
+        row["tok_s_vs_dflash"] = _ratio(r.get("tok_s"), dflash and dflash.get("tok_s"))
+        row["tok_s_vs_none"] = _ratio(r.get("tok_s"), none and none.get("tok_s"))
+        row["tau_vs_dflash"] = _ratio(
+            r.get("acceptance_length"), dflash and dflash.get("acceptance_length")
+        )
+        row["step_vs_dflash"] = _ratio(
+            r.get("decode_ms_per_step"), dflash and dflash.get("decode_ms_per_step")
+        )
+        row["step_vs_none"] = _ratio(
+            r.get("decode_ms_per_step"), none and none.get("decode_ms_per_step")
+        )
+        baselines = [b for b in (dflash, none) if b is not None]
+        row["same_run"] = all(b.get("run_id") == r.get("run_id") for b in baselines)
+        out.append(row)
+    return out
+
+
+def target_checks(rows: Sequence[Mapping], mode: str) -> list[str]:
+    """Issue 5's targets, one line each, from rows that carry ratios.
+
+    e2e/serve: batch 1, T=0: DDTree throughput / DFlash throughput >= 0.95 x
+    (acceptance-length ratio). cost: batch 1, T=0: decode step time at budget 128
+    <= 1.10 x DFlash's and at 512 <= 1.30 x."""
+    lines = []
+    for r in rows:
+        config, batch, temperature = row_key(r)
+        budget = budget_of(config)
+        if budget is None or batch != 1 or temperature != 0.0:
+            continue
+        if mode == "cost":
+            limit = STEP_TARGETS.get(budget)
+            ratio = r.get("step_vs_dflash")
+            if limit is None or ratio is None:
+                continue
+            verdict = "met" if ratio <= limit else "NOT met"
+            lines.append(
+                f"{config}, batch 1: step time {ratio:.3f} x DFlash's "
+                f"(target <= {limit:.2f}): {verdict}{_run_note(r)}"
+            )
+        else:
+            tput, tau = r.get("tok_s_vs_dflash"), r.get("tau_vs_dflash")
+            if tput is None or not tau:
+                continue
+            score = tput / tau
+            verdict = "met" if score >= E2E_TARGET else "NOT met"
+            lines.append(
+                f"{config}, batch 1, T=0: throughput {tput:.3f} x DFlash's at "
+                f"acceptance {tau:.3f} x: {score:.3f} of the acceptance ratio "
+                f"(target >= {E2E_TARGET}): {verdict}{_run_note(r)}"
+            )
+    return lines
+
+
+def _run_note(row: Mapping) -> str:
+    return "" if row.get("same_run", True) else " (baseline from another GPU command)"
+
+
+# ---------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------
+
+
+def fmt(value, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(header: Sequence[str], body: Iterable[Sequence]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, cells)) + " |" for cells in body]
+    return "\n".join(lines)
+
+
+def main_table(rows: Sequence[Mapping]) -> str:
+    header = [
+        "batch", "T", "config", "tok/s", "ms/step (decode)", "accept len",
+        "tok/s / DFlash", "tok/s / no-spec", "accept / DFlash", "step / DFlash",
+    ]
+    body = [
+        [
+            r["batch"], fmt(float(r["temperature"]), 1),
+            r["config"] + ("" if r.get("same_run", True) else " *"),
+            fmt(r.get("tok_s"), 1), fmt(r.get("decode_ms_per_step")),
+            fmt(r.get("acceptance_length")), fmt(r.get("tok_s_vs_dflash"), 3),
+            fmt(r.get("tok_s_vs_none"), 3), fmt(r.get("tau_vs_dflash"), 3),
+            fmt(r.get("step_vs_dflash"), 3),
+        ]
+        for r in rows
+    ]
+    return markdown_table(header, body)
+
+
+def depth_table(rows: Sequence[Mapping]) -> str:
+    """Per-depth acceptance: fraction of drafts whose path reached depth d."""
+    spec_rows = [r for r in rows if r.get("per_depth")]
+    header = ["batch", "T", "config"] + [f"d{d}" for d in range(1, MAX_DEPTH + 1)]
+    body = [
+        [r["batch"], fmt(float(r["temperature"]), 1), r["config"]]
+        + [fmt(p) for p in r["per_depth"]]
+        + ["-"] * (MAX_DEPTH - len(r["per_depth"]))
+        for r in spec_rows
+    ]
+    return markdown_table(header, body)
+
+
+RATIO_NOTE = (
+    "Ratios compare rows of the same batch and temperature; `*` marks a row "
+    "whose DFlash or no-spec baseline was measured by another GPU command."
+)
+COST_NOTE = (
+    "Dummy weights: acceptance is chance level, so `ms/step (decode)` is the "
+    "cost of one verify + draft + tree-ops step."
+)
+
+
+def markdown_report(rows: Sequence[Mapping], mode: str, setup: Mapping | None) -> str:
+    rows = with_ratios(merge_rows(rows))
+    parts = [f"# bench_ddtree: {mode}", ""]
+    if setup:
+        parts += ["Setup: `" + json.dumps(setup, sort_keys=True) + "`", ""]
+    gpus = sorted({str(r.get("gpu")) for r in rows if r.get("gpu")})
+    runs = sorted({str(r.get("run_id")) for r in rows if r.get("run_id")})
+    where = f"GPU: {', '.join(gpus) or '-'}; GPU commands (run ids): "
+    parts += [where + (", ".join(runs) or "-"), "", RATIO_NOTE, ""]
+    if mode == "cost":
+        parts += [COST_NOTE, ""]
+    parts += [main_table(rows), ""]
+    checks = target_checks(rows, mode)
+    if checks:
+        parts += ["Targets:", ""] + [f"- {c}" for c in checks] + [""]
+    if any(r.get("per_depth") for r in rows):
+        parts += ["Per-depth acceptance (drafts whose accepted path reached depth d):",
+                  "", depth_table(rows), ""]
+    return "\n".join(parts)

@@ -1,0 +1,213 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Projected Qwen3-8B speedups of DDTree: measured 8B-shape step times combined
+with acceptance lengths measured elsewhere. Every projected number is labelled
+"projected": nothing here ran a trained 8B pair.
+
+Inputs:
+
+* ``--cost DIR``: ``bench_ddtree.py cost`` results (Qwen3-8B-shaped target,
+  DFlash-8B-shaped drafter, dummy weights): decode step time per config and batch.
+* ``--e2e DIR``: ``bench_ddtree.py e2e`` results of the trained pair: acceptance
+  length per config and temperature, pooled over batches (1 + all accepted / all
+  drafts; lossless decoding makes T=0 acceptance independent of the batch).
+* the paper's Qwen3-8B numbers (``PAPER``), used unless ``--no-paper``.
+
+A request emits ``tau`` tokens per step (tau = 1 without speculation), so at batch
+b a config's projected throughput is ``b * tau / step_time``, and its projected
+speedup over another config is the ratio of ``tau / step_time``. The auto-budget
+table picks, per batch, the DDTree budget with the highest projected throughput
+and compares it with DFlash: the evidence a ``tree_budget="auto"`` would stand on.
+
+    python benchmarks/project_8b.py --cost OUT_COST [--e2e OUT_E2E] [--out FILE.md]
+"""
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_ddtree_report import (  # noqa: E402
+    RESULTS_FILE,
+    budget_of,
+    config_order,
+    fmt,
+    load_rows,
+    markdown_table,
+    merge_rows,
+    row_key,
+)
+
+# Ringel & Romano, "Accelerating Speculative Decoding with Block Diffusion Draft
+# Trees" (2026), Qwen3-8B target, MATH-500, temperature 0, as cited in issue 5:
+# acceptance length 7.79 for DFlash and 10.73 for DDTree at its best budget, which
+# the paper puts at 256-512 nodes. Per-budget acceptance lengths were not found in
+# the sources searched, so only these two budgets get the paper's DDTree value.
+PAPER = {
+    "label": "paper (Qwen3-8B, MATH-500, T=0; DDTree at its best budget 256-512)",
+    "temperature": 0.0,
+    "tau": {"none": 1.0, "dflash": 7.79, "ddtree-256": 10.73, "ddtree-512": 10.73},
+}
+
+
+def step_times(rows: Sequence[Mapping], temperature: float) -> dict:
+    """{(config, batch): decode ms per step} at ``temperature``."""
+    out = {}
+    for r in rows:
+        config, batch, t = row_key(r)
+        ms = r.get("decode_ms_per_step") or r.get("ms_per_step")
+        if t == temperature and ms:
+            out[(config, batch)] = float(ms)
+    return out
+
+
+def pooled_tau(rows: Sequence[Mapping], temperature: float) -> dict[str, float]:
+    """{config: 1 + accepted / drafts} over every batch at ``temperature``;
+    no speculation is 1."""
+    drafts: dict[str, int] = {}
+    accepted: dict[str, int] = {}
+    taus = {}
+    for r in rows:
+        config, _, t = row_key(r)
+        if t != temperature:
+            continue
+        if config == "none":
+            taus["none"] = 1.0
+        elif r.get("num_drafts"):
+            drafts[config] = drafts.get(config, 0) + int(r["num_drafts"])
+            accepted[config] = accepted.get(config, 0) + int(r["num_accepted_tokens"])
+    taus.update({c: 1 + accepted[c] / drafts[c] for c in drafts})
+    return taus
+
+
+def project(steps: Mapping, taus: Mapping[str, float]) -> list[dict]:
+    """Projected throughput and speedups for every (config, batch) with both a
+    step time and an acceptance length."""
+    rows = []
+    for (config, batch), ms in steps.items():
+        tau = taus.get(config)
+        if tau is None:
+            continue
+        per_s = tau / ms * 1000  # tokens per second per request
+        none_ms, dflash_ms = steps.get(("none", batch)), steps.get(("dflash", batch))
+        rows.append({
+            "config": config, "batch": batch, "tau": tau, "step_ms": ms,
+            "tok_s": batch * per_s,
+            "vs_none": per_s / (1000 / none_ms) if none_ms else None,
+            "vs_dflash": (per_s / (taus["dflash"] / dflash_ms * 1000)
+                          if dflash_ms and "dflash" in taus else None),
+        })
+    return sorted(rows, key=lambda r: (r["batch"], config_order(r["config"])))
+
+
+def auto_budget(projected: Sequence[Mapping]) -> list[dict]:
+    """Per batch: the DDTree budget with the highest projected throughput, and its
+    ratio to DFlash (>= 1 is what tree_budget="auto" must reach)."""
+    best: dict[int, Mapping] = {}
+    for r in projected:
+        if budget_of(r["config"]) is None:
+            continue
+        if r["batch"] not in best or r["tok_s"] > best[r["batch"]]["tok_s"]:
+            best[r["batch"]] = r
+    return [
+        {"batch": b, "budget": budget_of(r["config"]), "tok_s": r["tok_s"],
+         "vs_dflash": r["vs_dflash"], "vs_none": r["vs_none"]}
+        for b, r in sorted(best.items())
+    ]
+
+
+def step_table(steps: Mapping) -> str:
+    batches = sorted({b for _, b in steps})
+    configs = sorted({c for c, _ in steps}, key=config_order)
+    body = []
+    for c in configs:
+        cells = []
+        for b in batches:
+            ms, d = steps.get((c, b)), steps.get(("dflash", b))
+            cells.append("-" if ms is None else
+                         f"{ms:.2f}" + (f" ({ms / d:.2f}x)" if d else ""))
+        body.append([c] + cells)
+    return markdown_table(["config"] + [f"batch {b}: ms/step (x DFlash)"
+                                        for b in batches], body)
+
+
+def projection_table(projected: Sequence[Mapping]) -> str:
+    body = [[r["batch"], r["config"], fmt(r["tau"]), fmt(r["step_ms"]),
+             fmt(r["tok_s"], 0), fmt(r["vs_none"]), fmt(r["vs_dflash"], 3)]
+            for r in projected]
+    return markdown_table(
+        ["batch", "config", "accept len", "ms/step (measured)",
+         "projected tok/s", "projected x no-spec", "projected x DFlash"], body)
+
+
+def auto_table(rows: Sequence[Mapping]) -> str:
+    body = [[r["batch"], r["budget"], fmt(r["tok_s"], 0), fmt(r["vs_dflash"], 3),
+             "yes" if (r["vs_dflash"] or 0) >= 1.0 else "NO"] for r in rows]
+    return markdown_table(
+        ["batch", "best budget (projected)", "projected tok/s",
+         "projected x DFlash", ">= DFlash"], body)
+
+
+def report(cost_rows: Sequence[Mapping], sources: Sequence[tuple[str, dict]],
+           temperature: float) -> str:
+    steps = step_times(cost_rows, temperature)
+    measured = (
+        f"Measured: decode step times of the 8B shapes (dummy weights, "
+        f"T={temperature}); `(x DFlash)` is the ratio to DFlash's step at the same "
+        "batch."
+    )
+    parts = [
+        "# Projected Qwen3-8B speedups (projected, not measured end to end)", "",
+        measured, "", step_table(steps), "",
+    ]
+    for label, taus in sources:
+        projected = project(steps, taus)
+        parts += [f"## Projected with acceptance lengths from {label}", ""]
+        if not projected:
+            parts += ["(no config has both a step time and an acceptance length)", ""]
+            continue
+        parts += [projection_table(projected), "",
+                  "Projected auto budget (best DDTree budget per batch):", "",
+                  auto_table(auto_budget(projected)), ""]
+    return "\n".join(parts)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cost", type=Path, nargs="+", required=True,
+                   help="bench_ddtree.py cost --out directories")
+    p.add_argument("--e2e", type=Path, nargs="*", default=[],
+                   help="bench_ddtree.py e2e --out directories (trained pair)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-paper", action="store_true",
+                   help="leave out the paper's acceptance lengths")
+    p.add_argument("--out", type=Path, default=None, help="write the markdown here")
+    args = p.parse_args(argv)
+    missing = [d for d in [*args.cost, *args.e2e] if not (d / RESULTS_FILE).is_file()]
+    if missing:
+        p.error(f"no {RESULTS_FILE} in {', '.join(map(str, missing))}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cost_rows = merge_rows(load_rows(args.cost))
+    sources = []
+    if args.e2e:
+        taus = pooled_tau(merge_rows(load_rows(args.e2e)), args.temperature)
+        label = f"the trained pair (e2e, T={args.temperature}, pooled over batches)"
+        sources.append((label, taus))
+    if not args.no_paper and args.temperature == PAPER["temperature"]:
+        sources.append((PAPER["label"], PAPER["tau"]))
+    text = report(cost_rows, sources, args.temperature)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,680 @@
+# SPDX-License-Identifier: Apache-2.0
+"""benchmarks/bench_ddtree.py and benchmarks/project_8b.py on the CPU: arguments,
+engine configs, prompts, metric arithmetic, resume, ratio tables, projections.
+The GPU parts (engines) are replaced by fakes; the 8B model configs go through
+vLLM's own config checks (no weights, no tokenizer)."""
+
+import json
+import math
+import re
+import types
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_ddtree as bd
+from benchmarks import bench_ddtree_report as rep
+from benchmarks import project_8b as proj
+
+MODEL_CONFIGS = Path(bd.__file__).parent / "model_configs"
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------
+
+
+def test_configs_expand_and_sort():
+    assert bd.parse_configs("ddtree,dflash,none", [128, 16]) == [
+        "none", "dflash", "ddtree-16", "ddtree-128"]
+    assert bd.parse_configs("ddtree-512, none,ddtree-512", [16]) == [
+        "none", "ddtree-512"]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("eagle", "unknown config 'eagle'"),
+    ("ddtree-0", r"tree_budget must be in \[1, 1024\]"),
+    ("ddtree-2048", r"tree_budget must be in \[1, 1024\]"),
+    ("ddtree-x", "unknown config"),
+])
+def test_bad_configs(text, match):
+    with pytest.raises(ValueError, match=match):
+        bd.parse_configs(text, [16])
+
+
+def test_number_lists():
+    assert bd.parse_int_list("8,1,8", "--batches", 1) == [1, 8]
+    assert bd.parse_float_list("1,0", "--temperatures") == [0.0, 1.0]
+    with pytest.raises(ValueError, match="--batches must be >= 1"):
+        bd.parse_int_list("0,1", "--batches", 1)
+    with pytest.raises(ValueError, match=r"--budgets must be in \[1, 1024\]"):
+        bd.parse_int_list("16,4096", "--budgets", 1, 1024)
+    with pytest.raises(ValueError, match="comma list of integers"):
+        bd.parse_int_list("1,two", "--batches", 1)
+    with pytest.raises(ValueError, match="is empty"):
+        bd.parse_int_list(",", "--batches", 1)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        bd.parse_float_list("-1", "--temperatures")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        bd.parse_float_list("nan", "--temperatures")
+
+
+def test_cost_defaults(tmp_path):
+    args = bd.parse_args(["cost", "--out", str(tmp_path)])
+    assert args.configs == ["none", "dflash"] + [f"ddtree-{b}" for b in bd.ALL_BUDGETS]
+    assert args.batches == [1, 4, 16, 64] and args.temperatures == [0.0]
+    assert args.target == MODEL_CONFIGS / "qwen3_8b"
+    assert args.drafter == MODEL_CONFIGS / "dflash_qwen3_8b"
+    assert args.waves == 2 and args.max_tokens == 128
+
+
+def _pair(tmp_path):
+    for name in ("target", "drafter"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["a b c", "d e"]))
+    return ["--target", str(tmp_path / "target"), "--drafter",
+            str(tmp_path / "drafter"), "--prompts", str(prompts)]
+
+
+def test_e2e_defaults(tmp_path):
+    args = bd.parse_args(["e2e", "--out", str(tmp_path / "out"), *_pair(tmp_path)])
+    assert args.batches == [1, 8, 32] and args.temperatures == [0.0, 1.0]
+    assert args.num_prompts == 32 and not args.ignore_eos
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+    (["--batches", "1,-8"], "--batches must be >= 1"),
+    (["--budgets", "0"], r"--budgets must be in \[1, 1024\]"),
+    (["--temperatures", "0,hot"], "--temperatures must be a comma list"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["--limit-seconds", "-1"], "--limit-seconds must be >= 0"),
+    (["--waves", "0"], "--waves must be >= 1"),
+    (["--input-len", "4000", "--max-model-len", "4096"], "exceed --max-model-len"),
+    (["--target", "/nonexistent"], "--target /nonexistent: no config.json"),
+])
+def test_bad_cost_args(tmp_path, capsys, extra, match):
+    with pytest.raises(SystemExit) as err:
+        bd.parse_args(["cost", "--out", str(tmp_path), *extra])
+    assert err.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_e2e_needs_a_pair(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bd.parse_args(["e2e", "--out", str(tmp_path)])
+    assert "--target" in capsys.readouterr().err
+    pair = _pair(tmp_path)
+    pair[-1] = str(tmp_path / "missing.json")
+    with pytest.raises(SystemExit):
+        bd.parse_args(["e2e", "--out", str(tmp_path), *pair])
+    assert "missing.json: no such file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# Engine configurations
+# ---------------------------------------------------------------------------
+
+
+def test_speculative_configs():
+    drafter = Path("/d")
+    assert bd.speculative_config("none", drafter) is None
+    assert bd.speculative_config("dflash", drafter) == {
+        "method": "dflash", "model": "/d", "num_speculative_tokens": 15}
+    assert bd.speculative_config("ddtree-128", drafter) == {
+        "method": "ddtree", "model": "/d", "tree_budget": 128}
+
+
+def test_step_tokens_and_skipped_batches():
+    assert bd.step_tokens("none", 64) == 64
+    assert bd.step_tokens("dflash", 64) == 1024
+    assert bd.step_tokens("ddtree-128", 8) == 8 * 129
+    batches = [1, 4, 16, 32, 64]
+    assert bd.fitting_batches("ddtree-1024", batches, 33000) == ([1, 4, 16, 32], [64])
+    assert bd.fitting_batches("ddtree-512", batches, 33000) == (batches, [])
+    assert bd.fitting_batches("dflash", batches, 100) == ([1, 4], [16, 32, 64])
+
+
+def test_capture_sizes_follow_the_ddtree_ladder():
+    assert bd.request_ladder(1) == [1]
+    assert bd.request_ladder(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert bd.request_ladder(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert bd.capture_sizes("none", 8) == [1, 2, 4, 8]
+    assert bd.capture_sizes("dflash", 64)[-1] == 64 * 16  # past vLLM's 512 default
+    assert bd.capture_sizes("ddtree-64", 64) is None
+
+
+def test_engine_kwargs(tmp_path):
+    args = bd.parse_args(["cost", "--out", str(tmp_path)])
+    kw = bd.engine_kwargs(args, "dflash", 64)
+    assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"]
+    assert kw["max_num_seqs"] == 64 and not kw["disable_log_stats"]
+    assert not kw["enable_prefix_caching"]
+    assert kw["compilation_config"]["cudagraph_capture_sizes"][-1] == 1024
+    kw = bd.engine_kwargs(args, "ddtree-256", 16)
+    assert kw["speculative_config"]["tree_budget"] == 256
+    assert "compilation_config" not in kw and "max_num_batched_tokens" not in kw
+
+
+def test_8b_model_configs():
+    target = json.loads((MODEL_CONFIGS / "qwen3_8b" / "config.json").read_text())
+    drafter = json.loads(
+        (MODEL_CONFIGS / "dflash_qwen3_8b" / "config.json").read_text())
+    assert target["architectures"] == ["Qwen3ForCausalLM"]
+    assert (target["hidden_size"], target["num_hidden_layers"],
+            target["num_attention_heads"], target["num_key_value_heads"],
+            target["head_dim"], target["intermediate_size"],
+            target["vocab_size"]) == (4096, 36, 32, 8, 128, 12288, 151936)
+    assert target["rope_theta"] == 1000000 and target["rms_norm_eps"] == 1e-6
+    assert not target["tie_word_embeddings"]
+    assert drafter["architectures"] == ["DFlashDraftModel"]
+    assert drafter["block_size"] == 16 and drafter["num_hidden_layers"] == 5
+    layers = drafter["dflash_config"]["target_layer_ids"]
+    assert layers == [1, 9, 17, 25, 33] and max(layers) < target["num_hidden_layers"]
+    assert target["vocab_size"] > drafter["dflash_config"]["mask_token_id"]
+    assert drafter["target_hidden_size"] == target["hidden_size"]
+
+
+@pytest.fixture
+def cuda_platform(monkeypatch):
+    """EngineArgs asks the platform for a device type; a CPU-only box has none."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "":
+        monkeypatch.setattr(type(current_platform), "device_type", "cuda",
+                            raising=False)
+
+
+@pytest.mark.parametrize("config", ["dflash", "ddtree-128"])
+def test_8b_configs_pass_vllms_checks(tmp_path, cuda_platform, config):
+    """The benchmark's cost-mode engine arguments build a vLLM config from the
+    config.json files alone (dummy weights, no tokenizer)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_ddtree
+
+    vllm_ddtree.register()
+    args = bd.parse_args(["cost", "--out", str(tmp_path)])
+    kw = bd.engine_kwargs(args, config, 16)
+    kw.pop("disable_log_stats")
+    kw.pop("compilation_config", None)  # the CPU platform captures no graphs
+    vllm_config = EngineArgs(**kw).create_engine_config()
+    draft = vllm_config.speculative_config.draft_model_config
+    assert draft.hf_config.num_hidden_layers == 5
+    assert vllm_config.model_config.get_vocab_size() == 151936
+    if config == "ddtree-128":
+        assert vllm_config.additional_config["ddtree"] == {
+            "tree_budget": 128, "draft_depth": 15}
+        assert vllm_config.scheduler_config.max_num_batched_tokens >= 16 * 129
+
+
+# ---------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------
+
+
+def test_load_prompts_formats(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"about": "x", "prompts": [
+        {"source": "a.py", "text": "def f():"}, {"text": "import os"}]}))
+    assert bd.load_prompts(path) == ["def f():", "import os"]
+    path.write_text(json.dumps([[1, 2, 3], [4]]))
+    assert bd.load_prompts(path) == [[1, 2, 3], [4]]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt_token_ids": [5, 6]}\n\n[7]\n')
+    assert bd.load_prompts(jsonl) == [[5, 6], [7]]
+
+
+@pytest.mark.parametrize("content, match", [
+    ([], "non-empty list"),
+    ({"other": []}, "non-empty list"),
+    (["text", [1, 2]], "mixes texts and token-id lists"),
+    (["ok", ""], "prompt 1 is neither"),
+    ([[1, -2]], "prompt 0 is neither"),
+    ([[True]], "prompt 0 is neither"),
+])
+def test_bad_prompt_files(tmp_path, content, match):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=match):
+        bd.load_prompts(path)
+
+
+def test_requests_and_random_prompts():
+    assert bd.batch_requests(["a", "b", "c"], 2, 3) == ["a", "b", "c", "a"]
+    assert bd.batch_requests(["a"], 8, 1) == ["a"] * 8
+    assert len(bd.batch_requests(list("abcdefgh"), 1, 5)) == 5
+    a = bd.random_prompts(3, 50, seed=7)
+    assert a == bd.random_prompts(3, 50, seed=7) != bd.random_prompts(3, 50, seed=8)
+    assert all(len(p) == 50 and 0 <= min(p) and max(p) < 151643 for p in a)
+    bd.check_prompt_lengths([[1] * 10, "text"], 6, 16)
+    with pytest.raises(ValueError, match=r"prompts \[0\] plus --max-tokens 7"):
+        bd.check_prompt_lengths([[1] * 10], 7, 16)
+
+
+# ---------------------------------------------------------------------------
+# Metric arithmetic
+# ---------------------------------------------------------------------------
+
+
+def _counter(name, value, engine="0"):
+    return types.SimpleNamespace(name=name, labels={"engine": engine}, value=value)
+
+
+def _vector(name, values):
+    return types.SimpleNamespace(name=name, labels={}, values=values)
+
+
+def _histogram(name, count):
+    return types.SimpleNamespace(name=name, labels={}, count=count, sum=0.0,
+                                 buckets={})
+
+
+def test_metric_totals_sum_label_sets():
+    totals = rep.metric_totals([
+        _counter(rep.DRAFTS, 3, "0"), _counter(rep.DRAFTS, 4, "1"),
+        _vector(rep.ACCEPTED_PER_POS, [3, 1]),
+        _vector(rep.ACCEPTED_PER_POS, [1, 1, 1]),
+        _histogram(rep.STEPS, 9),
+    ])
+    assert totals == {rep.DRAFTS: 7, rep.ACCEPTED_PER_POS: [4, 2, 1], rep.STEPS: 9}
+
+
+def test_metric_delta():
+    before = {rep.DRAFTS: 10, rep.ACCEPTED_PER_POS: [5, 2], rep.STEPS: 3}
+    after = {rep.DRAFTS: 14, rep.ACCEPTED_PER_POS: [8, 4, 1], rep.STEPS: 10,
+             rep.ACCEPTED: 5}
+    assert rep.metric_delta(before, after) == {
+        rep.DRAFTS: 4, rep.ACCEPTED_PER_POS: [3, 2, 1], rep.STEPS: 7,
+        rep.ACCEPTED: 5}
+
+
+def test_spec_stats():
+    # 4 trees of budget 32: paths of depth 3, 2, 0, 1 -> 6 accepted tokens.
+    per_pos = [3, 2, 1] + [0] * 29  # vLLM sizes the vector by the budget
+    stats = rep.spec_stats({rep.DRAFTS: 4, rep.ACCEPTED: 6, rep.DRAFT_TOKENS: 128,
+                            rep.ACCEPTED_PER_POS: per_pos})
+    assert stats["acceptance_length"] == 1 + 6 / 4
+    assert stats["draft_acceptance_rate"] == 6 / 128
+    assert stats["per_depth"] == [0.75, 0.5, 0.25] + [0.0] * 12
+    assert len(stats["accepted_per_pos"]) == rep.MAX_DEPTH
+    # The per-depth rates sum to the mean accepted length minus the bonus.
+    assert math.isclose(sum(stats["per_depth"]) + 1, stats["acceptance_length"])
+    none = rep.spec_stats({rep.STEPS: 100})
+    assert none["acceptance_length"] is None and none["per_depth"] == []
+
+
+def test_timing_stats():
+    full = {rep.STEPS: 130}
+    prefill = {rep.STEPS: 2}
+    t = rep.timing_stats(full, prefill, wall_s=2.0, prefill_wall_s=0.72,
+                         output_tokens=400)
+    assert t["tok_s"] == 200.0 and t["steps"] == 130
+    assert math.isclose(t["decode_ms_per_step"], 1000 * 1.28 / 128)
+    assert math.isclose(t["ms_per_step"], 2000 / 130)
+    assert rep.timing_stats({}, {}, 0.0, 0.0, 0)["decode_ms_per_step"] is None
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM: each request of a wave takes ``ceil((max_tokens - 1)
+    / tau)`` decode steps after one prefill step, 10 ms each, and accepts
+    ``tau - 1`` draft tokens per step."""
+
+    def __init__(self, clock, tau=1, budget=0):
+        self.clock, self.tau, self.budget = clock, tau, budget
+        self.totals = {rep.STEPS: 0, rep.DRAFTS: 0, rep.ACCEPTED: 0,
+                       rep.DRAFT_TOKENS: 0, rep.ACCEPTED_PER_POS: [0] * max(budget, 1)}
+        self.calls = []
+
+    def get_metrics(self):
+        return [_histogram(rep.STEPS, self.totals[rep.STEPS]),
+                _counter(rep.DRAFTS, self.totals[rep.DRAFTS]),
+                _counter(rep.ACCEPTED, self.totals[rep.ACCEPTED]),
+                _counter(rep.DRAFT_TOKENS, self.totals[rep.DRAFT_TOKENS]),
+                _vector(rep.ACCEPTED_PER_POS, list(self.totals[rep.ACCEPTED_PER_POS]))]
+
+    def generate(self, wave, params, use_tqdm=True):
+        self.calls.append((len(wave), params.max_tokens, params.temperature))
+        decode = math.ceil((params.max_tokens - 1) / self.tau)
+        self.totals[rep.STEPS] += 1 + decode
+        self.clock.now += 0.01 * (1 + decode)
+        if self.budget:
+            self.totals[rep.DRAFTS] += len(wave) * decode
+            self.totals[rep.ACCEPTED] += len(wave) * decode * (self.tau - 1)
+            self.totals[rep.DRAFT_TOKENS] += len(wave) * decode * self.budget
+            for d in range(self.tau - 1):
+                self.totals[rep.ACCEPTED_PER_POS][d] += len(wave) * decode
+        out = types.SimpleNamespace(outputs=[types.SimpleNamespace(
+            token_ids=[0] * params.max_tokens)])
+        return [out] * len(wave)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def _params(**kw):
+    return types.SimpleNamespace(**kw)
+
+
+def test_measure_with_a_fake_engine(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(bd, "time", clock)
+    llm = FakeLLM(clock, tau=4, budget=64)
+    spec = {"max_tokens": 33, "ignore_eos": True, "detokenize": False}
+    row = bd.measure(llm, _params, [[1, 2]] * 6, 2, 0.0, spec)
+    # warm-up (16 tokens), prefill-only, then the timed run, each in 3 waves of 2
+    assert llm.calls == [(2, 16, 0.0)] + [(2, 1, 0.0)] * 3 + [(2, 33, 0.0)] * 3
+    assert row["num_requests"] == 6 and row["output_tokens"] == 6 * 33
+    assert row["steps"] == 3 * 9 and row["prefill_steps"] == 3
+    assert math.isclose(row["decode_ms_per_step"], 10.0)
+    assert row["acceptance_length"] == 4.0
+    assert row["per_depth"][:4] == [1.0, 1.0, 1.0, 0.0]
+    assert math.isclose(row["tok_s"], 6 * 33 / 0.27)
+
+
+def test_worker_with_a_fake_engine(tmp_path, monkeypatch):
+    """The worker process's body: engine kwargs in, one row per run out."""
+    import vllm
+
+    built = {}
+
+    class FakeEngineLLM(FakeLLM):
+        def __init__(self, **kwargs):
+            super().__init__(Clock(), tau=2, budget=16)
+            built.update(kwargs)
+            sched = types.SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=68,
+                                          async_scheduling=True)
+            comp = types.SimpleNamespace(cudagraph_mode="FULL_AND_PIECEWISE",
+                                         cudagraph_capture_sizes=[16, 17])
+            self.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+                scheduler_config=sched, compilation_config=comp))
+
+    monkeypatch.setattr(vllm, "LLM", FakeEngineLLM)
+    monkeypatch.setattr(vllm, "SamplingParams", _params)
+    args = bd.parse_args(["cost", "--out", str(tmp_path), "--input-len", "8",
+                          "--max-tokens", "9", "--batches", "1,4"])
+    tmp_path.mkdir(exist_ok=True)
+    spec = bd.worker_spec(args, "ddtree-16", 4, [(1, 0.0), (4, 0.0)], None, "rid")
+    assert [len(p) for p in spec["requests"]["4"]] == [8] * 8  # 2 waves of 4
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    bd.main(["_worker", str(path)])
+    assert built["speculative_config"]["tree_budget"] == 16
+    assert built["load_format"] == "dummy"
+    rows = rep.load_rows([tmp_path])
+    assert [(r["config"], r["batch"], r["run_id"]) for r in rows] == [
+        ("ddtree-16", 1, "rid"), ("ddtree-16", 4, "rid")]
+    assert rows[0]["engine"]["max_num_seqs"] == 4
+    assert rows[1]["acceptance_length"] == 2.0 and rows[1]["num_requests"] == 8
+
+
+# ---------------------------------------------------------------------------
+# Resume and orchestration
+# ---------------------------------------------------------------------------
+
+
+def _row(config, batch, temperature=0.0, run="r1", **kw):
+    row = {"config": config, "batch": batch, "temperature": temperature,
+           "run_id": run}
+    row.update(kw)
+    return row
+
+
+def test_rows_files_and_merge(tmp_path, capsys):
+    rep.append_row(tmp_path, _row("dflash", 1, tok_s=1.0))
+    rep.append_row(tmp_path, _row("none", 1, tok_s=2.0))
+    with (tmp_path / rep.RESULTS_FILE).open("a") as f:
+        f.write('{"config": "ddtree-64", "bat')  # a killed writer
+    rows = rep.load_rows([tmp_path, tmp_path / "missing"])
+    assert [r["config"] for r in rows] == ["dflash", "none"]
+    assert "truncated" in capsys.readouterr().out
+    merged = rep.merge_rows(rows + [_row("dflash", 1, tok_s=3.0),
+                                    _row("ddtree-16", 1), _row("ddtree-8", 1),
+                                    _row("none", 1, 1)])
+    assert [(r["config"], r["temperature"]) for r in merged] == [
+        ("none", 0.0), ("dflash", 0.0), ("ddtree-8", 0.0), ("ddtree-16", 0.0),
+        ("none", 1)]
+    assert merged[1]["tok_s"] == 3.0  # the later row wins
+
+
+def test_pending_and_setup_check():
+    done = {("dflash", 1, 0.0), ("dflash", 8, 1.0)}
+    assert rep.pending("dflash", [1, 8], [0, 1], done) == [(1, 1.0), (8, 0.0)]
+    assert rep.pending("none", [1], [0], done) == [(1, 0.0)]
+    setup = {"mode": "cost", "max_tokens": 128, "info": {"target": "/a"}}
+    rep.check_setup(setup, {**setup, "info": {"target": "/b"}}, "there")
+    with pytest.raises(ValueError, match="max_tokens: 64 there, 128 now"):
+        rep.check_setup(setup, {**setup, "max_tokens": 64}, "/old")
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    """run_offline_config without engines: writes one row per pending run."""
+    calls = []
+
+    def fake(args, config, max_batch, runs, prompts, rid, time_left):
+        calls.append((config, max_batch, list(runs)))
+        for batch, temperature in runs:
+            ms = 5.0 if config == "none" else 6.0 if config == "dflash" else 7.0
+            rep.append_row(args.out, {
+                "config": config, "batch": batch, "temperature": temperature,
+                "run_id": rid, "tok_s": 100.0 / ms, "decode_ms_per_step": ms,
+                "acceptance_length": None if config == "none" else 1.0})
+        return True
+
+    monkeypatch.setattr(bd, "run_offline_config", fake)
+    return calls
+
+
+def test_sweep_resumes_and_skips(tmp_path, fake_runs, capsys):
+    out = tmp_path / "part1"
+    argv = ["cost", "--out", str(out), "--configs", "none,ddtree-1024",
+            "--batches", "1,64"]
+    assert bd.main(argv) == 0
+    assert fake_runs == [("none", 64, [(1, 0.0), (64, 0.0)]),
+                         ("ddtree-1024", 1, [(1, 0.0)])]
+    assert "skipping batches [64]" in capsys.readouterr().out
+    assert bd.main(argv) == 0  # everything measured: no engine started
+    assert len(fake_runs) == 2
+    assert "nothing to do" in capsys.readouterr().out
+    # A second part on a fresh machine resumes from the first part's output,
+    # which it copies so that its own output is complete.
+    part2 = tmp_path / "part2"
+    assert bd.main(["cost", "--out", str(part2), "--resume-from", str(out),
+                    "--configs", "none,dflash,ddtree-1024", "--batches", "1,64"]) == 0
+    assert fake_runs[2:] == [("dflash", 64, [(1, 0.0), (64, 0.0)])]
+    assert {rep.row_key(r) for r in rep.load_rows([part2])} == {
+        ("none", 1, 0.0), ("none", 64, 0.0), ("ddtree-1024", 1, 0.0),
+        ("dflash", 1, 0.0), ("dflash", 64, 0.0)}
+    report = (part2 / rep.REPORT_FILE).read_text()
+    assert "| 1 | 0.0 | ddtree-1024 * |" in report  # baselines from another run
+
+
+def test_sweep_refuses_another_setup(tmp_path, fake_runs, capsys):
+    out = tmp_path / "out"
+    assert bd.main(["cost", "--out", str(out), "--configs", "none",
+                    "--batches", "1"]) == 0
+    assert bd.main(["cost", "--out", str(out), "--configs", "none",
+                    "--batches", "1", "--max-tokens", "64"]) == 2
+    assert "different setup (max_tokens: 128 there, 64 now)" in capsys.readouterr().err
+    assert bd.main(["cost", "--out", str(tmp_path / "new"), "--resume-from",
+                    str(tmp_path / "nothing")]) == 2
+    assert "no results.jsonl there" in capsys.readouterr().err
+
+
+def test_sweep_stops_at_the_time_limit(tmp_path, fake_runs, capsys):
+    assert bd.main(["cost", "--out", str(tmp_path), "--configs", "none,dflash",
+                    "--batches", "1", "--limit-seconds", "50",
+                    "--config-seconds", "100"]) == 0
+    assert fake_runs == []
+    assert "stopping" in capsys.readouterr().out
+    clock = bd.Clock(limit_s=100, default_config_s=300)
+    assert not clock.can_start()
+    clock.record(30)  # a measured config replaces the guess
+    assert clock.can_start()
+    clock.record(150)  # the slowest config measured so far counts
+    assert not clock.can_start()
+    assert bd.Clock(0, 1e9).can_start()  # no limit
+
+
+def test_report_merges_parts(tmp_path, fake_runs):
+    part1, part2, merged = tmp_path / "a", tmp_path / "b", tmp_path / "m"
+    bd.main(["cost", "--out", str(part1), "--configs", "none,dflash", "--batches", "1"])
+    bd.main(["cost", "--out", str(part2), "--configs", "ddtree-128", "--batches", "1"])
+    assert bd.main(["report", str(part1), str(part2), "--out", str(merged)]) == 0
+    keys = {rep.row_key(r) for r in rep.load_rows([merged])}
+    assert keys == {("none", 1, 0.0), ("dflash", 1, 0.0), ("ddtree-128", 1, 0.0)}
+    text = (merged / rep.REPORT_FILE).read_text()
+    assert "ddtree-128, batch 1: step time 1.167 x DFlash's (target <= 1.10): " \
+           "NOT met (baseline from another GPU command)" in text
+    assert bd.main(["report", str(tmp_path / "none")]) == 2
+
+
+# ---------------------------------------------------------------------------
+# Ratios, targets, tables
+# ---------------------------------------------------------------------------
+
+
+def test_ratios_and_e2e_target():
+    rows = [
+        _row("none", 1, tok_s=100.0, decode_ms_per_step=5.0),
+        _row("dflash", 1, tok_s=400.0, decode_ms_per_step=6.5, acceptance_length=5.0),
+        _row("ddtree-128", 1, tok_s=480.0, decode_ms_per_step=7.0,
+             acceptance_length=6.0),
+        _row("ddtree-512", 1, tok_s=440.0, decode_ms_per_step=8.0,
+             acceptance_length=6.5),
+        _row("ddtree-64", 8, run="r2", tok_s=1.0),
+    ]
+    with_r = {r["config"]: r for r in rep.with_ratios(rows)}
+    r = with_r["ddtree-128"]
+    assert math.isclose(r["tok_s_vs_dflash"], 1.2)
+    assert math.isclose(r["tok_s_vs_none"], 4.8)
+    assert math.isclose(r["tau_vs_dflash"], 1.2)
+    assert math.isclose(r["step_vs_dflash"], 7.0 / 6.5)
+    assert math.isclose(r["step_vs_none"], 1.4) and r["same_run"]
+    assert with_r["ddtree-64"]["tok_s_vs_dflash"] is None  # no batch-8 baseline
+    checks = rep.target_checks(rep.with_ratios(rows), "e2e")
+    assert len(checks) == 2
+    assert checks[0].startswith("ddtree-128") and checks[0].endswith(": met")
+    assert "0.846 of the acceptance ratio" in checks[1]  # 1.1 / 1.3
+    assert checks[1].endswith("NOT met")
+
+
+def test_cost_targets():
+    rows = rep.with_ratios([
+        _row("dflash", 1, decode_ms_per_step=6.46),
+        _row("ddtree-128", 1, decode_ms_per_step=7.1),
+        _row("ddtree-512", 1, decode_ms_per_step=8.5),
+        _row("ddtree-64", 1, decode_ms_per_step=6.8),
+    ])
+    checks = rep.target_checks(rows, "cost")
+    assert checks == [
+        "ddtree-128, batch 1: step time 1.099 x DFlash's (target <= 1.10): met",
+        "ddtree-512, batch 1: step time 1.316 x DFlash's (target <= 1.30): NOT met",
+    ]
+
+
+def test_markdown_report():
+    rows = [_row("dflash", 1, tok_s=400.0, acceptance_length=5.0,
+                 per_depth=[0.9, 0.8], gpu="NVIDIA H200"),
+            _row("none", 1, tok_s=100.0)]
+    text = rep.markdown_report(rows, "e2e", {"mode": "e2e"})
+    assert "| 1 | 0.0 | none | 100.0 |" in text
+    assert "| 1 | 0.0 | dflash | 400.0 | - | 5.00 | 1.000 | 4.000 |" in text
+    assert "| 1 | 0.0 | dflash | 0.90 | 0.80 | - |" in text
+    assert "GPU: NVIDIA H200" in text
+
+
+# ---------------------------------------------------------------------------
+# Serve mode (command lines and result parsing only)
+# ---------------------------------------------------------------------------
+
+
+def test_serve_row_and_commands(tmp_path):
+    row = bd.serve_row({
+        "duration": 10.0, "total_output_tokens": 2000, "output_throughput": 200.0,
+        "mean_tpot_ms": 4.0, "completed": 8, "failed": 0,
+        "spec_decode_num_drafts": 100, "spec_decode_accepted_tokens": 300,
+        "spec_decode_draft_tokens": 12800, "spec_decode_acceptance_length": 4.0,
+        "spec_decode_per_position_acceptance_rates": [0.9] * 128,
+    })
+    assert row["tok_s"] == 200.0 and row["acceptance_length"] == 4.0
+    assert len(row["per_depth"]) == 15
+    assert bd.serve_row({"output_throughput": 50.0})["acceptance_length"] is None
+    args = bd.parse_args(["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)])
+    cmd = bd.serve_command(args, "ddtree-64", 32, 8000)
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec == {"method": "ddtree", "model": str(args.drafter), "tree_budget": 64}
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "32"
+    assert "--compilation-config" in bd.serve_command(args, "dflash", 32, 8000)
+    bench = bd.bench_command(args, "http://h:1", tmp_path / "d.jsonl", 8, 1.0,
+                             tmp_path / "r.json")
+    assert bench[bench.index("--max-concurrency") + 1] == "8"
+    assert bench[bench.index("--temperature") + 1] == "1.0"
+    assert "--ignore-eos" not in bench
+
+
+# ---------------------------------------------------------------------------
+# Projections
+# ---------------------------------------------------------------------------
+
+
+def _cost_rows():
+    ms = {"none": (5.21, 5.71), "dflash": (6.46, 9.56), "ddtree-128": (7.0, 14.0),
+          "ddtree-512": (8.0, 30.0)}
+    return [_row(c, b, decode_ms_per_step=t[i]) for c, t in ms.items()
+            for i, b in enumerate((1, 16))]
+
+
+def test_projection_math():
+    steps = proj.step_times(_cost_rows(), 0.0)
+    assert steps[("dflash", 16)] == 9.56
+    taus = {"none": 1.0, "dflash": 7.79, "ddtree-128": 9.0, "ddtree-512": 10.73}
+    rows = {(r["config"], r["batch"]): r for r in proj.project(steps, taus)}
+    r = rows[("ddtree-512", 1)]
+    assert math.isclose(r["tok_s"], 10.73 / 8.0 * 1000)
+    assert math.isclose(r["vs_none"], (10.73 / 8.0) / (1 / 5.21))
+    assert math.isclose(r["vs_dflash"], (10.73 / 8.0) / (7.79 / 6.46))
+    assert math.isclose(rows[("dflash", 16)]["tok_s"], 16 * 7.79 / 9.56 * 1000)
+    assert math.isclose(rows[("none", 1)]["vs_none"], 1.0)
+    auto = proj.auto_budget(proj.project(steps, taus))
+    assert [(a["batch"], a["budget"]) for a in auto] == [(1, 512), (16, 128)]
+    assert auto[1]["vs_dflash"] < 1.0  # at 16 even the best tree loses here
+    assert proj.project(steps, {"none": 1.0})[0]["vs_dflash"] is None
+
+
+def test_pooled_tau():
+    rows = [_row("dflash", 1, num_drafts=10, num_accepted_tokens=50),
+            _row("dflash", 8, num_drafts=30, num_accepted_tokens=70),
+            _row("dflash", 1, 1.0, num_drafts=10, num_accepted_tokens=10),
+            _row("none", 1), _row("ddtree-64", 1, num_drafts=0)]
+    assert proj.pooled_tau(rows, 0.0) == {"none": 1.0, "dflash": 1 + 120 / 40}
+
+
+def test_projection_report_is_labelled(tmp_path, capsys):
+    cost, e2e = tmp_path / "cost", tmp_path / "e2e"
+    for d, rows in ((cost, _cost_rows()),
+                    (e2e, [_row("dflash", 1, num_drafts=10, num_accepted_tokens=60),
+                           _row("ddtree-128", 1, num_drafts=10,
+                                num_accepted_tokens=80)])):
+        d.mkdir()
+        for r in rows:
+            rep.append_row(d, r)
+    out = tmp_path / "proj.md"
+    assert proj.main(["--cost", str(cost), "--e2e", str(e2e), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# Projected Qwen3-8B speedups (projected")
+    assert "acceptance lengths from the trained pair" in text
+    assert "acceptance lengths from paper (Qwen3-8B, MATH-500, T=0" in text
+    assert "projected x DFlash" in text and "best budget (projected)" in text
+    assert "| 1 | ddtree-512 | 10.73 | 8.00 |" in text
+    with pytest.raises(SystemExit):
+        proj.main(["--cost", str(tmp_path / "missing")])
+    assert "no results.jsonl" in capsys.readouterr().err
