@@ -10,6 +10,7 @@ import torch
 from tests.v1.ddtree_reference import build_ddtree_reference, tree_from_parents
 from vllm.v1.spec_decode.dflash_tree_builder import (
     DDTree,
+    _ranked_top_tokens,
     build_ddtree,
     build_ddtree_with_lse,
     num_mask_words,
@@ -30,7 +31,8 @@ CPU_CASES = [
     (2, 15, 50, 2),
     (1, 15, 1000, 32),
     (2, 3, 111, 24),
-    (2, 15, 151936, 2),
+    # Full vocabulary: few positions (the interpreter runs ~75 chunk programs each).
+    (2, 2, 151936, 2),
 ]
 GPU_CASES = [
     (r, d, v, b)
@@ -251,13 +253,68 @@ def test_cuda_graph_capture_and_no_host_sync():
         assert torch.equal(getattr(captured, field), getattr(eager, field))
 
 
+def _ranked_reference(logits, k):
+    values, ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True)
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    return values[..., :k] - lse[..., None], ids[..., :k], lse
+
+
+def _tied_logits(num_rows, vocab, dtype=torch.float32):
+    """Winners, then more tied tokens than fit, then losers."""
+    x = torch.full((1, num_rows, vocab), -1.0, dtype=dtype)
+    x[..., math.floor(vocab * 0.5):] = 0.0
+    x[..., math.floor(vocab * 0.9):] = 1.0
+    return x
+
+
+# (shape, k, cap, dtype): whole-row sort (vocab <= cap), chunked threshold
+# search, and the exact bisection path (more tokens at the threshold than cap).
+TOP_CASES_CPU = [
+    ((2, 3, 7), 3, None, "randn"),
+    ((2, 3, 1000), 32, None, "randn"),
+    ((1, 2, 40), 12, None, "tied"),
+    ((1, 2, 1000), 16, 16, "randn"),
+    ((1, 2, 1000), 8, 8, "tied"),
+    ((1, 2, 5000), 64, None, "randn_bf16"),
+    ((1, 1, 151936), 2, None, "randn"),
+]
+TOP_CASES_GPU = [
+    ((r, d, 151936), k, cap, kind)
+    for (r, d) in [(1, 15), (4, 15)]
+    for k in [1, 16, 128, 1024]
+    for cap, kind in [(None, "randn"), (None, "randn_bf16"), (None, "tied")]
+] + [((2, 15, 151936), 128, 128, "randn"), ((1, 15, 151936), 1024, 1024, "tied")]
+
+
+def _top_case_logits(shape, kind, seed=0):
+    if kind == "tied":
+        return _tied_logits(shape[0] * shape[1], shape[2]).reshape(shape)
+    logits = _random_logits(*shape, seed=seed, device="cpu")
+    return logits.to(torch.bfloat16) if kind == "randn_bf16" else logits
+
+
+def _check_ranked_top(shape, k, cap, kind):
+    logits = _top_case_logits(shape, kind)
+    lp, ids, lse = _ranked_top_tokens(logits.to(DEVICE), k, cap)
+    want_lp, want_ids, want_lse = _ranked_reference(logits, k)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp.cpu(), want_lp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,k,cap,kind", TOP_CASES_CPU)
+def test_ranked_top_tokens(shape, k, cap, kind):
+    """Each position's top tokens equal a stable descending sort's, ties at the
+    cut going to the lowest ids, on every path of the search."""
+    _check_ranked_top(shape, k, cap, kind)
+
+
 @requires_gpu
-def test_cuda_topk_keeps_lowest_ids_on_ties():
-    """build_ddtree relies on CUDA top-k keeping the lowest ids at a tied cut."""
-    for vocab, k in [(151936, 128), (151936, 1024), (1000, 16), (40, 12)]:
-        x = torch.zeros(15, vocab, device="cuda", dtype=torch.bfloat16)
-        x[:, vocab // 2 :] = -1.0
-        x[:, math.floor(vocab * 0.9) :] = 1.0  # winners, then ties at the cut
-        _, ids = torch.topk(x, k, dim=-1, sorted=False)
-        want = torch.sort(x.cpu(), dim=-1, descending=True, stable=True).indices[:, :k]
-        assert torch.equal(ids.sort(-1).values.cpu(), want.sort(-1).values)
+@pytest.mark.parametrize("shape,k,cap,kind", TOP_CASES_GPU)
+def test_ranked_top_tokens_full_size(shape, k, cap, kind):
+    _check_ranked_top(shape, k, cap, kind)
+
+
+def test_ranked_top_tokens_rejects_a_small_cap():
+    with pytest.raises(ValueError, match="cap"):
+        _ranked_top_tokens(torch.zeros(1, 1, 100, device=DEVICE), 16, 8)

@@ -58,7 +58,10 @@ class DDTree:
 
 MAX_BUDGET = 1024
 MAX_DEPTH = 16
-_LSE_CHUNK = 8192
+# Top-token search: vocab chunk per program, and most values a chunk reports.
+_TOP_CHUNK = 2048
+_TOP_MAX_PER_CHUNK = 64
+_INT32_MIN = -(2**31)
 # Bits of a candidate's tie-break field: depth (5) | parent rank (10) | token rank (10).
 _RANK_BITS = 10
 _INVALID_KEY = -(2**63)
@@ -78,8 +81,9 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int) -> DDTree:
         deterministically: shallower first, then by the parent's rank, then by the
         token's rank at its depth (logit descending, token id ascending).
 
-    Runs as a few launches with fixed shapes and no host sync (log-normalisers,
-    ``torch.topk`` of each position, token ranking, tree selection), so it can be
+    Runs as a few launches with fixed shapes and no host sync (each position's
+    log-normaliser and ranked top tokens, see :func:`_ranked_top_tokens`; tree
+    selection), so it can be
     captured in a CUDA graph once it has run outside the graph for this budget
     (the candidate table below is copied to the device on first use). Example::
 
@@ -91,21 +95,23 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int) -> DDTree:
 
 
 def build_ddtree_with_lse(
-    draft_logits: torch.Tensor, budget: int, survivor_cap: int | None = None
+    draft_logits: torch.Tensor,
+    budget: int,
+    survivor_cap: int | None = None,
+    top_cap: int | None = None,
 ) -> tuple[DDTree, torch.Tensor]:
     """:func:`build_ddtree`, also returning the ``[num_reqs, depth]`` float32
     log-normaliser of every position, so references can use identical log-probs.
 
-    ``survivor_cap`` (tests only) lowers the fast path's capacity so that the
-    fallback that sorts every candidate of a depth is exercised."""
+    ``survivor_cap`` and ``top_cap`` (tests only) lower the fast paths' capacities
+    so that the fallbacks (sort every candidate of a depth; exact top-token search
+    by bisection) are exercised."""
     _check_build_args(draft_logits, budget)
     num_reqs, depth, vocab = draft_logits.shape
     device = draft_logits.device
     num_top = min(budget, vocab)
 
-    lse_max, lse_sum = _logsumexp_partials(draft_logits)
-    top_logits, top_ids = _top_tokens(draft_logits, num_top)
-    tok_lp, tok_id, lse = _rank_top_tokens(top_logits, top_ids, lse_max, lse_sum)
+    tok_lp, tok_id, lse = _ranked_top_tokens(draft_logits, num_top, top_cap)
     pairs = _candidate_pairs(budget, device)
 
     num_words = num_mask_words(budget)
@@ -182,20 +188,6 @@ def _check_build_args(draft_logits: torch.Tensor, budget: int) -> None:
         raise ValueError(f"budget must be in 1..{MAX_BUDGET}, got {budget}")
 
 
-def _top_tokens(
-    draft_logits: torch.Tensor, num_top: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``num_top`` highest logits of each position (in any order) and their ids.
-
-    Where logits tie at the cut, the lowest token ids are kept: CUDA's radix-select
-    top-k does so (checked by the GPU tests); on the CPU a stable sort is used.
-    """
-    if draft_logits.is_cuda:
-        return torch.topk(draft_logits, num_top, dim=-1, sorted=False)
-    values, ids = torch.sort(draft_logits, dim=-1, descending=True, stable=True)
-    return values[..., :num_top].contiguous(), ids[..., :num_top].contiguous()
-
-
 @functools.lru_cache(maxsize=16)
 def _candidate_pairs(budget: int, device: torch.device) -> torch.Tensor:
     """[2, num_pairs] int32 (parent rank i, token rank j) worth scoring at a depth.
@@ -213,63 +205,6 @@ def _candidate_pairs(budget: int, device: torch.device) -> torch.Tensor:
         for j in range(budget // (i + 1) - 1)
     ]
     return torch.tensor(pairs, dtype=torch.int32).T.contiguous().to(device)
-
-
-def _logsumexp_partials(
-    draft_logits: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per vocab chunk max and sum(exp(x - max)), combined inside the build kernel."""
-    num_reqs, depth, vocab = draft_logits.shape
-    logits = draft_logits.reshape(num_reqs * depth, vocab)
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    num_chunks = triton.cdiv(vocab, _LSE_CHUNK)
-    shape = (num_reqs, depth, num_chunks)
-    chunk_max = torch.empty(shape, dtype=torch.float32, device=logits.device)
-    chunk_sum = torch.empty(shape, dtype=torch.float32, device=logits.device)
-    _logsumexp_partials_kernel[(num_reqs * depth, num_chunks)](
-        logits,
-        logits.stride(0),
-        chunk_max,
-        chunk_sum,
-        vocab,
-        num_chunks,
-        BLOCK=min(_LSE_CHUNK, triton.next_power_of_2(vocab)),
-        CHUNK=_LSE_CHUNK,
-    )
-    return chunk_max, chunk_sum
-
-
-@triton.jit
-def _logsumexp_partials_kernel(
-    # [num_rows, vocab]
-    logits_ptr,
-    logits_stride,
-    # [num_rows, num_chunks]
-    chunk_max_ptr,
-    chunk_sum_ptr,
-    vocab,
-    num_chunks,
-    BLOCK: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    run_max = float("-inf")
-    run_sum = 0.0
-    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, vocab), BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(
-            logits_ptr + row * logits_stride + offs,
-            mask=offs < vocab,
-            other=float("-inf"),
-        ).to(tl.float32)
-        new_max = tl.maximum(run_max, tl.max(x, axis=0))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tl.exp(x - safe_max))
-        run_max = new_max
-    tl.store(chunk_max_ptr + row * num_chunks + chunk, run_max)
-    tl.store(chunk_sum_ptr + row * num_chunks + chunk, run_sum)
 
 
 @triton.jit
@@ -297,81 +232,308 @@ def _key_tie(key):
     return 0x7FFFFFFF - (key & 0xFFFFFFFF)
 
 
-def _rank_top_tokens(
-    top_logits: torch.Tensor,
-    top_ids: torch.Tensor,
-    lse_max: torch.Tensor,
-    lse_sum: torch.Tensor,
+def _ranked_top_tokens(
+    draft_logits: torch.Tensor, num_top: int, cap: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each depth's top tokens in rank order (logit descending, id ascending), as
-    log-probs and ids, plus the depth's log-normaliser; one program per depth."""
-    num_reqs, depth, num_top = top_logits.shape
-    device = top_logits.device
+    """Each position's ``num_top`` best tokens in rank order (logit descending, id
+    ascending) as float32 log-probs and ids, and the position's log-normaliser.
+
+    Exact, deterministic, no host sync. For a vocabulary of at most ``cap``
+    tokens one program per position sorts the whole row. Otherwise four
+    launches, each reading the logits at most once:
+
+    1. per vocab chunk: max and sum(exp) for the log-normaliser, and the chunk's
+       ``per_chunk`` largest distinct values;
+    2. per position: the log-normaliser, and a threshold: the ``num_top``-th
+       largest of the reported values. At least ``num_top`` tokens reach it, and
+       when no chunk holds more than ``per_chunk`` of the true top tokens it is
+       the exact cut;
+    3. per vocab chunk: tokens at or above the threshold are appended (atomic
+       counter) to a buffer of ``cap`` keys per position;
+    4. per position: the buffered keys are sorted. If more than ``cap`` tokens
+       reached the threshold (many tokens tied at the cut, or top tokens
+       crowded into few chunks), the program finds the exact cut by bisection
+       over the row instead: slow, but exact.
+
+    ``cap`` (tests only) defaults to twice ``num_top`` rounded up to a power of
+    2; at least ``num_top``.
+    """
+    num_reqs, depth, vocab = draft_logits.shape
+    rows = num_reqs * depth
+    device = draft_logits.device
+    logits = draft_logits.reshape(rows, vocab)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if cap is None:
+        cap = max(2 * triton.next_power_of_2(num_top), 16)
+    if cap < num_top or cap & (cap - 1):
+        raise ValueError(f"cap must be a power of 2 >= {num_top}, got {cap}")
     tok_lp = torch.empty(num_reqs, depth, num_top, dtype=torch.float32, device=device)
     tok_id = torch.empty(num_reqs, depth, num_top, dtype=torch.int64, device=device)
     lse = torch.empty(num_reqs, depth, dtype=torch.float32, device=device)
-    num_chunks = lse_max.shape[-1]
-    block_top = triton.next_power_of_2(num_top)
-    _rank_top_tokens_kernel[(num_reqs * depth,)](
-        top_logits,
-        top_ids,
-        lse_max,
-        lse_sum,
-        num_chunks,
-        tok_lp,
-        tok_id,
-        lse,
-        num_top,
-        BLOCK_TOP=block_top,
+    if vocab <= cap:
+        block = triton.next_power_of_2(vocab)
+        _rank_row_kernel[(rows,)](
+            logits, logits.stride(0), tok_lp, tok_id, lse, vocab, num_top,
+            BLOCK=block, INVALID=_INVALID_KEY, num_warps=4 if block <= 256 else 8,
+        )
+        return tok_lp, tok_id, lse
+
+    chunk = min(_TOP_CHUNK, max(16, triton.next_power_of_2(triton.cdiv(vocab, 8))))
+    num_chunks = triton.cdiv(vocab, chunk)
+    per_chunk = min(
+        _TOP_MAX_PER_CHUNK,
+        triton.next_power_of_2(triton.cdiv(2 * num_top, num_chunks)),
+    )
+    chunk_max = torch.empty(rows, num_chunks, dtype=torch.float32, device=device)
+    chunk_sum = torch.empty_like(chunk_max)
+    chunk_top = torch.empty(
+        rows, num_chunks * per_chunk, dtype=torch.int32, device=device
+    )
+    _chunk_stats_kernel[(rows, num_chunks)](
+        logits, logits.stride(0), chunk_max, chunk_sum, chunk_top, vocab,
+        num_chunks, CHUNK=chunk, PER_CHUNK=per_chunk, INT32_MIN=_INT32_MIN,
+    )
+    threshold = torch.empty(rows, dtype=torch.int32, device=device)
+    count = torch.empty(rows, dtype=torch.int32, device=device)
+    _top_threshold_kernel[(rows,)](
+        chunk_max, chunk_sum, chunk_top, num_chunks, num_chunks * per_chunk, lse,
+        threshold, count, num_top,
         BLOCK_CHUNKS=triton.next_power_of_2(num_chunks),
-        INVALID=_INVALID_KEY,
-        num_warps=4 if block_top <= 256 else 8,
+        BLOCK_TOPS=triton.next_power_of_2(num_chunks * per_chunk),
+        INT32_MIN=_INT32_MIN,
+    )
+    cand = torch.empty(rows, cap, dtype=torch.int64, device=device)
+    _gather_top_kernel[(rows, num_chunks)](
+        logits, logits.stride(0), threshold, count, cand, vocab,
+        CAP=cap, CHUNK=chunk, INT32_MIN=_INT32_MIN,
+    )
+    _sort_top_kernel[(rows,)](
+        logits, logits.stride(0), threshold, count, cand, lse, tok_lp, tok_id,
+        vocab, num_top, CAP=cap, CHUNK=chunk, INVALID=_INVALID_KEY,
+        INT32_MIN=_INT32_MIN, num_warps=4 if cap <= 256 else 8,
     )
     return tok_lp, tok_id, lse
 
 
 @triton.jit
-def _rank_top_tokens_kernel(
-    # [num_rows, num_top] logits and ids of a position's top tokens, any order
-    top_logits_ptr,
-    top_ids_ptr,
-    # [num_rows, num_chunks] logsumexp partials
-    chunk_max_ptr,
-    chunk_sum_ptr,
-    num_chunks,
-    # [num_rows, num_top] ranked log-probs and ids; [num_rows] log-normalisers
-    tok_lp_ptr,
-    tok_id_ptr,
-    lse_ptr,
+def _rank_row_kernel(
+    logits_ptr,  # [num_rows, vocab]
+    logits_stride,
+    tok_lp_ptr,  # [num_rows, num_top] out
+    tok_id_ptr,  # [num_rows, num_top] out
+    lse_ptr,  # [num_rows] out
+    vocab,
     num_top,
-    BLOCK_TOP: tl.constexpr,
-    BLOCK_CHUNKS: tl.constexpr,
+    BLOCK: tl.constexpr,
     INVALID: tl.constexpr,
+):
+    """Small vocabulary: sort the whole row."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    valid = offs < vocab
+    x = tl.load(
+        logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")
+    ).to(tl.float32)
+    lse = _row_logsumexp(x)
+    tl.store(lse_ptr + row, lse)
+    key = tl.where(valid, _sort_key(x, offs.to(tl.int64)), INVALID)
+    key = tl.sort(key, descending=True)
+    out = offs < num_top
+    tl.store(tok_lp_ptr + row * num_top + offs, _score(key) - lse, mask=out)
+    tl.store(tok_id_ptr + row * num_top + offs, _key_tie(key), mask=out)
+
+
+@triton.jit
+def _row_logsumexp(x):
+    m = tl.max(x, axis=0)
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    return safe + tl.log(tl.sum(tl.exp(x - safe), axis=0))
+
+
+@triton.jit
+def _chunk_stats_kernel(
+    logits_ptr,  # [num_rows, vocab]
+    logits_stride,
+    chunk_max_ptr,  # [num_rows, num_chunks] out
+    chunk_sum_ptr,  # [num_rows, num_chunks] out
+    chunk_top_ptr,  # [num_rows, num_chunks * PER_CHUNK] out, orderable int32
+    vocab,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    PER_CHUNK: tl.constexpr,
+    INT32_MIN: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < vocab
+    x = tl.load(
+        logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")
+    ).to(tl.float32)
+    cmax = tl.max(x, axis=0)
+    safe = tl.where(cmax == float("-inf"), 0.0, cmax)
+    tl.store(chunk_max_ptr + row * num_chunks + chunk, cmax)
+    tl.store(chunk_sum_ptr + row * num_chunks + chunk, tl.sum(tl.exp(x - safe)))
+    # The chunk's PER_CHUNK largest distinct values (INT32_MIN once exhausted);
+    # each stands for at least one token of the chunk.
+    vals = tl.where(valid, _orderable(x), INT32_MIN)
+    top_ptr = chunk_top_ptr + (row * num_chunks + chunk) * PER_CHUNK
+    for t in tl.static_range(PER_CHUNK):
+        m = tl.max(vals, axis=0)
+        tl.store(top_ptr + t, m)
+        vals = tl.where(vals == m, INT32_MIN, vals)
+
+
+@triton.jit
+def _top_threshold_kernel(
+    chunk_max_ptr,  # [num_rows, num_chunks]
+    chunk_sum_ptr,  # [num_rows, num_chunks]
+    chunk_top_ptr,  # [num_rows, num_tops] orderable int32, INT32_MIN = none
+    num_chunks,
+    num_tops,
+    lse_ptr,  # [num_rows] out
+    threshold_ptr,  # [num_rows] out, orderable int32
+    count_ptr,  # [num_rows] out, zeroed for the gather
+    num_top,
+    BLOCK_CHUNKS: tl.constexpr,
+    BLOCK_TOPS: tl.constexpr,
+    INT32_MIN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, BLOCK_CHUNKS)
+    in_row = chunks < num_chunks
     cmax = tl.load(
-        chunk_max_ptr + row * num_chunks + chunks,
-        mask=chunks < num_chunks,
-        other=float("-inf"),
+        chunk_max_ptr + row * num_chunks + chunks, mask=in_row, other=float("-inf")
     )
-    csum = tl.load(
-        chunk_sum_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=0.0
-    )
+    csum = tl.load(chunk_sum_ptr + row * num_chunks + chunks, mask=in_row, other=0.0)
     gmax = tl.max(cmax, axis=0)
-    lse = gmax + tl.log(tl.sum(csum * tl.exp(cmax - gmax), axis=0))
-    tl.store(lse_ptr + row, lse)
+    safe = tl.where(gmax == float("-inf"), 0.0, gmax)
+    tl.store(lse_ptr + row, safe + tl.log(tl.sum(csum * tl.exp(cmax - safe), axis=0)))
 
-    top = tl.arange(0, BLOCK_TOP)
-    valid = top < num_top
-    logit = tl.load(
-        top_logits_ptr + row * num_top + top, mask=valid, other=float("-inf")
+    offs = tl.arange(0, BLOCK_TOPS)
+    tops = tl.load(
+        chunk_top_ptr + row * num_tops + offs, mask=offs < num_tops, other=INT32_MIN
+    ).to(tl.int64)
+    # The num_top-th largest reported value: the largest v with
+    # count(tops >= v) >= num_top, by bisection on [lo, hi). With fewer than
+    # num_top reported values every token is a candidate (lo = INT32_MIN + 1).
+    lo = tl.min(tl.full([BLOCK_TOPS], INT32_MIN + 1, tl.int64), axis=0)
+    hi = tl.max(tops, axis=0) + 1
+    for _ in tl.static_range(33):
+        active = hi - lo > 1
+        mid = (lo + hi) >> 1
+        ok = tl.sum((tops >= mid).to(tl.int32), axis=0) >= num_top
+        lo = tl.where(active & ok, mid, lo)
+        hi = tl.where(active & ~ok, mid, hi)
+    tl.store(threshold_ptr + row, lo.to(tl.int32))
+    tl.store(count_ptr + row, 0)
+
+
+@triton.jit
+def _gather_top_kernel(
+    logits_ptr,  # [num_rows, vocab]
+    logits_stride,
+    threshold_ptr,  # [num_rows] orderable int32
+    count_ptr,  # [num_rows] tokens at or above the threshold (atomic)
+    cand_ptr,  # [num_rows, CAP] out: their keys, first CAP of them
+    vocab,
+    CAP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    INT32_MIN: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < vocab
+    x = tl.load(
+        logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")
     ).to(tl.float32)
-    tok = tl.load(top_ids_ptr + row * num_top + top, mask=valid, other=0)
-    key = tl.where(valid, _sort_key(logit, tok.to(tl.int64)), INVALID)
+    sel = valid & (_orderable(x) >= tl.load(threshold_ptr + row))
+    num_sel = tl.sum(sel.to(tl.int32), axis=0)
+    if num_sel > 0:
+        base = tl.atomic_add(count_ptr + row, num_sel)
+        pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(
+            cand_ptr + row * CAP + pos,
+            _sort_key(x, offs.to(tl.int64)),
+            mask=sel & (pos < CAP),
+        )
+
+
+@triton.jit
+def _sort_top_kernel(
+    logits_ptr,  # [num_rows, vocab]
+    logits_stride,
+    threshold_ptr,  # [num_rows] orderable int32
+    count_ptr,  # [num_rows]
+    cand_ptr,  # [num_rows, CAP] keys (rewritten on the exact path)
+    lse_ptr,  # [num_rows]
+    tok_lp_ptr,  # [num_rows, num_top] out
+    tok_id_ptr,  # [num_rows, num_top] out
+    vocab,
+    num_top,
+    CAP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    INVALID: tl.constexpr,
+    INT32_MIN: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logits_ptr += row * logits_stride
+    cand_ptr += row * CAP
+    num_cand = tl.load(count_ptr + row)
+    if num_cand > CAP:
+        # Exact path: the cut value v = the largest with count(>= v) >= num_top,
+        # by bisection over the row (the threshold is a lower bound); then every
+        # token above v and the lowest-id ties at v, in id order.
+        lo = tl.load(threshold_ptr + row).to(tl.int64)
+        hi = lo * 0 + 2**31
+        for _ in range(33):
+            if hi - lo > 1:
+                mid = (lo + hi) >> 1
+                n = lo.to(tl.int32) * 0
+                for start in range(0, vocab, CHUNK):
+                    offs = start + tl.arange(0, CHUNK)
+                    x = tl.load(logits_ptr + offs, mask=offs < vocab,
+                                other=float("-inf")).to(tl.float32)
+                    vals = tl.where(offs < vocab, _orderable(x), INT32_MIN)
+                    n += tl.sum((vals.to(tl.int64) >= mid).to(tl.int32), axis=0)
+                if n >= num_top:
+                    lo = mid
+                else:
+                    hi = mid
+        cut = lo.to(tl.int32)
+        num_above = cut * 0
+        for start in range(0, vocab, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            x = tl.load(logits_ptr + offs, mask=offs < vocab,
+                        other=float("-inf")).to(tl.float32)
+            vals = tl.where(offs < vocab, _orderable(x), INT32_MIN)
+            num_above += tl.sum((vals > cut).to(tl.int32), axis=0)
+        num_ties = num_top - num_above
+        seen_ties = cut * 0
+        taken = cut * 0
+        for start in range(0, vocab, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            x = tl.load(logits_ptr + offs, mask=offs < vocab,
+                        other=float("-inf")).to(tl.float32)
+            vals = tl.where(offs < vocab, _orderable(x), INT32_MIN)
+            tie = vals == cut
+            tie_rank = seen_ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+            take = (vals > cut) | (tie & (tie_rank < num_ties))
+            pos = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            tl.store(cand_ptr + pos, _sort_key(x, offs.to(tl.int64)), mask=take)
+            seen_ties += tl.sum(tie.to(tl.int32), axis=0)
+            taken += tl.sum(take.to(tl.int32), axis=0)
+        num_cand = taken
+    tl.debug_barrier()
+    offs = tl.arange(0, CAP)
+    key = tl.load(cand_ptr + offs, mask=offs < num_cand, other=INVALID)
     key = tl.sort(key, descending=True)
-    tl.store(tok_lp_ptr + row * num_top + top, _score(key) - lse, mask=valid)
-    tl.store(tok_id_ptr + row * num_top + top, _key_tie(key), mask=valid)
+    lse = tl.load(lse_ptr + row)
+    out = offs < num_top
+    tl.store(tok_lp_ptr + row * num_top + offs, _score(key) - lse, mask=out)
+    tl.store(tok_id_ptr + row * num_top + offs, _key_tie(key), mask=out)
 
 
 @triton.jit
