@@ -614,33 +614,38 @@ def _ddtree_select_kernel(
         )
         enters = key > cutoff
         num_enter = tl.sum(enters.to(tl.int32), axis=0)
-        if num_enter > CAP:
-            # Rare: sort them all and merge the best BLOCK_KEPT (>= BUDGET).
-            key = tl.sort(key, descending=True)
-            enters = cand < BLOCK_KEPT
-            slot = cand
-            num_enter = tl.minimum(num_enter, BLOCK_KEPT)
+        # Nothing entered: no node at depth d, so none deeper either; the
+        # remaining depths find no parents and skip their merges.
+        if num_enter == 0:
+            num_parents = num_parents * 0
         else:
-            slot = tl.cumsum(enters.to(tl.int32), axis=0) - 1
-        tl.store(keys_ptr + BLOCK_KEPT + slot, key, mask=enters)
-        tl.debug_barrier()
-        merged = tl.load(
-            keys_ptr + merge_offs,
-            mask=merge_offs < BLOCK_KEPT + num_enter,
-            other=INVALID,
-        )
-        merged = tl.sort(merged, descending=True)
-        tl.debug_barrier()
-        tl.store(keys_ptr + merge_offs, merged, mask=merge_offs < BUDGET)
-        tl.debug_barrier()
+            if num_enter > CAP:
+                # Rare: sort them all and merge the best BLOCK_KEPT (>= BUDGET).
+                key = tl.sort(key, descending=True)
+                enters = cand < BLOCK_KEPT
+                slot = cand
+                num_enter = tl.minimum(num_enter, BLOCK_KEPT)
+            else:
+                slot = tl.cumsum(enters.to(tl.int32), axis=0) - 1
+            tl.store(keys_ptr + BLOCK_KEPT + slot, key, mask=enters)
+            tl.debug_barrier()
+            merged = tl.load(
+                keys_ptr + merge_offs,
+                mask=merge_offs < BLOCK_KEPT + num_enter,
+                other=INVALID,
+            )
+            merged = tl.sort(merged, descending=True)
+            tl.debug_barrier()
+            tl.store(keys_ptr + merge_offs, merged, mask=merge_offs < BUDGET)
+            tl.debug_barrier()
 
-        # The kept nodes of depth d, in rank order, are the next depth's parents.
-        kept = tl.load(keys_ptr + kept_offs)
-        cutoff = tl.sum(tl.where(kept_offs == BUDGET - 1, kept, 0), axis=0)
-        at_d = (kept != INVALID) & ((_key_tie(kept) >> (2 * RANK_BITS)) == d)
-        rank = tl.cumsum(at_d.to(tl.int32), axis=0) - 1
-        tl.store(par_score_ptr + rank, _score(kept), mask=at_d)
-        num_parents = tl.sum(at_d.to(tl.int32), axis=0)
+            # The kept nodes of depth d, in rank order, are the next depth's parents.
+            kept = tl.load(keys_ptr + kept_offs)
+            cutoff = tl.sum(tl.where(kept_offs == BUDGET - 1, kept, 0), axis=0)
+            at_d = (kept != INVALID) & ((_key_tie(kept) >> (2 * RANK_BITS)) == d)
+            rank = tl.cumsum(at_d.to(tl.int32), axis=0) - 1
+            tl.store(par_score_ptr + rank, _score(kept), mask=at_d)
+            num_parents = tl.sum(at_d.to(tl.int32), axis=0)
 
     # 2. Decode the kept keys into nodes; node n is kept entry n-1.
     in_budget = kept_offs < BUDGET
