@@ -115,7 +115,8 @@ def run(
     setup = DraftingSetup(paths, device)
     train = load_sequences(paths, cont, "train")
     held = load_sequences(paths, cont, "eval")
-    target_config = setup.target.config.to_dict()
+    # The saved config, not the loaded model's (whose dtype is the one it runs in).
+    target_config = json.loads((paths.target / "config.json").read_text())
     layer_ids = default_target_layer_ids(target_config["num_hidden_layers"])
     mask_id = read_summary(paths)["tokenizer"]["mask_token_id"]
     config = drafter_config(

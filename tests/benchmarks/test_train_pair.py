@@ -196,10 +196,10 @@ def test_drafter_config_is_what_vllm_reads(pair, vllm_config):
     draft = vllm_config.speculative_config.draft_model_config
     assert draft.hf_config.architectures == ["DFlashDraftModel"]
     assert dflash_has_any_non_causal(draft.hf_config)  # the block is non-causal
-    shape = DrafterShape.from_config(
-        json.loads((pair.drafter / "config.json").read_text())
-    )
+    config = json.loads((pair.drafter / "config.json").read_text())
+    shape = DrafterShape.from_config(config)
     assert shape.block_size == 16 and shape.mask_token_id == 3
+    assert config["dtype"] == "float16"  # as the weights are saved
     # DFlash's target_layer_ids i is vLLM's aux layer i + 1: the residual stream
     # after decoder layer i (index 0 being the embeddings).
     assert get_eagle3_aux_layers_from_config(vllm_config.speculative_config) == tuple(
@@ -212,6 +212,7 @@ def test_drafter_weights_load_into_vllm(pair, vllm_config):
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
     weights = load_file(str(pair.drafter / "model.safetensors"))
+    assert {w.dtype for w in weights.values()} == {torch.float16}
     model = new_model(DFlashQwen3ForCausalLM, vllm_config)
     for p in model.parameters():
         p.data.fill_(float("nan"))
