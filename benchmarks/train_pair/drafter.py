@@ -184,6 +184,9 @@ def run(
         "target_layer_ids": layer_ids,
         "mask_token_id": mask_id,
         "params": sum(p.numel() for p in drafter.parameters()),
+        "files_bytes": {
+            f.name: f.stat().st_size for f in sorted(paths.drafter.iterdir())
+        },
         "steps": scale.steps,
         "sequences_per_step": scale.batch_size,
         "anchors_per_seq": scale.anchors_per_seq,

@@ -164,6 +164,9 @@ def run(paths: Paths, scale: TargetScale, time_limit: float, device=None) -> dic
             )
         },
         "params": sum(p.numel() for p in model.parameters()),
+        "files_bytes": {
+            f.name: f.stat().st_size for f in sorted(paths.target.iterdir())
+        },
         "steps": scale.steps,
         "batch_tokens": tokens_per_step,
         "lr": scale.lr,
