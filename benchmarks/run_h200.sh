@@ -9,6 +9,9 @@ export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 \
 OUT=${OUT:-benchmarks/results}
 # Engine logs of the end-to-end tests, kept with the results.
 export DDTREE_E2E_LOG_DIR=${DDTREE_E2E_LOG_DIR:-$OUT/e2e_logs}
+# Tiny checkpoints and finished engine results, reused by later e2e runs while the
+# machine stays up (keyed by configuration and source files: tests/e2e/engines.py).
+export DDTREE_E2E_CACHE_DIR=${DDTREE_E2E_CACHE_DIR:-/tmp/ddtree_e2e_cache}
 # Seconds per command (the device tool allows 600 per call).
 LIMIT=${LIMIT:-560}
 what=$1; shift

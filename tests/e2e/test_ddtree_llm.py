@@ -4,8 +4,8 @@ async scheduling on, vLLM's defaults otherwise).
 
 Tiny checkpoints are made on the spot (random Qwen3 target, random DFlash drafter
 with blocks of 16). Each engine configuration runs in its own process, one after
-another (vLLM's memory profiler fails when another process frees GPU memory
-meanwhile), and each process runs several batches:
+another (tests/e2e/engines.py, which can also reuse the reference engines'
+results across pytest runs), and each process runs several batches:
 
 * ``ref``: no speculation; ``dflash``: vLLM's DFlash chain (15 tokens);
 * ``ddtree_<B>`` for tree_budget B in {1, 8, 64, 128, 512}, batches of 1, 7 and
@@ -19,92 +19,45 @@ numerical ties (tests/e2e/compare.py: logits of different kernels and batch
 shapes are not bitwise equal, so a token whose logit ties the runner-up's may
 swap; the reference must rate the swapped-in token within 0.1 nats, and the
 comparison of that request stops there). Seeded sampling must repeat exactly and
-follow the non-speculative seeded output until such a tie. The whole module takes about
-6-7 minutes on one H200 (mostly engine start-up: compile and graph capture, ~50 s
-per configuration). To split it, set ``DDTREE_E2E_BUDGETS`` (e.g. ``1,8,64`` and
+follow the non-speculative seeded output until such a tie. The whole module takes
+about 8-9 minutes on one H200 (mostly engine start-up: compile and graph capture,
+~80 s per configuration). To split it, set ``DDTREE_E2E_BUDGETS`` (e.g. ``1,8,64`` and
 then ``128,512``); tests of budgets not run are skipped.
 """
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.compare import NUM_LOGPROBS, compare_greedy
-from tests.e2e.generate import save_log
-from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
+from tests.e2e.compare import compare_greedy
+from tests.e2e.engines import (
+    BATCHES,
+    DEPTH,
+    GREEDY,
+    MAX_TOKENS,
+    SEEDED,
+    greedy_runs,
+    llm_kwargs,
+    prompts,
+    reference_configs,
+    run_engines,
+    tiny_pair,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 BUDGETS = (1, 8, 64, 128, 512)
 RUN_BUDGETS = tuple(
     int(b) for b in os.environ.get("DDTREE_E2E_BUDGETS", "1,8,64,128,512").split(",")
 )
-BATCHES = (1, 7, 32)
-MAX_TOKENS = 64
-DEPTH = 15
-GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-          "logprobs": NUM_LOGPROBS}
-SEEDED = {"temperature": 1.0, "seed": 1234, "max_tokens": MAX_TOKENS,
-          "ignore_eos": True}
-
-
-def _prompts() -> dict[int, list[list[int]]]:
-    """Batches of 1, 7 and 32 prompts of different lengths. The 32 include the
-    7 (and so the 1) and four prompts sharing a 300-token prefix."""
-    gen = torch.Generator().manual_seed(0)
-
-    def prompt(n: int) -> list[int]:
-        return torch.randint(0, 256, (n,), generator=gen).tolist()
-
-    seven = [prompt(n) for n in (3, 17, 64, 150, 299, 511, 700)]
-    shared = prompt(300)
-    prefix_sharing = [shared + prompt(n) for n in (5, 40, 120, 333)]
-    rest = [prompt(int(n)) for n in torch.randint(3, 700, (21,), generator=gen)]
-    return {1: seven[:1], 7: seven, 32: seven + prefix_sharing + rest}
-
-
-def _llm(target, spec=None, **extra) -> dict:
-    kwargs = dict(
-        model=str(target),
-        max_model_len=2048,
-        gpu_memory_utilization=0.3,
-        seed=0,
-        max_num_seqs=32,
-    )
-    if spec is not None:
-        kwargs["speculative_config"] = spec
-    kwargs.update(extra)
-    return kwargs
-
-
-def _greedy_runs(prompts) -> list[dict]:
-    return [
-        {"name": f"b{n}", "prompts": prompts[n], "sampling": GREEDY} for n in BATCHES
-    ]
 
 
 def _configs(target, drafter) -> dict[str, dict]:
-    prompts = _prompts()
-    configs = {
-        "ref": {
-            "llm": _llm(target),
-            "runs": _greedy_runs(prompts)
-            + [{"name": "seeded", "prompts": prompts[7], "sampling": SEEDED}],
-        },
-        "dflash": {
-            "llm": _llm(target, {"method": "dflash", "model": str(drafter),
-                                 "num_speculative_tokens": DEPTH}),
-            "runs": _greedy_runs(prompts),
-        },
-    }
+    batches = prompts()
+    configs = reference_configs(target, drafter)
     for budget in RUN_BUDGETS:
         spec = {"method": "ddtree", "model": str(drafter), "tree_budget": budget}
         extra = {}
@@ -113,18 +66,18 @@ def _configs(target, drafter) -> dict[str, dict]:
             extra["max_num_batched_tokens"] = 512
         if budget == 512:
             extra["max_num_batched_tokens"] = 32 * (budget + 1)
-        runs = _greedy_runs(prompts)
+        runs = greedy_runs()
         if budget == 64:
             extra["disable_log_stats"] = False
             runs += [
-                {"name": "b32_again", "prompts": prompts[32], "sampling": GREEDY},
-                {"name": "abort", "prompts": prompts[7], "sampling": GREEDY,
+                {"name": "b32_again", "prompts": batches[32], "sampling": GREEDY},
+                {"name": "abort", "prompts": batches[7], "sampling": GREEDY,
                  "abort": {"index": 3, "after_steps": 6}},
-                {"name": "seeded_a", "prompts": prompts[7], "sampling": SEEDED},
-                {"name": "seeded_b", "prompts": prompts[7], "sampling": SEEDED},
+                {"name": "seeded_a", "prompts": batches[7], "sampling": SEEDED},
+                {"name": "seeded_b", "prompts": batches[7], "sampling": SEEDED},
             ]
         configs[f"ddtree_{budget}"] = {
-            "llm": _llm(target, spec, **extra),
+            "llm": llm_kwargs(target, spec, **extra),
             "runs": runs,
         }
     return configs
@@ -132,27 +85,9 @@ def _configs(target, drafter) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
-    """Run every configuration; a failed one is recorded, not raised, so the
-    other tests still report."""
     tmp = tmp_path_factory.mktemp("ddtree_llm")
-    target = make_tiny_qwen3(tmp / "target")
-    drafter = make_tiny_dflash(tmp / "drafter", target)
-    out: dict[str, dict] = {}
-    for name, config in _configs(target, drafter).items():
-        cfg, res = tmp / f"{name}.json", tmp / f"{name}.out.json"
-        cfg.write_text(json.dumps(config))
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.e2e.generate", str(cfg), str(res)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            timeout=600,
-        )
-        (tmp / f"{name}.log").write_text(proc.stdout)
-        save_log(f"ddtree_llm_{name}", proc.stdout)
-        if proc.returncode == 0:
-            out[name] = json.loads(res.read_text())
-        else:
-            out[name] = {"error": proc.stdout[-6000:]}
-    return out
+    target, drafter = tiny_pair(tmp)
+    return run_engines(_configs(target, drafter), tmp, "ddtree_llm")
 
 
 def _get(results, name) -> dict:

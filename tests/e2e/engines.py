@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Engine configurations shared by the end-to-end tests, and how they are run.
+
+Each configuration runs in its own process (``tests.e2e.generate``), one after
+another: vLLM's memory profiler fails when another process on the GPU frees
+memory meanwhile. An engine start costs ~50-80 s on the H200 (compile and CUDA
+graph capture), so the reference engines (no speculation, DFlash) are shared by
+the test modules that compare against them.
+
+``DDTREE_E2E_CACHE_DIR`` (set by ``benchmarks/run_h200.sh``) makes that sharing
+span pytest runs on the same machine: the tiny checkpoints are made there once
+(deterministic seeds), and each finished configuration's result is stored under
+a key of its configuration and of every source file it runs (this checkout's
+``vllm/``, ``vllm_ddtree/`` and the e2e helpers), so a changed file never reuses
+a stale result.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.e2e.compare import NUM_LOGPROBS
+from tests.e2e.generate import save_log
+from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE_ENV = "DDTREE_E2E_CACHE_DIR"
+ENGINE_TIMEOUT_S = 600
+
+BATCHES = (1, 7, 32)
+MAX_TOKENS = 64
+DEPTH = 15
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+          "logprobs": NUM_LOGPROBS}
+SEEDED = {"temperature": 1.0, "seed": 1234, "max_tokens": MAX_TOKENS,
+          "ignore_eos": True}
+
+
+def prompts() -> dict[int, list[list[int]]]:
+    """Batches of 1, 7 and 32 prompts of different lengths. The 32 include the
+    7 (and so the 1) and four prompts sharing a 300-token prefix."""
+    gen = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, 256, (n,), generator=gen).tolist()
+
+    seven = [prompt(n) for n in (3, 17, 64, 150, 299, 511, 700)]
+    shared = prompt(300)
+    prefix_sharing = [shared + prompt(n) for n in (5, 40, 120, 333)]
+    rest = [prompt(int(n)) for n in torch.randint(3, 700, (21,), generator=gen)]
+    return {1: seven[:1], 7: seven, 32: seven + prefix_sharing + rest}
+
+
+def llm_kwargs(target: Path, spec: dict | None = None, **extra) -> dict:
+    kwargs = {
+        "model": str(target),
+        "max_model_len": 2048,
+        "gpu_memory_utilization": 0.3,
+        "seed": 0,
+        "max_num_seqs": 32,
+    }
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    kwargs.update(extra)
+    return kwargs
+
+
+def greedy_runs() -> list[dict]:
+    batches = prompts()
+    return [{"name": f"b{n}", "prompts": batches[n], "sampling": GREEDY}
+            for n in BATCHES]
+
+
+def dflash_spec(drafter: Path) -> dict:
+    return {"method": "dflash", "model": str(drafter),
+            "num_speculative_tokens": DEPTH}
+
+
+def reference_configs(target: Path, drafter: Path) -> dict[str, dict]:
+    """``ref``: no speculation (FlashAttention), greedy batches plus a seeded
+    batch of 7; ``dflash``: vLLM's DFlash chain of 15, greedy batches."""
+    return {
+        "ref": {
+            "llm": llm_kwargs(target),
+            "runs": greedy_runs()
+            + [{"name": "seeded", "prompts": prompts()[7], "sampling": SEEDED}],
+        },
+        "dflash": {
+            "llm": llm_kwargs(target, dflash_spec(drafter)),
+            "runs": greedy_runs(),
+        },
+    }
+
+
+def tiny_pair(tmp_dir: Path) -> tuple[Path, Path]:
+    """The tiny target and drafter: in the cache folder if set, else in tmp_dir."""
+    cache = os.environ.get(CACHE_ENV)
+    base = Path(cache) / "models" if cache else Path(tmp_dir)
+    target, drafter = base / "target", base / "drafter"
+    done = base / "complete"
+    if not done.exists():
+        make_tiny_qwen3(target)
+        make_tiny_dflash(drafter, target)
+        done.write_text("")
+    return target, drafter
+
+
+def _source_digest() -> str:
+    digest = hashlib.sha256()
+    files = [*sorted((ROOT / "vllm").rglob("*.py")),
+             *sorted((ROOT / "vllm_ddtree").rglob("*.py")),
+             ROOT / "conftest.py",
+             ROOT / "tests" / "e2e" / "generate.py",
+             ROOT / "tests" / "models" / "tiny_models.py"]
+    for path in files:
+        digest.update(str(path.relative_to(ROOT)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def run_engines(configs: dict[str, dict], tmp_dir: Path,
+                log_prefix: str) -> dict[str, dict]:
+    """Run every configuration in a fresh process, one after another. A failed
+    one is recorded as ``{"error": <output tail>}``, not raised, so that the
+    other tests still report."""
+    cache = os.environ.get(CACHE_ENV)
+    results_dir = Path(cache) / "results" if cache else None
+    digest = _source_digest() if cache else ""
+    results: dict[str, dict] = {}
+    for name, config in configs.items():
+        text = json.dumps(config, sort_keys=True)
+        key = hashlib.sha256((digest + text).encode()).hexdigest()[:24]
+        cached = results_dir / f"{key}.json" if results_dir else None
+        if cached is not None and cached.exists():
+            results[name] = json.loads(cached.read_text())
+            print(f"{name}: result reused from {cached}")
+            continue
+        cfg, out = Path(tmp_dir) / f"{name}.json", Path(tmp_dir) / f"{name}.out.json"
+        cfg.write_text(text)
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.e2e.generate", str(cfg), str(out)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=ENGINE_TIMEOUT_S, check=False,
+        )
+        save_log(f"{log_prefix}_{name}", proc.stdout)
+        if proc.returncode != 0:
+            results[name] = {"error": proc.stdout[-6000:]}
+            continue
+        results[name] = json.loads(out.read_text())
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            cached.write_text(out.read_text())
+    return results
