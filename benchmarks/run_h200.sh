@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU session script: run on the H200 from the repo root after the vLLM bundle is
 # installed (see ../shared/gpu/README.md). Logs and results go to $OUT.
-#   bash benchmarks/run_h200.sh tests|bench-ops|bench-attn [extra pytest args]
+#   bash benchmarks/run_h200.sh tests|bench-ops|bench-attn|bench-ddtree|train-pair [args]
+# (tests: pytest arguments; the others: the script's own, see docs/bench_ddtree.md and
+# docs/train_pair.md)
 set -uo pipefail
 source .gpu/install.sh >/dev/null
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 \
@@ -25,4 +27,13 @@ case "$what" in
   bench-attn)
     timeout $LIMIT python3 benchmarks/bench_tree_attn.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_attn.log" | tail -40 ;;
+  bench-ddtree)
+    timeout $LIMIT python3 benchmarks/bench_ddtree.py "$@" 2>&1 \
+      | tee -a "$OUT/bench_ddtree.log" | tail -40 ;;
+  train-pair)
+    timeout $LIMIT python3 -m benchmarks.train_pair "$@" 2>&1 \
+      | tee -a "$OUT/train_pair.log" | tail -30 ;;
+  *)
+    echo "usage: $0 tests|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    exit 2 ;;
 esac
