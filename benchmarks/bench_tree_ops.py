@@ -4,7 +4,10 @@
 For every (num_reqs, budget), with vocab 151936, drafter depth 15 and a Qwen3-8B KV
 cache (36 layers x 8 KV heads x 128 dims, bf16, vLLM 0.26 FLASH_ATTN layout):
 
-* build: ``build_ddtree`` on bf16 drafter logits ``[num_reqs, 15, vocab]``;
+* build: ``build_ddtree`` on bf16 drafter logits ``[num_reqs, 15, vocab]``; and,
+  side by side, its top-token search (``top_tokens``: log-normalisers and ranked top
+  ``min(budget, vocab)`` tokens of every position) and ``torch.topk`` of the same
+  logits, which the search replaced;
 * walk: ``tree_rejection_sample`` on float32 target logits ``[num_reqs*(B+1), vocab]``
   (Gumbel/argmax sampling of every tree token plus the walk), temperature 0 and 1;
   ``walk_only`` is the walk kernel alone;
@@ -36,7 +39,10 @@ from vllm.v1.sample.tree_rejection_sampler import (  # noqa: E402
     tree_rejection_sample,
     walk_trees,
 )
-from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree  # noqa: E402
+from vllm.v1.spec_decode.dflash_tree_builder import (  # noqa: E402
+    _ranked_top_tokens,
+    build_ddtree,
+)
 
 VOCAB, DEPTH = 151936, 15
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 36, 8, 128, 16
@@ -116,6 +122,15 @@ def run_point(num_reqs: int, budget: int, args) -> dict:
     ).to(torch.bfloat16)
     row = {"num_reqs": num_reqs, "budget": budget}
     row["build_us"] = time_graph(lambda: build_ddtree(draft_logits, budget), args.iters)
+    # The builder's top-token search against torch.topk (unsorted) on the same
+    # logits: what the search replaced.
+    k = min(budget, VOCAB)
+    row["top_tokens_us"] = time_graph(
+        lambda: _ranked_top_tokens(draft_logits, k), args.iters
+    )
+    row["torch_topk_us"] = time_graph(
+        lambda: torch.topk(draft_logits, k, dim=-1, sorted=False), args.iters
+    )
     tree = build_ddtree(draft_logits, budget)
 
     num_logits = num_reqs * (budget + 1)
@@ -171,7 +186,8 @@ def run_point(num_reqs: int, budget: int, args) -> dict:
     return row
 
 
-COLUMNS = ["num_reqs", "budget", "build_us", "walk_only_us", "walk_t0_us",
+COLUMNS = ["num_reqs", "budget", "build_us", "top_tokens_us", "torch_topk_us",
+           "walk_only_us", "walk_t0_us",
            "walk_t1_us", "compact_us", "total_t0_us"]
 
 
