@@ -318,3 +318,31 @@ def test_ranked_top_tokens_full_size(shape, k, cap, kind):
 def test_ranked_top_tokens_rejects_a_small_cap():
     with pytest.raises(ValueError, match="cap"):
         _ranked_top_tokens(torch.zeros(1, 1, 100, device=DEVICE), 16, 8)
+
+
+def test_ranked_top_tokens_random_cases():
+    """Random vocabularies, budgets, caps and logit kinds (ties, -inf entries,
+    bf16 duplicates) against a stable sort."""
+    gen = torch.Generator().manual_seed(0)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    for _ in range(24):
+        vocab = pick([2, 5, 17, 33, 100, 257, 1000, 3001])
+        k = int(torch.randint(1, min(vocab, 64) + 1, (1,), generator=gen))
+        kind = pick(["randn", "bf16", "ints", "neginf"])
+        x = torch.randn(1, 2, vocab, generator=gen)
+        if kind == "bf16":
+            x = (x * 3).to(torch.bfloat16)
+        elif kind == "ints":
+            x = torch.randint(-3, 3, (1, 2, vocab), generator=gen).float()
+        elif kind == "neginf":
+            x[..., ::3] = float("-inf")
+        cap = pick([None, 1 << (k - 1).bit_length(), 2 << (k - 1).bit_length()])
+        lp, ids, lse = _ranked_top_tokens(x.to(DEVICE), k, cap)
+        want_lp, want_ids, want_lse = _ranked_reference(x, k)
+        case = (vocab, k, cap, kind)
+        assert torch.equal(ids.cpu(), want_ids), case
+        torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lp.cpu(), want_lp, rtol=1e-5, atol=1e-5)
