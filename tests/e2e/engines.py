@@ -98,9 +98,15 @@ def reference_configs(target: Path, drafter: Path) -> dict[str, dict]:
 
 
 def tiny_pair(tmp_dir: Path) -> tuple[Path, Path]:
-    """The tiny target and drafter: in the cache folder if set, else in tmp_dir."""
+    """The tiny target and drafter: in the cache folder if set (one per version of
+    tests/models/tiny_models.py), else in tmp_dir."""
     cache = os.environ.get(CACHE_ENV)
-    base = Path(cache) / "models" if cache else Path(tmp_dir)
+    if cache:
+        maker = ROOT / "tests" / "models" / "tiny_models.py"
+        version = hashlib.sha256(maker.read_bytes()).hexdigest()[:16]
+        base = Path(cache) / f"models-{version}"
+    else:
+        base = Path(tmp_dir)
     target, drafter = base / "target", base / "drafter"
     done = base / "complete"
     if not done.exists():
