@@ -338,7 +338,13 @@ def _rank_row_kernel(
     lse = _row_logsumexp(x)
     tl.store(lse_ptr + row, lse)
     key = tl.where(valid, _sort_key(x, offs.to(tl.int64)), INVALID)
-    key = tl.sort(key, descending=True)
+    _store_ranked(tl.sort(key, descending=True), lse, tok_lp_ptr, tok_id_ptr, row,
+                  num_top, offs)
+
+
+@triton.jit
+def _store_ranked(key, lse, tok_lp_ptr, tok_id_ptr, row, num_top, offs):
+    """The first num_top of a row's keys, sorted best first, as log-probs and ids."""
     out = offs < num_top
     tl.store(tok_lp_ptr + row * num_top + offs, _score(key) - lse, mask=out)
     tl.store(tok_id_ptr + row * num_top + offs, _key_tie(key), mask=out)
@@ -349,6 +355,15 @@ def _row_logsumexp(x):
     m = tl.max(x, axis=0)
     safe = tl.where(m == float("-inf"), 0.0, m)
     return safe + tl.log(tl.sum(tl.exp(x - safe), axis=0))
+
+
+@triton.jit
+def _load_values(row_ptr, offs, vocab, INT32_MIN: tl.constexpr):
+    """Logits at ``offs`` of one row as float32 (-inf past the vocabulary) and as
+    orderable int32 (INT32_MIN past the vocabulary, below every real value)."""
+    valid = offs < vocab
+    x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    return x, tl.where(valid, _orderable(x), INT32_MIN)
 
 
 @triton.jit
@@ -367,17 +382,13 @@ def _chunk_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid = offs < vocab
-    x = tl.load(
-        logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")
-    ).to(tl.float32)
+    x, vals = _load_values(logits_ptr + row * logits_stride, offs, vocab, INT32_MIN)
     cmax = tl.max(x, axis=0)
     safe = tl.where(cmax == float("-inf"), 0.0, cmax)
     tl.store(chunk_max_ptr + row * num_chunks + chunk, cmax)
     tl.store(chunk_sum_ptr + row * num_chunks + chunk, tl.sum(tl.exp(x - safe)))
     # The chunk's PER_CHUNK largest distinct values (INT32_MIN once exhausted);
     # each stands for at least one token of the chunk.
-    vals = tl.where(valid, _orderable(x), INT32_MIN)
     top_ptr = chunk_top_ptr + (row * num_chunks + chunk) * PER_CHUNK
     for t in tl.static_range(PER_CHUNK):
         m = tl.max(vals, axis=0)
@@ -445,11 +456,9 @@ def _gather_top_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid = offs < vocab
-    x = tl.load(
-        logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")
-    ).to(tl.float32)
-    sel = valid & (_orderable(x) >= tl.load(threshold_ptr + row))
+    x, vals = _load_values(logits_ptr + row * logits_stride, offs, vocab, INT32_MIN)
+    # Past the vocabulary vals is INT32_MIN, below every threshold.
+    sel = vals >= tl.load(threshold_ptr + row)
     num_sel = tl.sum(sel.to(tl.int32), axis=0)
     if num_sel > 0:
         base = tl.atomic_add(count_ptr + row, num_sel)
@@ -494,9 +503,7 @@ def _sort_top_kernel(
                 n = lo.to(tl.int32) * 0
                 for start in range(0, vocab, CHUNK):
                     offs = start + tl.arange(0, CHUNK)
-                    x = tl.load(logits_ptr + offs, mask=offs < vocab,
-                                other=float("-inf")).to(tl.float32)
-                    vals = tl.where(offs < vocab, _orderable(x), INT32_MIN)
+                    x, vals = _load_values(logits_ptr, offs, vocab, INT32_MIN)
                     n += tl.sum((vals.to(tl.int64) >= mid).to(tl.int32), axis=0)
                 if n >= num_top:
                     lo = mid
@@ -506,18 +513,14 @@ def _sort_top_kernel(
         num_above = cut * 0
         for start in range(0, vocab, CHUNK):
             offs = start + tl.arange(0, CHUNK)
-            x = tl.load(logits_ptr + offs, mask=offs < vocab,
-                        other=float("-inf")).to(tl.float32)
-            vals = tl.where(offs < vocab, _orderable(x), INT32_MIN)
+            x, vals = _load_values(logits_ptr, offs, vocab, INT32_MIN)
             num_above += tl.sum((vals > cut).to(tl.int32), axis=0)
         num_ties = num_top - num_above
         seen_ties = cut * 0
         taken = cut * 0
         for start in range(0, vocab, CHUNK):
             offs = start + tl.arange(0, CHUNK)
-            x = tl.load(logits_ptr + offs, mask=offs < vocab,
-                        other=float("-inf")).to(tl.float32)
-            vals = tl.where(offs < vocab, _orderable(x), INT32_MIN)
+            x, vals = _load_values(logits_ptr, offs, vocab, INT32_MIN)
             tie = vals == cut
             tie_rank = seen_ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
             take = (vals > cut) | (tie & (tie_rank < num_ties))
@@ -529,11 +532,8 @@ def _sort_top_kernel(
     tl.debug_barrier()
     offs = tl.arange(0, CAP)
     key = tl.load(cand_ptr + offs, mask=offs < num_cand, other=INVALID)
-    key = tl.sort(key, descending=True)
-    lse = tl.load(lse_ptr + row)
-    out = offs < num_top
-    tl.store(tok_lp_ptr + row * num_top + offs, _score(key) - lse, mask=out)
-    tl.store(tok_id_ptr + row * num_top + offs, _key_tie(key), mask=out)
+    _store_ranked(tl.sort(key, descending=True), tl.load(lse_ptr + row),
+                  tok_lp_ptr, tok_id_ptr, row, num_top, offs)
 
 
 @triton.jit
