@@ -346,3 +346,15 @@ def test_ranked_top_tokens_random_cases():
         assert torch.equal(ids.cpu(), want_ids), case
         torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lp.cpu(), want_lp, rtol=1e-5, atol=1e-5)
+
+
+def test_out_buffers_are_written_in_place():
+    """``out=`` (the speculator's persistent buffers) gets the same trees."""
+    logits = _random_logits(2, 3, 50, seed=3)
+    buffers = DDTree.empty(4, 8, torch.device(DEVICE))
+    tree = build_ddtree(logits, 8, out=buffers.prefix(2))
+    fresh = build_ddtree(logits, 8)
+    _assert_same_tree(tree, DDTree(*(t.cpu() for t in vars(fresh).values())))
+    assert tree.token_ids.data_ptr() == buffers.token_ids.data_ptr()
+    with pytest.raises(ValueError, match="out.token_ids"):
+        build_ddtree(logits, 8, out=DDTree.empty(2, 16, torch.device(DEVICE)))

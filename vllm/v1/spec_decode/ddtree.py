@@ -70,18 +70,11 @@ class DraftTrees:
             device=device,
         )
 
-    def copy_prefix_(self, trees: DDTree, num_reqs: int) -> None:
-        """Rows ``[:num_reqs]`` <- ``trees`` (batch order)."""
-        self.token_ids[:num_reqs].copy_(trees.token_ids)
-        self.parent_ids[:num_reqs].copy_(trees.parent_ids)
-        self.depths[:num_reqs].copy_(trees.depths)
-        self.attn_mask[:num_reqs].copy_(trees.attn_mask)
-
     def scatter_(
         self,
         # [num_reqs] row of each source row
         idx_mapping: torch.Tensor,
-        src: "DraftTrees",
+        src: DDTree,
         num_reqs: int,
     ) -> None:
         """``self[idx_mapping[r]] <- src[r]`` for r < num_reqs."""
@@ -152,7 +145,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.context_positions = torch.zeros_like(self.context_rows)
         self.hidden_states = None
         # Trees of the drafter's last run, batch order (CUDA graph outputs).
-        self.batch_trees = DraftTrees(self.max_num_reqs, self.tree_budget, device)
+        self.batch_trees = DDTree.empty(self.max_num_reqs, self.tree_budget, device)
         # Walk result for steps that verified no tree: k = 0 everywhere.
         self._no_accepted_nodes = torch.zeros(
             self.max_num_reqs, self.draft_depth, dtype=torch.int32, device=device
@@ -214,10 +207,11 @@ class DDTreeSpeculator(DFlashSpeculator):
             last_hidden_states[self.sample_indices[:num_sample]]
         )
         # [num_reqs, depth, vocab_size] (rows may be strided: vocab padding cut)
-        trees = build_ddtree(
-            logits.unflatten(0, (num_reqs, self.draft_depth)), self.tree_budget
+        build_ddtree(
+            logits.unflatten(0, (num_reqs, self.draft_depth)),
+            self.tree_budget,
+            out=self.batch_trees.prefix(num_reqs),
         )
-        self.batch_trees.copy_prefix_(trees, num_reqs)
 
     @torch.inference_mode()
     def propose(

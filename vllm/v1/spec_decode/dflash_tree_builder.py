@@ -55,6 +55,26 @@ class DDTree:
     def budget(self) -> int:
         return self.token_ids.shape[1]
 
+    @classmethod
+    def empty(cls, num_reqs: int, budget: int, device: torch.device) -> "DDTree":
+        """Uninitialised trees of ``num_reqs`` requests (a builder output)."""
+        return cls(
+            token_ids=torch.empty(num_reqs, budget, dtype=torch.int64, device=device),
+            parent_ids=torch.empty(
+                num_reqs, budget, dtype=torch.int32, device=device
+            ),
+            depths=torch.empty(num_reqs, budget, dtype=torch.int32, device=device),
+            attn_mask=torch.empty(
+                num_reqs, budget + 1, num_mask_words(budget), dtype=torch.int32,
+                device=device,
+            ),
+            num_nodes=torch.empty(num_reqs, dtype=torch.int32, device=device),
+        )
+
+    def prefix(self, num_reqs: int) -> "DDTree":
+        """The first ``num_reqs`` requests' trees (views)."""
+        return DDTree(*(t[:num_reqs] for t in vars(self).values()))
+
 
 MAX_BUDGET = 1024
 MAX_DEPTH = 16
@@ -67,13 +87,17 @@ _RANK_BITS = 10
 _INVALID_KEY = -(2**63)
 
 
-def build_ddtree(draft_logits: torch.Tensor, budget: int) -> DDTree:
+def build_ddtree(
+    draft_logits: torch.Tensor, budget: int, out: DDTree | None = None
+) -> DDTree:
     """Build the best DDTree of ``budget`` nodes for every request of a batch.
 
     Args:
         draft_logits: ``[num_reqs, depth, vocab]`` per-position drafter logits (any
             float dtype; not temperature-scaled), ``depth <= 16``.
         budget: number of tree nodes per request, ``1..1024`` (the root is extra).
+        out: where to write the trees (e.g. persistent buffers' first
+            ``num_reqs`` rows, :meth:`DDTree.prefix`); new tensors if None.
 
     Returns:
         A :class:`DDTree` whose nodes are exactly the ``budget`` most probable
@@ -90,7 +114,7 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int) -> DDTree:
         tree = build_ddtree(torch.randn(2, 15, 151936, device="cuda"), budget=128)
         tree.token_ids.shape  # (2, 128)
     """
-    tree, _ = build_ddtree_with_lse(draft_logits, budget)
+    tree, _ = build_ddtree_with_lse(draft_logits, budget, out=out)
     return tree
 
 
@@ -99,6 +123,7 @@ def build_ddtree_with_lse(
     budget: int,
     survivor_cap: int | None = None,
     top_cap: int | None = None,
+    out: DDTree | None = None,
 ) -> tuple[DDTree, torch.Tensor]:
     """:func:`build_ddtree`, also returning the ``[num_reqs, depth]`` float32
     log-normaliser of every position, so references can use identical log-probs.
@@ -115,15 +140,11 @@ def build_ddtree_with_lse(
     pairs = _candidate_pairs(budget, device)
 
     num_words = num_mask_words(budget)
-    tree = DDTree(
-        token_ids=torch.empty(num_reqs, budget, dtype=torch.int64, device=device),
-        parent_ids=torch.empty(num_reqs, budget, dtype=torch.int32, device=device),
-        depths=torch.empty(num_reqs, budget, dtype=torch.int32, device=device),
-        attn_mask=torch.empty(
-            num_reqs, budget + 1, num_words, dtype=torch.int32, device=device
-        ),
-        num_nodes=torch.empty(num_reqs, dtype=torch.int32, device=device),
-    )
+    if out is None:
+        tree = DDTree.empty(num_reqs, budget, device)
+    else:
+        _check_out(out, num_reqs, budget)
+        tree = out
     block_kept = triton.next_power_of_2(budget)
     cap = block_kept if survivor_cap is None else survivor_cap
     # Per-request scratch, private to the kernel: the kept keys followed by a
@@ -167,6 +188,19 @@ def build_ddtree_with_lse(
         num_warps=4 if block_kept <= 128 else 8,
     )
     return tree, lse
+
+
+def _check_out(out: DDTree, num_reqs: int, budget: int) -> None:
+    """``out`` must look like ``DDTree.empty(num_reqs, budget)``: the kernel
+    writes whole contiguous rows."""
+    want = DDTree.empty(num_reqs, budget, torch.device("meta"))
+    for name, ref in vars(want).items():
+        t = getattr(out, name)
+        if t.shape != ref.shape or t.dtype != ref.dtype or not t.is_contiguous():
+            raise ValueError(
+                f"out.{name} must be a contiguous {ref.dtype} tensor of shape "
+                f"{tuple(ref.shape)}, got {t.dtype} {tuple(t.shape)}"
+            )
 
 
 def _check_build_args(draft_logits: torch.Tensor, budget: int) -> None:

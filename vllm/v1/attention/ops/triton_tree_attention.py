@@ -74,6 +74,7 @@ Example::
                          block_table, d**-0.5, tree_mask=mask, is_tree=is_tree)
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -311,6 +312,9 @@ class TreeAttentionPlan:
         return self.config.block_m // self.heads_padded
 
 
+# Memoised: an eager or piecewise step calls this once per attention layer with
+# the same sizes.
+@functools.lru_cache(maxsize=1024)
 def plan_tree_attention(
     num_tokens: int, num_reqs: int, num_q_heads: int, num_kv_heads: int,
     head_size: int, num_sms: int, config: TreeAttentionConfig | None = None,
