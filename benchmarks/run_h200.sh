@@ -14,6 +14,8 @@ export DDTREE_E2E_LOG_DIR=${DDTREE_E2E_LOG_DIR:-$OUT/e2e_logs}
 # Tiny checkpoints and finished engine results, reused by later e2e runs while the
 # machine stays up (keyed by configuration and source files: tests/e2e/engines.py).
 export DDTREE_E2E_CACHE_DIR=${DDTREE_E2E_CACHE_DIR:-/tmp/ddtree_e2e_cache}
+# Engine configurations started side by side (start-up is mostly CPU: 16 cores).
+export DDTREE_E2E_PARALLEL=${DDTREE_E2E_PARALLEL:-5}
 # Seconds per command (the device tool allows 600 per call).
 LIMIT=${LIMIT:-560}
 what=$1; shift

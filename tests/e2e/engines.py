@@ -1,11 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Engine configurations shared by the end-to-end tests, and how they are run.
 
-Each configuration runs in its own process (``tests.e2e.generate``), one after
-another: vLLM's memory profiler fails when another process on the GPU frees
-memory meanwhile. An engine start costs ~50-80 s on the H200 (compile and CUDA
-graph capture), so the reference engines (no speculation, DFlash) are shared by
-the test modules that compare against them.
+Each configuration runs in its own process (``tests.e2e.generate``). An engine
+start costs ~50-80 s on the H200 (compile and CUDA graph capture, mostly CPU), so
+``DDTREE_E2E_PARALLEL`` (default 1; ``benchmarks/run_h200.sh`` sets 5) runs that
+many configurations at once on the one GPU. That is safe because every engine
+gets a fixed KV cache (``kv_cache_memory_bytes``, which skips vLLM's memory
+profiling: that profile fails when another process frees GPU memory meanwhile)
+and its own compile cache folder. The reference engines (no speculation, DFlash)
+are shared by the test modules that compare against them.
 
 ``DDTREE_E2E_CACHE_DIR`` (set by ``benchmarks/run_h200.sh``) makes that sharing
 span pytest runs on the same machine: the tiny checkpoints are made there once
@@ -20,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,7 +34,10 @@ from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE_ENV = "DDTREE_E2E_CACHE_DIR"
+PARALLEL_ENV = "DDTREE_E2E_PARALLEL"
 ENGINE_TIMEOUT_S = 600
+# Far more than the tiny models need (2 KiB of KV per token and layer group).
+KV_CACHE_BYTES = 1 << 30
 
 BATCHES = (1, 7, 32)
 MAX_TOKENS = 64
@@ -60,7 +67,9 @@ def llm_kwargs(target: Path, spec: dict | None = None, **extra) -> dict:
     kwargs = {
         "model": str(target),
         "max_model_len": 2048,
-        "gpu_memory_utilization": 0.3,
+        # A fixed KV cache: no memory profiling, so engines may run side by side.
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
+        "gpu_memory_utilization": 0.1,
         "seed": 0,
         "max_num_seqs": 32,
     }
@@ -129,15 +138,44 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
+def _parallel() -> int:
+    value = os.environ.get(PARALLEL_ENV, "1")
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"{PARALLEL_ENV} must be a positive integer, got {value!r}")
+    return count
+
+
+def _run_one(name: str, text: str, tmp_dir: Path, log_prefix: str) -> dict:
+    cfg, out = tmp_dir / f"{name}.json", tmp_dir / f"{name}.out.json"
+    cfg.write_text(text)
+    env = dict(os.environ)
+    # Engines started side by side must not write the same compile artifacts.
+    env["VLLM_CACHE_ROOT"] = str(tmp_dir / "vllm_cache" / name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.generate", str(cfg), str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=ENGINE_TIMEOUT_S, check=False,
+    )
+    save_log(f"{log_prefix}_{name}", proc.stdout)
+    if proc.returncode != 0:
+        return {"error": proc.stdout[-6000:]}
+    return json.loads(out.read_text())
+
+
 def run_engines(configs: dict[str, dict], tmp_dir: Path,
                 log_prefix: str) -> dict[str, dict]:
-    """Run every configuration in a fresh process, one after another. A failed
-    one is recorded as ``{"error": <output tail>}``, not raised, so that the
-    other tests still report."""
+    """Run every configuration in a fresh process, ``DDTREE_E2E_PARALLEL`` at a
+    time. A failed one is recorded as ``{"error": <output tail>}``, not raised,
+    so that the other tests still report."""
     cache = os.environ.get(CACHE_ENV)
     results_dir = Path(cache) / "results" if cache else None
     digest = _source_digest() if cache else ""
     results: dict[str, dict] = {}
+    pending: dict[str, tuple[str, Path | None]] = {}
     for name, config in configs.items():
         text = json.dumps(config, sort_keys=True)
         key = hashlib.sha256((digest + text).encode()).hexdigest()[:24]
@@ -145,20 +183,20 @@ def run_engines(configs: dict[str, dict], tmp_dir: Path,
         if cached is not None and cached.exists():
             results[name] = json.loads(cached.read_text())
             print(f"{name}: result reused from {cached}")
-            continue
-        cfg, out = Path(tmp_dir) / f"{name}.json", Path(tmp_dir) / f"{name}.out.json"
-        cfg.write_text(text)
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.e2e.generate", str(cfg), str(out)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            timeout=ENGINE_TIMEOUT_S, check=False,
-        )
-        save_log(f"{log_prefix}_{name}", proc.stdout)
-        if proc.returncode != 0:
-            results[name] = {"error": proc.stdout[-6000:]}
-            continue
-        results[name] = json.loads(out.read_text())
-        if cached is not None:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            cached.write_text(out.read_text())
-    return results
+        else:
+            pending[name] = (text, cached)
+    with ThreadPoolExecutor(max_workers=_parallel()) as pool:
+        futures = {
+            name: pool.submit(_run_one, name, text, Path(tmp_dir), log_prefix)
+            for name, (text, _) in pending.items()
+        }
+        for name, future in futures.items():
+            result = future.result()
+            results[name] = result
+            cached = pending[name][1]
+            if cached is not None and "error" not in result:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_text(json.dumps(result))
+            print(f"{name}: {'failed' if 'error' in result else 'done'}")
+    # In the order given, cached or not.
+    return {name: results[name] for name in configs}

@@ -3,9 +3,10 @@
 async scheduling on, vLLM's defaults otherwise).
 
 Tiny checkpoints are made on the spot (random Qwen3 target, random DFlash drafter
-with blocks of 16). Each engine configuration runs in its own process, one after
-another (tests/e2e/engines.py, which can also reuse the reference engines'
-results across pytest runs), and each process runs several batches:
+with blocks of 16). Each engine configuration runs in its own process, several
+side by side with ``DDTREE_E2E_PARALLEL`` (tests/e2e/engines.py, which can also
+reuse the reference engines' results across pytest runs), and each process runs
+several batches:
 
 * ``ref``: no speculation; ``dflash``: vLLM's DFlash chain (15 tokens);
 * ``ddtree_<B>`` for tree_budget B in {1, 8, 64, 128, 512}, batches of 1, 7 and
@@ -19,9 +20,9 @@ numerical ties (tests/e2e/compare.py: logits of different kernels and batch
 shapes are not bitwise equal, so a token whose logit ties the runner-up's may
 swap; the reference must rate the swapped-in token within 0.1 nats, and the
 comparison of that request stops there). Seeded sampling must repeat exactly and
-follow the non-speculative seeded output until such a tie. The whole module takes
-about 8-9 minutes on one H200 (mostly engine start-up: compile and graph capture,
-~80 s per configuration). To split it, set ``DDTREE_E2E_BUDGETS`` (e.g. ``1,8,64`` and
+follow the non-speculative seeded output until such a tie. Engine start-up
+(compile and graph capture, ~80 s per configuration) dominates: one after
+another the module takes 8-9 minutes on one H200. To split it, set ``DDTREE_E2E_BUDGETS`` (e.g. ``1,8,64`` and
 then ``128,512``); tests of budgets not run are skipped.
 """
 

@@ -4,6 +4,9 @@ configuration and sources; failures are reported, never cached."""
 
 import json
 import subprocess
+import threading
+
+import pytest
 
 from tests.e2e import engines
 
@@ -64,3 +67,40 @@ def test_without_cache_dir_every_run_starts_an_engine(tmp_path, monkeypatch):
     engines.run_engines({"a": {"llm": {}}}, tmp_path, "t")
     engines.run_engines({"a": {"llm": {}}}, tmp_path, "t")
     assert fake.calls == 2
+
+
+def test_parallel_runs_overlap_with_own_compile_caches(tmp_path, monkeypatch):
+    """DDTREE_E2E_PARALLEL=3 starts three engines at once (each waits for the
+    others at a barrier, which would time out if they ran one by one), each with
+    its own compile cache; results keep the order of the configurations."""
+    monkeypatch.delenv(engines.CACHE_ENV, raising=False)
+    monkeypatch.delenv("DDTREE_E2E_LOG_DIR", raising=False)
+    monkeypatch.setenv(engines.PARALLEL_ENV, "3")
+    barrier = threading.Barrier(3, timeout=30)
+    roots = []
+
+    def fake(argv, env, **kwargs):
+        roots.append(env["VLLM_CACHE_ROOT"])
+        barrier.wait()
+        with open(argv[-1], "w") as f:
+            json.dump({"runs": {"root": env["VLLM_CACHE_ROOT"]}}, f)
+        return subprocess.CompletedProcess(argv, 0, "engine log")
+
+    monkeypatch.setattr(engines.subprocess, "run", fake)
+    configs = {name: {"llm": {"model": name}} for name in ("c", "a", "b")}
+    out = engines.run_engines(configs, tmp_path, "t")
+    assert list(out) == ["c", "a", "b"]
+    assert len(set(roots)) == 3
+    assert [out[n]["runs"]["root"].endswith(n) for n in out] == [True] * 3
+
+
+def test_parallel_must_be_a_positive_integer(tmp_path, monkeypatch):
+    monkeypatch.setenv(engines.PARALLEL_ENV, "0")
+    with pytest.raises(ValueError, match="DDTREE_E2E_PARALLEL"):
+        engines.run_engines({"a": {"llm": {}}}, tmp_path, "t")
+
+
+def test_engine_kwargs_use_a_fixed_kv_cache(tmp_path):
+    """No memory profiling (it fails when engines run side by side)."""
+    kwargs = engines.llm_kwargs(tmp_path / "m")
+    assert kwargs["kv_cache_memory_bytes"] == engines.KV_CACHE_BYTES
