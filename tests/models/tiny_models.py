@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Tiny checkpoints made on the spot: a Qwen3 target and a DFlash drafter for it.
 
-Nothing is downloaded. The tokenizer is byte-level (256 byte tokens plus a few
-specials); weights are random. Random models rate many tokens alike (top-2 logit
+Nothing is downloaded. The tokenizer is byte-level (256 byte tokens, a few
+specials, and filler tokens up to ``VOCAB_SIZE``); weights are random. The vocabulary
+is larger than any verify length the tests use: vLLM's warm-up step prefills the
+token ids ``0 .. decode_query_len`` (vllm/v1/worker/gpu/warmup.py), which index past
+the embedding when ``tree_budget + 1`` reaches the vocabulary size. Random models rate many tokens alike (top-2 logit
 gap under 0.1 at about 12 % of positions), so engines with different attention
 kernels part ways at numerical ties; the checkpoints are float16, whose logits are
 8x finer than bfloat16's (exact top-2 ties at 0.25 % of positions instead of
@@ -15,7 +18,7 @@ from pathlib import Path
 import torch
 
 NUM_SPECIAL = 4  # <pad>, <eos>, <bos>, <mask>
-VOCAB_SIZE = 256 + NUM_SPECIAL + 4  # a little spare room
+VOCAB_SIZE = 1024  # > tree_budget + 1 for every budget the e2e tests run (max 512)
 MASK_TOKEN_ID = 259
 DTYPE = torch.float16
 
@@ -29,6 +32,9 @@ def make_tokenizer(path: Path) -> None:
     specials = ["<pad>", "<eos>", "<bos>", "<mask>"]
     for i, tok in enumerate(specials):
         vocab[tok] = 256 + i
+    # Never produced by encoding; they decode to their own text.
+    for i in range(256 + len(specials), VOCAB_SIZE):
+        vocab[f"<x{i}>"] = i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
