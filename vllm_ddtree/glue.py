@@ -118,7 +118,12 @@ def _create_speculative_config(
         ) from e
     finally:
         self.speculative_config = raw
-    cfg = ddt.DDTreeConfig(budget, ddt.draft_depth_of(spec.draft_model_config))
+    schedule = dflash.get("num_speculative_tokens_per_batch_size") or ()
+    cfg = ddt.DDTreeConfig(
+        budget,
+        ddt.draft_depth_of(spec.draft_model_config),
+        tuple(sorted({b for _, _, b in schedule} - {budget})),
+    )
     # The drafter's mask tokens run in its own batch, never in the target's:
     # no step slots to reserve (vLLM 0.26 reserves B - 1 per request for DFlash).
     spec.parallel_drafting = False
@@ -128,8 +133,9 @@ def _create_speculative_config(
     }
     _use_tree_attention(self)
     logger.info(
-        "DDTree: tree_budget=%d, drafter %s drafts %d positions per step",
+        "DDTree: tree_budget=%d%s, drafter %s drafts %d positions per step",
         cfg.tree_budget,
+        f" (per batch size: {list(schedule)})" if schedule else "",
         dflash["model"],
         cfg.draft_depth,
     )
@@ -200,7 +206,7 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
     raw = (self.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
     if raw is None or self.speculative_config is None:
         return
-    cfg = DDTreeConfig(raw["tree_budget"], raw["draft_depth"])
+    cfg = DDTreeConfig.from_dict(raw)
     seqs, tokens = batch_limits(
         cfg,
         self.max_num_seqs,

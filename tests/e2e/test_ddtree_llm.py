@@ -13,7 +13,10 @@ several batches:
   32 prompts of 3 to 700 tokens (B=8 with max_num_batched_tokens=512, so long
   prompts are prefilled in chunks); B=64 also re-runs the 32 prompts (prefix
   cache hits), aborts a request mid-generation, samples at temperature 1 with a
-  seed twice, and reports free KV blocks and the spec-decode metrics.
+  seed twice, and reports free KV blocks and the spec-decode metrics;
+* ``ddtree_schedule``: a budget per batch size (``tree_budget_per_batch_size``,
+  vLLM's dynamic speculative decoding): 64 nodes for one request, 16 for 2-8,
+  4 for 9-32, same batches.
 
 Greedy outputs (DDTree's and DFlash's) must equal ``ref`` token for token, up to
 numerical ties (tests/e2e/compare.py: logits of different kernels and batch
@@ -51,6 +54,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 BUDGETS = (1, 8, 64, 128, 512)
+SCHEDULE = [[1, 1, 64], [2, 8, 16], [9, 32, 4]]
 RUN_BUDGETS = tuple(
     int(b) for b in os.environ.get("DDTREE_E2E_BUDGETS", "1,8,64,128,512").split(",")
 )
@@ -81,6 +85,12 @@ def _configs(target, drafter) -> dict[str, dict]:
             "llm": llm_kwargs(target, spec, **extra),
             "runs": runs,
         }
+    spec = {"method": "ddtree", "model": str(drafter),
+            "tree_budget_per_batch_size": SCHEDULE}
+    configs["ddtree_schedule"] = {
+        "llm": llm_kwargs(target, spec, disable_log_stats=False),
+        "runs": greedy_runs(),
+    }
     return configs
 
 
@@ -146,10 +156,28 @@ def test_abort_mid_generation(results):
 
 
 def test_free_kv_blocks_return_to_start(results):
-    for budget in RUN_BUDGETS:
-        _get(results, f"ddtree_{budget}")
-        blocks = results[f"ddtree_{budget}"]["free_blocks"]
-        assert blocks["end"] == blocks["start"], budget
+    for name in [f"ddtree_{budget}" for budget in RUN_BUDGETS] + ["ddtree_schedule"]:
+        _get(results, name)
+        blocks = results[name]["free_blocks"]
+        assert blocks["end"] == blocks["start"], name
+
+
+def test_budget_per_batch_size(results):
+    """With a schedule, each step verifies the budget of its batch size: greedy
+    output is still the reference's, and the mean number of nodes per verified
+    tree falls well below the largest budget (a fixed budget of 64 gives 64 per
+    tree unless the token budget trims it)."""
+    ref, ddtree = _get(results, "ref"), _get(results, "ddtree_schedule")
+    for n in BATCHES:
+        _assert_greedy_close(ddtree[f"b{n}"], ref[f"b{n}"], f"schedule, batch {n}")
+    metrics = results["ddtree_schedule"]["metrics"]
+    drafts = metrics["vllm:spec_decode_num_drafts"]
+    draft_tokens = metrics["vllm:spec_decode_num_draft_tokens"]
+    print(f"schedule: {draft_tokens / drafts:.1f} nodes per verified tree")
+    assert drafts > 0
+    assert draft_tokens <= 64 * drafts
+    # Batches of 7 and 32 (budgets 16 and 4) make most of the drafts.
+    assert draft_tokens < 32 * drafts
 
 
 def test_seeded_sampling_repeats_exactly(results):

@@ -71,7 +71,7 @@ def test_parse_bad_budget(budget, match):
     [
         (
             {"method": "ddtree", "model": "d", "num_speculative_tokens": 15},
-            "sizes its trees with 'tree_budget'; remove 'num_speculative_tokens'",
+            "sizes its trees with 'tree_budget' .*; remove 'num_speculative_tokens'",
         ),
         ({"method": "ddtree"}, "needs 'model': the path or Hugging Face name"),
         ({"method": "ddtree", "model": ""}, "needs 'model'"),
@@ -92,6 +92,77 @@ def test_parse_bad_budget(budget, match):
 def test_parse_errors(raw, match):
     with pytest.raises(ValueError, match=match):
         ddt.parse_speculative_config(raw)
+
+
+SCHEDULE = [[1, 1, 64], [2, 8, 16], [9, 64, 4]]
+
+
+def test_parse_budget_schedule_maps_onto_dynamic_sd():
+    budget, dflash = ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree_budget_per_batch_size": SCHEDULE}
+    )
+    assert budget == 64
+    assert dflash["num_speculative_tokens"] == 64
+    assert dflash["num_speculative_tokens_per_batch_size"] == [
+        (1, 1, 64), (2, 8, 16), (9, 64, 4)
+    ]
+    # tree_budget may repeat the largest budget; ranges may come unsorted.
+    assert ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree_budget": 64,
+         "tree-budget-per-batch-size": SCHEDULE[::-1]}
+    ) == (budget, dflash)
+
+
+@pytest.mark.parametrize(
+    "schedule, match",
+    [
+        ([], "must not be empty"),
+        ("auto", "must be a non-empty list"),
+        ([[1, 4]], "3-item sequence"),
+        ([[2, 8, 16]], "first batch-size range must start at 1"),
+        ([[1, 8, 16], [4, 9, 8]], "non-overlapping"),
+        ([[1, 8, 0]], r"batch sizes 1-8 must be in \[1, 1024\], got 0"),
+        ([[1, 8, 2048]], r"must be in \[1, 1024\], got 2048"),
+        ([[1, 8, 1.5]], r"of integers, got \[1, 8, 1.5\]"),
+        ([[1, 8, "16"]], "of integers"),
+    ],
+)
+def test_parse_bad_budget_schedule(schedule, match):
+    with pytest.raises(ValueError, match=match) as info:
+        ddt.parse_speculative_config(
+            {"method": "ddtree", "model": "d", "tree_budget_per_batch_size": schedule}
+        )
+    # Errors speak of the ddtree key, not of vLLM's underlying one.
+    assert "num_speculative_tokens" not in str(info.value)
+
+
+def test_parse_budget_schedule_conflicts():
+    with pytest.raises(ValueError, match=r"tree_budget=128 must equal the largest "
+                       r"budget of tree_budget_per_batch_size \(64\)"):
+        ddt.parse_speculative_config(
+            {"method": "ddtree", "model": "d", "tree_budget": 128,
+             "tree_budget_per_batch_size": SCHEDULE}
+        )
+    with pytest.raises(ValueError, match="remove 'num_speculative_tokens' and "
+                       "'num_speculative_tokens_per_batch_size'"):
+        ddt.parse_speculative_config(
+            {"method": "ddtree", "model": "d",
+             "num_speculative_tokens_per_batch_size": SCHEDULE}
+        )
+
+
+def test_cudagraph_sizes_cover_every_scheduled_budget():
+    cfg = DDTreeConfig(64, 15, (4, 16))
+    assert cfg.all_budgets == (4, 16, 64)
+    sizes = ddt.cudagraph_capture_sizes(cfg, 32, 8192)
+    for verify_len in (5, 17, 65, 16):
+        counts = {s // verify_len for s in sizes if s % verify_len == 0}
+        assert {1, 2, 4, 8, 16, 24, 32} <= counts, verify_len
+    assert DDTreeConfig.from_dict(cfg.to_dict()) == cfg
+    # Configs written before step_budgets existed still read.
+    assert DDTreeConfig.from_dict({"tree_budget": 8, "draft_depth": 15}) == (
+        DDTreeConfig(8, 15)
+    )
 
 
 def test_is_ddtree_method():
@@ -368,6 +439,36 @@ def test_engine_config_maps_ddtree_onto_dflash(models, cuda_platform):
     again = args.create_engine_config()
     assert again.scheduler_config.max_num_seqs == sched.max_num_seqs
     assert again.compilation_config.cudagraph_capture_sizes == sizes
+
+
+def test_engine_config_with_budget_schedule(models, cuda_platform):
+    """tree_budget_per_batch_size -> vLLM's dynamic speculative decoding: the
+    scheduler's dense lookup gives each batch size its budget, and CUDA graphs
+    are captured for every verify length."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    _, drafter = models
+    _, config = _engine_config(
+        models,
+        {"method": "ddtree", "model": drafter, "tree_budget_per_batch_size": SCHEDULE},
+        max_num_batched_tokens=4096,
+        max_num_seqs=32,
+    )
+    spec = config.speculative_config
+    assert spec.uses_dynamic_speculative_decoding()
+    assert spec.num_speculative_tokens == 64
+    assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(64, 15, (4, 16))
+    lookup = build_dynamic_sd_schedule_lookup(
+        spec.num_speculative_tokens_per_batch_size, 32, spec.num_speculative_tokens
+    )
+    assert lookup[1] == 64 and lookup[2] == lookup[8] == 16
+    assert lookup[9] == lookup[32] == 4
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    if sizes:
+        assert {5, 17, 65} <= set(sizes)
+    assert DDTreeConfig.from_vllm_config(pickle.loads(pickle.dumps(config))) == (
+        DDTreeConfig(64, 15, (4, 16))
+    )
 
 
 def test_engine_config_spec_flags(models, cuda_platform):

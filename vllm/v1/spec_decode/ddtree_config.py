@@ -17,6 +17,14 @@ process. On vLLM 0.26 ``SpeculativeConfig`` forbids unknown keys, so they travel
 in ``VllmConfig.additional_config["ddtree"]`` (plain ints, picklable); upstream
 they would be ``SpeculativeConfig`` fields (see docs/upstream.md).
 
+A budget per batch size is asked for with ``tree_budget_per_batch_size``, a list of
+inclusive ranges ``[[first_batch_size, last_batch_size, budget], ...]`` (the first
+range starts at 1): it maps onto vLLM's dynamic speculative decoding
+(``num_speculative_tokens_per_batch_size``), whose scheduler picks the number of
+draft tokens of each step from the number of running requests. The drafter still
+builds trees of the largest budget; since nodes are in best-first order, the first
+b nodes the scheduler keeps are the best tree of budget b.
+
 Every check raises ``ValueError`` with the setting to change.
 """
 
@@ -59,6 +67,9 @@ class DDTreeConfig:
     tree_budget: int
     # D: drafter positions per step, the deepest a tree can be.
     draft_depth: int
+    # The smaller budgets a tree_budget_per_batch_size schedule may pick (sorted,
+    # without tree_budget); empty when every step verifies tree_budget nodes.
+    step_budgets: tuple[int, ...] = ()
 
     @property
     def verify_len(self) -> int:
@@ -75,8 +86,17 @@ class DDTreeConfig:
         """Step-buffer tokens one request can need (target or drafter side)."""
         return max(self.verify_len, self.draft_len)
 
-    def to_dict(self) -> dict[str, int]:
-        return {"tree_budget": self.tree_budget, "draft_depth": self.draft_depth}
+    @property
+    def all_budgets(self) -> tuple[int, ...]:
+        """Every number of nodes a decode step may verify per request."""
+        return (*self.step_budgets, self.tree_budget)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tree_budget": self.tree_budget,
+            "draft_depth": self.draft_depth,
+            "step_budgets": list(self.step_budgets),
+        }
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "DDTreeConfig | None":
@@ -87,7 +107,15 @@ class DDTreeConfig:
         raw = additional.get(ADDITIONAL_CONFIG_KEY)
         if raw is None or getattr(vllm_config, "speculative_config", None) is None:
             return None
-        return cls(int(raw["tree_budget"]), int(raw["draft_depth"]))
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "DDTreeConfig":
+        return cls(
+            int(raw["tree_budget"]),
+            int(raw["draft_depth"]),
+            tuple(int(b) for b in raw.get("step_budgets", ())),
+        )
 
 
 def is_ddtree_method(speculative_config: Any) -> bool:
@@ -102,17 +130,33 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> tuple[int, dict[str, Any
     """A ``{"method": "ddtree", ...}`` dict -> (tree budget, DFlash config dict).
 
     The returned dict is what vLLM's ``SpeculativeConfig`` accepts: method
-    ``"dflash"`` with ``tree_budget`` draft slots per request.
+    ``"dflash"`` with ``tree_budget`` draft slots per request, and with a
+    ``tree_budget_per_batch_size`` schedule vLLM's
+    ``num_speculative_tokens_per_batch_size``.
     """
     cfg = {str(k).replace("-", "_"): v for k, v in raw.items()}
     cfg.pop("method")
-    budget = cfg.pop("tree_budget", DEFAULT_TREE_BUDGET)
-    check_tree_budget(budget)
-    if "num_speculative_tokens" in cfg:
+    schedule = cfg.pop("tree_budget_per_batch_size", None)
+    if schedule is None:
+        budget = cfg.pop("tree_budget", DEFAULT_TREE_BUDGET)
+        check_tree_budget(budget)
+    else:
+        schedule = parse_budget_schedule(schedule)
+        budget = max(b for _, _, b in schedule)
+        given = cfg.pop("tree_budget", budget)
+        if given != budget:
+            raise ValueError(
+                f"tree_budget={given!r} must equal the largest budget of "
+                f"tree_budget_per_batch_size ({budget}), or be left out"
+            )
+    if "num_speculative_tokens" in cfg or "num_speculative_tokens_per_batch_size" in (
+        cfg
+    ):
         raise ValueError(
-            "method 'ddtree' sizes its trees with 'tree_budget'; remove "
-            "'num_speculative_tokens' from the speculative config (the drafter "
-            "always drafts its full block)"
+            "method 'ddtree' sizes its trees with 'tree_budget' (or "
+            "'tree_budget_per_batch_size'); remove 'num_speculative_tokens' and "
+            "'num_speculative_tokens_per_batch_size' from the speculative config "
+            "(the drafter always drafts its full block)"
         )
     if not cfg.get("model"):
         raise ValueError(
@@ -125,8 +169,9 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> tuple[int, dict[str, Any
     if unknown:
         raise ValueError(
             f"method 'ddtree' does not take {', '.join(map(repr, unknown))} in the "
-            "speculative config; it takes 'method', 'tree_budget' and the drafter "
-            f"settings {', '.join(sorted(DRAFTER_KEYS))}"
+            "speculative config; it takes 'method', 'tree_budget', "
+            "'tree_budget_per_batch_size' and the drafter settings "
+            f"{', '.join(sorted(DRAFTER_KEYS))}"
         )
     backend = cfg.get("attention_backend")
     if backend is not None and str(getattr(backend, "name", backend)).upper() == (
@@ -138,7 +183,47 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> tuple[int, dict[str, Any
             "speculative config's 'attention_backend' or name a non-causal "
             "backend such as FLASH_ATTN"
         )
-    return budget, {**cfg, "method": "dflash", "num_speculative_tokens": budget}
+    dflash = {**cfg, "method": "dflash", "num_speculative_tokens": budget}
+    if schedule is not None:
+        dflash["num_speculative_tokens_per_batch_size"] = schedule
+    return budget, dflash
+
+
+def parse_budget_schedule(schedule: Any) -> list[tuple[int, int, int]]:
+    """Check a ``tree_budget_per_batch_size`` schedule: vLLM's rules for dynamic
+    speculative decoding schedules (inclusive, non-overlapping batch-size ranges,
+    the first starting at 1) and a tree budget in [1, MAX_BUDGET] per range."""
+    from vllm.v1.spec_decode.dynamic.utils import (
+        validate_and_normalize_dynamic_sd_schedule,
+    )
+
+    example = "e.g. [[1, 1, 256], [2, 8, 64], [9, 64, 16]]"
+    if isinstance(schedule, list | tuple):
+        for entry in schedule:
+            if isinstance(entry, list | tuple):
+                for value in entry:
+                    if isinstance(value, bool) or not isinstance(value, int):
+                        raise ValueError(
+                            "tree_budget_per_batch_size entries must be "
+                            "[first_batch_size, last_batch_size, tree_budget] of "
+                            f"integers, got {list(entry)!r}; {example}"
+                        )
+    try:
+        parsed = validate_and_normalize_dynamic_sd_schedule(
+            list(schedule) if isinstance(schedule, tuple) else schedule
+        )
+    except ValueError as e:
+        message = str(e).replace(
+            "num_speculative_tokens_per_batch_size", "tree_budget_per_batch_size"
+        ).replace("num_speculative_tokens", "tree_budget")
+        raise ValueError(f"{message} ({example})") from e
+    for first, last, budget in parsed:
+        if not 1 <= budget <= MAX_BUDGET:
+            raise ValueError(
+                f"tree_budget_per_batch_size: the budget of batch sizes "
+                f"{first}-{last} must be in [1, {MAX_BUDGET}], got {budget}"
+            )
+    return parsed
 
 
 def check_tree_budget(budget: Any) -> None:
@@ -287,11 +372,11 @@ def cudagraph_capture_sizes(
     cfg: DDTreeConfig, max_num_seqs: int, max_num_batched_tokens: int
 ) -> list[int]:
     """Capture sizes for batches of 1, 2, 4, 8, 16, 24, ... requests: multiples
-    of B + 1 (the target's uniform tree-verify batches) and of D + 1 (the
-    drafter's batches)."""
+    of b + 1 for every budget b a step may verify (the target's uniform
+    tree-verify batches) and of D + 1 (the drafter's batches)."""
     num_reqs = [n for n in (1, 2, 4) if n < max_num_seqs]
     num_reqs += list(range(8, max_num_seqs, 8)) + [max_num_seqs]
-    sizes = {n * cfg.verify_len for n in num_reqs}
+    sizes = {n * (b + 1) for n in num_reqs for b in cfg.all_budgets}
     sizes |= {n * cfg.draft_len for n in num_reqs}
     return sorted(s for s in sizes if s <= max_num_batched_tokens)
 
