@@ -119,6 +119,18 @@ def auto_budget(projected: Sequence[Mapping]) -> list[dict]:
     ]
 
 
+def budget_schedule(auto_rows: Sequence[Mapping]) -> list[list[int]]:
+    """The auto table as a ``tree_budget_per_batch_size`` schedule. A batch size
+    between two measured ones gets the budget of the larger (costs grow with the
+    batch, so that is the cautious side); past the last one vLLM keeps its budget.
+    """
+    schedule, first = [], 1
+    for r in sorted(auto_rows, key=lambda r: r["batch"]):
+        schedule.append([first, r["batch"], r["budget"]])
+        first = r["batch"] + 1
+    return schedule
+
+
 def step_table(steps: Mapping) -> str:
     batches = sorted({b for _, b in steps})
     configs = sorted({c for c, _ in steps}, key=config_order)
@@ -169,9 +181,12 @@ def report(cost_rows: Sequence[Mapping], sources: Sequence[tuple[str, dict]],
         if not projected:
             parts += ["(no config has both a step time and an acceptance length)", ""]
             continue
+        auto = auto_budget(projected)
         parts += [projection_table(projected), "",
                   "Projected auto budget (best DDTree budget per batch):", "",
-                  auto_table(auto_budget(projected)), ""]
+                  auto_table(auto), "",
+                  "As a speculative-config schedule (projected): "
+                  f'`"tree_budget_per_batch_size": {budget_schedule(auto)}`', ""]
     return "\n".join(parts)
 
 

@@ -206,7 +206,7 @@ def test_8b_configs_pass_vllms_checks(tmp_path, cuda_platform, config):
     assert vllm_config.model_config.get_vocab_size() == 151936
     if config == "ddtree-128":
         assert vllm_config.additional_config["ddtree"] == {
-            "tree_budget": 128, "draft_depth": 15}
+            "tree_budget": 128, "draft_depth": 15, "step_budgets": []}
         assert vllm_config.scheduler_config.max_num_batched_tokens >= 16 * 129
 
 
@@ -647,6 +647,15 @@ def test_projection_math():
     auto = proj.auto_budget(proj.project(steps, taus))
     assert [(a["batch"], a["budget"]) for a in auto] == [(1, 512), (16, 128)]
     assert auto[1]["vs_dflash"] < 1.0  # at 16 even the best tree loses here
+    assert proj.budget_schedule(auto) == [[1, 1, 512], [2, 16, 128]]
+    # Unsorted rows; the schedule passes ddtree's own checks.
+    rows = [{"batch": 64, "budget": 16}, {"batch": 1, "budget": 256},
+            {"batch": 4, "budget": 128}]
+    schedule = proj.budget_schedule(rows)
+    assert schedule == [[1, 1, 256], [2, 4, 128], [5, 64, 16]]
+    from vllm.v1.spec_decode.ddtree_config import parse_budget_schedule
+
+    assert parse_budget_schedule(schedule) == [tuple(e) for e in schedule]
     assert proj.project(steps, {"none": 1.0})[0]["vs_dflash"] is None
 
 
