@@ -56,6 +56,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.bench_ddtree_report import (  # noqa: E402
     REPORT_FILE,
     RESULTS_FILE,
+    SCHEDULE_CONFIG,
     SETUP_FILE,
     append_row,
     budget_of,
@@ -138,9 +139,13 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
                        help="random prompt length in tokens")
     p.add_argument("--configs", default="none,dflash,ddtree",
                    help="comma list of none, dflash, ddtree (= every --budgets), "
-                        "ddtree-<B>")
+                        f"ddtree-<B>, {SCHEDULE_CONFIG} (needs --schedule)")
     p.add_argument("--budgets", default=",".join(map(str, ALL_BUDGETS)),
                    help="tree budgets that 'ddtree' in --configs expands to")
+    p.add_argument("--schedule", default=None,
+                   help=f"{SCHEDULE_CONFIG}'s tree_budget_per_batch_size: JSON "
+                        "([[first, last, budget], ...]) or a file holding it, e.g. "
+                        "what benchmarks/project_8b.py prints")
     p.add_argument("--batches", default=",".join(map(str, d["batches"])))
     p.add_argument("--temperatures", default=",".join(map(str, d["temperatures"])))
     p.add_argument("--max-tokens", type=int, default=d["max_tokens"])
@@ -190,12 +195,17 @@ def parse_float_list(text: str, name: str) -> list[float]:
     return sorted(set(values))
 
 
-def parse_configs(text: str, budgets: list[int]) -> list[str]:
+def parse_configs(text: str, budgets: list[int], schedule=None) -> list[str]:
     """``none,dflash,ddtree,ddtree-128`` -> config names, none and dflash first,
-    then DDTree by budget; ``ddtree`` expands to every budget."""
+    then DDTree by budget; ``ddtree`` expands to every budget; ``ddtree-schedule``
+    needs a schedule."""
     names: set[str] = set()
     for raw in (t.strip() for t in text.split(",")):
         if raw in ("none", "dflash"):
+            names.add(raw)
+        elif raw == SCHEDULE_CONFIG:
+            if schedule is None:
+                raise ValueError(f"{SCHEDULE_CONFIG} needs --schedule")
             names.add(raw)
         elif raw == "ddtree":
             names.update(f"ddtree-{b}" for b in budgets)
@@ -206,7 +216,7 @@ def parse_configs(text: str, budgets: list[int]) -> list[str]:
         else:
             raise ValueError(
                 f"unknown config {raw!r}; use none, dflash, ddtree (every "
-                "--budgets) or ddtree-<budget>"
+                f"--budgets), ddtree-<budget> or {SCHEDULE_CONFIG}"
             )
     return sorted(names, key=config_order)
 
@@ -214,7 +224,8 @@ def parse_configs(text: str, budgets: list[int]) -> list[str]:
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """Parse the list options in place; ``ValueError`` names the bad option."""
     budgets = parse_int_list(args.budgets, "--budgets", 1, MAX_BUDGET)
-    args.configs = parse_configs(args.configs, budgets)
+    args.schedule = parse_schedule(getattr(args, "schedule", None))
+    args.configs = parse_configs(args.configs, budgets, args.schedule)
     args.batches = parse_int_list(args.batches, "--batches", 1)
     args.temperatures = parse_float_list(args.temperatures, "--temperatures")
     if args.max_tokens < 2:
@@ -242,33 +253,76 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _schedule_field(args, config: str) -> dict:
+    """Rows of ddtree-schedule carry their schedule (resumed runs may differ)."""
+    if config != SCHEDULE_CONFIG:
+        return {}
+    return {"tree_budget_per_batch_size": args.schedule}
+
+
+def parse_schedule(text: str | None) -> list[list[int]] | None:
+    """``--schedule``: JSON or a JSON file -> a checked schedule (ddtree's own
+    parser), as lists."""
+    if text is None:
+        return None
+    source = Path(text)
+    raw = source.read_text() if source.is_file() else text
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"--schedule must be JSON like [[1, 1, 256], [2, 8, 64]] or a file "
+            f"holding it: {e}"
+        ) from e
+    from vllm.v1.spec_decode.ddtree_config import parse_budget_schedule
+
+    return [list(entry) for entry in parse_budget_schedule(value)]
+
+
+def schedule_budget(schedule: list[list[int]], batch: int) -> int:
+    """The budget the scheduler uses at ``batch`` running requests (vLLM carries
+    a range's budget over gaps and past the last range)."""
+    budget = schedule[0][2]
+    for first, _, b in schedule:
+        if first <= batch:
+            budget = b
+    return budget
+
+
 # ---------------------------------------------------------------------------
 # Engine configurations
 # ---------------------------------------------------------------------------
 
 
-def speculative_config(config: str, drafter: Path) -> dict | None:
+def speculative_config(config: str, drafter: Path, schedule=None) -> dict | None:
     if config == "none":
         return None
     if config == "dflash":
         return {"method": "dflash", "model": str(drafter),
                 "num_speculative_tokens": DFLASH_TOKENS}
+    if config == SCHEDULE_CONFIG:
+        return {"method": "ddtree", "model": str(drafter),
+                "tree_budget_per_batch_size": schedule}
     return {"method": "ddtree", "model": str(drafter),
             "tree_budget": budget_of(config)}
 
 
-def step_tokens(config: str, batch: int) -> int:
+def step_tokens(config: str, batch: int, schedule=None) -> int:
     """Target tokens one uniform decode step verifies."""
     if config == "none":
         return batch
     if config == "dflash":
         return batch * DRAFT_LEN
+    if config == SCHEDULE_CONFIG:
+        return batch * (schedule_budget(schedule, batch) + 1)
     return batch * (budget_of(config) + 1)
 
 
-def fitting_batches(config: str, batches: list[int], max_step_tokens: int):
+def fitting_batches(config: str, batches: list[int], max_step_tokens: int,
+                    schedule=None):
     """(batches to run, batches skipped because a step would exceed the limit)."""
-    fit = [b for b in batches if step_tokens(config, b) <= max_step_tokens]
+    fit = [b for b in batches
+           if step_tokens(config, b, schedule) <= max_step_tokens]
     return fit, [b for b in batches if b not in fit]
 
 
@@ -284,7 +338,7 @@ def capture_sizes(config: str, max_batch: int) -> list[int] | None:
     DDTree's default (vLLM's own default stops at 512 tokens, which would leave a
     DFlash batch of 64 = 1024 tokens without a graph). None for DDTree: its
     plugin picks multiples of B + 1."""
-    if budget_of(config) is not None:
+    if config.startswith("ddtree"):
         return None
     per_request = 1 if config == "none" else DRAFT_LEN
     return [n * per_request for n in request_ladder(max_batch)]
@@ -302,7 +356,7 @@ def engine_kwargs(args, config: str, max_batch: int) -> dict:
     }
     if args.mode == "cost":
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
-    spec = speculative_config(config, args.drafter)
+    spec = speculative_config(config, args.drafter, args.schedule)
     if spec is not None:
         kwargs["speculative_config"] = spec
     sizes = capture_sizes(config, max_batch)
@@ -396,6 +450,9 @@ def setup_of(args) -> dict:
         setup["prompts"] = _sha(args.prompts)
         setup["ignore_eos"] = args.ignore_eos
         setup["info"]["prompts"] = str(args.prompts)
+    if args.schedule is not None:
+        # ddtree-schedule rows mean this schedule; another one needs another --out.
+        setup["schedule"] = args.schedule
     return setup
 
 
@@ -457,7 +514,8 @@ def plan(args, done: set) -> list[tuple[str, list[int], list]]:
     """(config, batches it runs, pending (batch, temperature) pairs) per config."""
     out = []
     for config in args.configs:
-        fit, skipped = fitting_batches(config, args.batches, args.max_step_tokens)
+        fit, skipped = fitting_batches(config, args.batches, args.max_step_tokens,
+                                       args.schedule)
         if skipped:
             print(f"bench_ddtree: {config}: skipping batches {skipped} "
                   f"(> --max-step-tokens {args.max_step_tokens} per step)")
@@ -549,7 +607,8 @@ def worker_spec(args, config, max_batch, runs, prompts, rid) -> dict:
         "detokenize": args.mode != "cost",
         "out": str(args.out),
         "row": {"mode": args.mode, "config": config, "run_id": rid,
-                "tree_budget": budget_of(config), "max_tokens": args.max_tokens},
+                "tree_budget": budget_of(config), "max_tokens": args.max_tokens,
+                **_schedule_field(args, config)},
     }
 
 
@@ -800,6 +859,7 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
                 row.update(mode="serve", config=config, run_id=rid, batch=batch,
                            temperature=float(temperature), max_tokens=args.max_tokens,
                            tree_budget=budget_of(config),
+                           **_schedule_field(args, config),
                            time=time.strftime("%Y-%m-%dT%H:%M:%S"))
                 append_row(args.out, row)
         finally:

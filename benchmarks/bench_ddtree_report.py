@@ -7,7 +7,8 @@ A result row is one (engine config, batch, temperature) measurement, one JSON li
 in ``<out>/results.jsonl``. Its key fields:
 
 * ``config``: ``none`` (no speculation), ``dflash`` (DFlash chain, 15 draft tokens)
-  or ``ddtree-<B>`` (tree_budget B); ``batch``; ``temperature``;
+  , ``ddtree-<B>`` (tree_budget B) or ``ddtree-schedule`` (a budget per batch
+  size, ``tree_budget_per_batch_size``); ``batch``; ``temperature``;
 * ``tok_s``: output tokens / wall time of the whole generation (prefill included);
 * ``decode_ms_per_step``: (wall - prefill-only wall) / (steps - prefill-only steps),
   the time of one decode step (verify + draft + tree ops); ``ms_per_step`` = wall /
@@ -178,12 +179,18 @@ def _sort_key(key: tuple[str, int, float]):
     return (batch, temperature, config_order(config))
 
 
+# DDTree with a tree_budget_per_batch_size schedule (bench_ddtree.py --schedule).
+SCHEDULE_CONFIG = "ddtree-schedule"
+
+
 def config_order(config: str) -> tuple[int, int]:
-    """none, dflash, then ddtree by budget."""
+    """none, dflash, ddtree by budget, then ddtree with a schedule."""
     if config == "none":
         return (0, 0)
     if config == "dflash":
         return (1, 0)
+    if config == SCHEDULE_CONFIG:
+        return (3, 0)
     return (2, budget_of(config) or 0)
 
 

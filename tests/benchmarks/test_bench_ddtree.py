@@ -158,6 +158,53 @@ def test_engine_kwargs(tmp_path):
     assert "compilation_config" not in kw and "max_num_batched_tokens" not in kw
 
 
+def test_schedule_config(tmp_path):
+    """ddtree-schedule: a tree_budget_per_batch_size from --schedule (JSON or a
+    file), checked by ddtree's parser, carried into the engine, the rows and the
+    setup; the step-token limit uses each batch's own budget."""
+    schedule = [[1, 1, 512], [2, 16, 128], [17, 64, 32]]
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps(schedule))
+    for given in (json.dumps(schedule), str(path)):
+        args = bd.parse_args(["cost", "--out", str(tmp_path / "o"), "--configs",
+                              "dflash,ddtree-schedule,ddtree-64",
+                              "--schedule", given])
+        assert args.schedule == schedule
+        assert args.configs == ["dflash", "ddtree-64", "ddtree-schedule"]
+    kw = bd.engine_kwargs(args, "ddtree-schedule", 64)
+    assert kw["speculative_config"]["tree_budget_per_batch_size"] == schedule
+    assert "compilation_config" not in kw
+    assert [bd.schedule_budget(schedule, b) for b in (1, 2, 16, 17, 64, 100)] == [
+        512, 128, 128, 32, 32, 32]
+    assert bd.step_tokens("ddtree-schedule", 16, schedule) == 16 * 129
+    assert bd.fitting_batches("ddtree-schedule", [1, 16, 64, 512], 10000,
+                              schedule) == ([1, 16, 64], [512])
+    assert bd.setup_of(args)["schedule"] == schedule
+    assert "schedule" not in bd.setup_of(
+        bd.parse_args(["cost", "--out", str(tmp_path / "p")]))
+    spec = bd.worker_spec(args, "ddtree-schedule", 1, [(1, 0.0)], None, "r")
+    assert spec["row"]["tree_budget_per_batch_size"] == schedule
+    assert "tree_budget_per_batch_size" not in bd.worker_spec(
+        args, "ddtree-64", 1, [(1, 0.0)], None, "r")["row"]
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--configs", "ddtree-schedule"], "ddtree-schedule needs --schedule"),
+        (["--configs", "ddtree-schedule", "--schedule", "[[2, 8, 16]]"],
+         "first batch-size range must start at 1"),
+        (["--configs", "ddtree-schedule", "--schedule", "[[1, 8, 0]]"],
+         r"must be in \[1, 1024\], got 0"),
+        (["--schedule", "not json"], "--schedule must be JSON"),
+    ],
+)
+def test_bad_schedule(tmp_path, capsys, extra, match):
+    with pytest.raises(SystemExit):
+        bd.parse_args(["cost", "--out", str(tmp_path), *extra])
+    assert re.search(match, capsys.readouterr().err)
+
+
 def test_8b_model_configs():
     target = json.loads((MODEL_CONFIGS / "qwen3_8b" / "config.json").read_text())
     drafter = json.loads(
