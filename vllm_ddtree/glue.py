@@ -237,12 +237,26 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
 
 def _create_engine_config(original, self, *args, **kwargs):
     vllm_config = original(self, *args, **kwargs)
-    if _ddtree_of(vllm_config) is not None and not vllm_config.use_v2_model_runner:
+    cfg = _ddtree_of(vllm_config)
+    if cfg is not None and not vllm_config.use_v2_model_runner:
         raise ValueError(
             "DDTree runs on vLLM's Model Runner V2, which vLLM 0.26 does not pick "
             f"for {vllm_config.model_config.model!r} with these settings (see the "
             "'Model Runner V2 does not yet support' warning above); DDTree serves "
             "dense decoder models such as Qwen3"
+        )
+    if (
+        cfg is not None
+        and cfg.step_budgets
+        and vllm_config.speculative_config.uses_dynamic_speculative_decoding()
+        and not vllm_config.scheduler_config.async_scheduling
+    ):
+        # vLLM 0.26 applies a per-batch-size draft count only through the async
+        # scheduler's draft placeholders.
+        logger.warning(
+            "DDTree: tree_budget_per_batch_size takes effect with async scheduling "
+            "only; without it every step verifies tree_budget=%d nodes",
+            cfg.tree_budget,
         )
     return vllm_config
 

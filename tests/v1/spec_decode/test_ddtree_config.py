@@ -471,6 +471,23 @@ def test_engine_config_with_budget_schedule(models, cuda_platform):
     )
 
 
+def test_budget_schedule_without_async_scheduling_warns(models, cuda_platform,
+                                                        monkeypatch):
+    from vllm_ddtree import glue
+
+    warnings = []
+    monkeypatch.setattr(glue.logger, "warning",
+                        lambda msg, *a: warnings.append(msg % a))
+    _, drafter = models
+    spec = {"method": "ddtree", "model": drafter, "tree_budget_per_batch_size": SCHEDULE}
+    _engine_config(models, spec, max_num_batched_tokens=4096, async_scheduling=False)
+    assert any("takes effect with async scheduling only" in w and
+               "tree_budget=64" in w for w in warnings), warnings
+    warnings.clear()
+    _engine_config(models, max_num_batched_tokens=4096, async_scheduling=False)
+    assert not any("async scheduling" in w for w in warnings)
+
+
 def test_engine_config_spec_flags(models, cuda_platform):
     from vllm.engine.arg_utils import EngineArgs
 
