@@ -60,11 +60,16 @@ def causal_visibility(q_len: int) -> torch.Tensor:
 
 def reference_attention(
     q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
-    new_token_visibility: list[torch.Tensor],
-) -> torch.Tensor:
+    new_token_visibility: list[torch.Tensor], context: bool = True,
+    new_tokens: bool = True, with_lse: bool = False,
+):
     """Float32 attention: row i of request r sees every committed token and the
-    new tokens j with new_token_visibility[r][i, j]."""
+    new tokens j with new_token_visibility[r][i, j]. ``context=False`` /
+    ``new_tokens=False`` leave the committed / new keys out; ``with_lse`` also
+    returns the natural-log log-sum-exp of the scores, [num_q_heads, num_tokens]
+    (-inf for a row that sees no key; its output row is 0)."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
     num_q_heads, block_size = q.shape[1], key_cache.shape[1]
     group = num_q_heads // key_cache.shape[2]
     for r, visible_new in enumerate(new_token_visibility):
@@ -79,12 +84,14 @@ def reference_attention(
         k = key_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
         v = value_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
         visible = torch.zeros(q_len, seq_len, dtype=torch.bool)
-        visible[:, :ctx_len] = True
-        visible[:, ctx_len:] = visible_new
+        visible[:, :ctx_len] = context
+        visible[:, ctx_len:] = visible_new & new_tokens
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         scores.masked_fill_(~visible.to(q.device)[None], float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return out
+        lse[:, start:end] = scores.logsumexp(-1)
+        probs = scores.softmax(-1).nan_to_num(0.0)  # rows that see nothing: 0
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
+    return (out, lse) if with_lse else out
 
 
 # ----------------------------------------------------------------- batches
@@ -124,18 +131,19 @@ class Batch:
         self.scale = head_size**-0.5
 
     def run(self, tree_mask=None, is_tree=None, num_splits=None, out=None,
-            config=None):
+            config=None, tail_lse=None):
         if out is None:
             out = torch.full_like(self.q, float("nan"))
         return tree_attention(
             self.q, self.key_cache, self.value_cache, out, self.query_start_loc,
             self.seq_lens, self.block_table, self.scale, tree_mask=tree_mask,
-            is_tree=is_tree, num_splits=num_splits, config=config)
+            is_tree=is_tree, num_splits=num_splits, config=config,
+            tail_lse=tail_lse)
 
-    def reference(self, visibility):
+    def reference(self, visibility, **kwargs):
         return reference_attention(
             self.q, self.key_cache, self.value_cache, self.query_start_loc,
-            self.seq_lens, self.block_table, self.scale, visibility)
+            self.seq_lens, self.block_table, self.scale, visibility, **kwargs)
 
 
 def random_tree(kind: str, budget: int, seed: int) -> DDTree:
@@ -414,6 +422,110 @@ def test_split_kv_matches_single_pass(num_splits):
     mask, is_tree = pack_masks(trees, q_lens)
     split = batch.run(mask, is_tree, num_splits=num_splits)
     torch.testing.assert_close(split, one_pass, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------ cascade: context + new keys
+
+
+def torch_merge_states(out, prefix_out, prefix_lse, suffix_out, suffix_lse):
+    """The arithmetic of vLLM's merge_attn_states (which needs a GPU); +inf
+    (FlashAttention 2's empty rows) counts as -inf."""
+    p_lse = prefix_lse.masked_fill(prefix_lse == float("inf"), float("-inf"))
+    lse = torch.logaddexp(p_lse, suffix_lse)
+    w_p = (p_lse - lse).exp().T[..., None]
+    w_s = (suffix_lse - lse).exp().T[..., None]
+    out.copy_((prefix_out.float() * w_p + suffix_out.float() * w_s).to(out.dtype))
+
+
+CASCADE_CASES = [  # (ctx_lens, q_lens, trees as budgets or None)
+    ([40, 1, 77], [16, 3, 1], ["heap", None, None]),
+    ([200, 0], [64, 5], ["parents", None]),  # a request with no context
+]
+
+
+@pytest.mark.parametrize("case", CASCADE_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tail_only_attends_new_keys_and_returns_lse(case, dtype):
+    ctx_lens, q_lens, kinds = case
+    trees = [None if k is None else random_tree(k, q - 1, seed=3)
+             for k, q in zip(kinds, q_lens)]
+    batch = Batch(ctx_lens, q_lens, 4, 2, 64, 16, dtype, seed=1)
+    mask, is_tree = pack_masks(trees, q_lens)
+    tail_lse = torch.full((4, sum(q_lens)), float("nan"), device=DEVICE)
+    out = batch.run(mask, is_tree, tail_lse=tail_lse)
+    ref, ref_lse = batch.reference(visibilities(trees, q_lens), context=False,
+                                   with_lse=True)
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(tail_lse, ref_lse, atol=1e-4, rtol=1e-4)
+    # The committed context really is left out (it changes the full result).
+    full = batch.reference(visibilities(trees, q_lens))
+    assert not torch.allclose(full[:q_lens[0]], ref[:q_lens[0]], atol=1e-2)
+
+
+@pytest.mark.parametrize("case", CASCADE_CASES, ids=str)
+def test_cascade_equals_tree_attention(case):
+    """Context by a reference (non-causal over ctx_lens keys), new keys by the
+    tail-only kernel, merged by log-sum-exp = the whole tree attention."""
+    from vllm.v1.attention.ops.triton_tree_attention import (
+        tree_attention_with_context,
+    )
+
+    ctx_lens, q_lens, kinds = case
+    trees = [None if k is None else random_tree(k, q - 1, seed=3)
+             for k, q in zip(kinds, q_lens)]
+    batch = Batch(ctx_lens, q_lens, 4, 2, 64, 16, torch.float32, seed=2)
+    mask, is_tree = pack_masks(trees, q_lens)
+    seen = []
+
+    def context_attention(q, ctx_lens_arg):
+        seen.append(ctx_lens_arg.tolist())
+        out, lse = batch.reference(visibilities(trees, q_lens), new_tokens=False,
+                                   with_lse=True)
+        return out.to(q.dtype), lse
+
+    out = torch.full_like(batch.q, float("nan"))
+    tree_attention_with_context(
+        batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc,
+        batch.seq_lens, batch.block_table, batch.scale, mask, is_tree,
+        context_attention, torch_merge_states)
+    assert seen == [ctx_lens]
+    ref = batch.reference(visibilities(trees, q_lens))
+    torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
+
+
+def test_tail_lse_checked():
+    batch = Batch([5], [2], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="tail_lse must be float32"):
+        batch.run(tail_lse=torch.zeros(2, 2, device=DEVICE))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("budget", [15, 128])
+def test_cascade_with_flash_attention_gpu(dtype, budget):
+    """The backend's cascade: vLLM's FlashAttention over the committed context
+    (seqused_k = ctx_lens, non-causal) and vLLM's merge_attn_states."""
+    from vllm.v1.attention.backends.tree_attn import flash_context_attention
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+    from vllm.v1.attention.ops.triton_tree_attention import (
+        tree_attention_with_context,
+    )
+
+    trees = [random_tree("heap", budget, seed=s) for s in range(3)] + [None]
+    q_lens = [budget + 1] * 3 + [1]
+    ctx_lens = [4000, 1, 333, 70]
+    batch = Batch(ctx_lens, q_lens, 32, 8, 128, 16, dtype, seed=4)
+    mask, is_tree = pack_masks(trees, q_lens)
+    context = flash_context_attention(
+        batch.key_cache, batch.value_cache, batch.query_start_loc,
+        batch.block_table, batch.scale, max(q_lens), max(ctx_lens) + max(q_lens))
+    out = torch.full_like(batch.q, float("nan"))
+    tree_attention_with_context(
+        batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc,
+        batch.seq_lens, batch.block_table, batch.scale, mask, is_tree, context,
+        merge_attn_states)
+    ref = batch.reference(visibilities(trees, q_lens))
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
 
 def test_padded_requests_and_tokens_left_alone():

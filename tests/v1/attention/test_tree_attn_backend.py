@@ -428,3 +428,62 @@ def test_mixed_batch_with_flash_attn_prefills(vllm_config):
         causal_visibility(q) for q in q_lens[1:]]
     torch.testing.assert_close(out.float(), step.reference(visibility),
                                **TOLERANCE[DTYPE])
+
+
+# ------------------------------------------- cascade (FlashAttention context)
+
+
+def _tree_step(vllm_config, budget=31, seed=1):
+    builder = make_builder(vllm_config)
+    inputs = TreeAttentionInputs.allocate(
+        vllm_config.scheduler_config.max_num_seqs, budget, torch.device(DEVICE))
+    builder.set_tree_inputs(inputs)
+    trees = [random_tree("heap", budget, seed=seed), None]
+    write_trees(inputs, trees)
+    step = Step([70, 300], [budget + 1, 1], seed=seed)
+    visibility = [tree_visibility(trees[0].parent_ids[0]), causal_visibility(1)]
+    return builder, step, visibility
+
+
+@pytest.mark.parametrize("threshold, used", [(None, False), (8, True), (33, False)])
+def test_cascade_dispatch(vllm_config, monkeypatch, threshold, used):
+    """The impl takes the cascade only where FlashAttention exists and the
+    step's longest query reaches fa_context_min_query_len (here 32)."""
+    from vllm.v1.attention.backends import tree_attn
+
+    calls = []
+    monkeypatch.setattr(tree_attn.TreeAttentionImpl, "fa_context_min_query_len",
+                        threshold)
+    monkeypatch.setattr(tree_attn, "flash_context_attention",
+                        lambda *args: calls.append(("context", args[-1])))
+    monkeypatch.setattr(tree_attn, "tree_attention_with_context",
+                        lambda *args: calls.append(("cascade",)))
+    builder, step, visibility = _tree_step(vllm_config)
+    impl = make_impl()
+    impl._fa_version = 3  # as on a Hopper GPU
+    _, out = step.forward(builder, impl)
+    assert bool(calls) == used
+    if used:
+        assert calls == [("context", 3), ("cascade",)]
+    else:
+        torch.testing.assert_close(out.float(), step.reference(visibility),
+                                   **TOLERANCE[DTYPE])
+    # Without FlashAttention (CPU) the threshold never applies.
+    calls.clear()
+    impl._fa_version = None
+    step.forward(builder, impl)
+    assert calls == []
+
+
+@needs_gpu
+def test_cascade_through_builder_and_impl(vllm_config, monkeypatch):
+    from vllm.v1.attention.backends import tree_attn
+
+    monkeypatch.setattr(tree_attn.TreeAttentionImpl, "fa_context_min_query_len", 2)
+    builder, step, visibility = _tree_step(vllm_config, seed=7)
+    impl = make_impl()
+    if impl._fa_version is None:
+        pytest.skip("no FlashAttention build for this GPU")
+    _, out = step.forward(builder, impl)
+    torch.testing.assert_close(out.float(), step.reference(visibility),
+                               **TOLERANCE[DTYPE])

@@ -51,7 +51,10 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
-from vllm.v1.attention.ops.triton_tree_attention import tree_attention
+from vllm.v1.attention.ops.triton_tree_attention import (
+    tree_attention,
+    tree_attention_with_context,
+)
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.spec_decode.dflash_tree_builder import num_mask_words
 
@@ -269,6 +272,46 @@ def _flash_attn_version(head_size: int) -> int | None:
     return get_flash_attn_version(head_size=head_size)
 
 
+def flash_context_attention(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    fa_version: int | None = None,
+):
+    """The committed-context half of :func:`tree_attention_with_context` by
+    vLLM's FlashAttention: every row over its request's first ``ctx_lens[r]``
+    keys, non-causal, with the log-sum-exp (``[num_q_heads, num_tokens]``)."""
+    from vllm.v1.attention.backends.fa_utils import (
+        flash_attn_varlen_func,
+        get_flash_attn_version,
+    )
+
+    if fa_version is None:
+        fa_version = get_flash_attn_version(head_size=key_cache.shape[-1])
+
+    def context_attention(q: torch.Tensor, ctx_lens: torch.Tensor):
+        return flash_attn_varlen_func(
+            q=q,
+            k=key_cache,
+            v=value_cache,
+            cu_seqlens_q=query_start_loc,
+            max_seqlen_q=max_query_len,
+            seqused_k=ctx_lens,
+            max_seqlen_k=max_seq_len,
+            softmax_scale=softmax_scale,
+            causal=False,
+            block_table=block_table,
+            return_softmax_lse=True,
+            fa_version=fa_version,
+        )
+
+    return context_attention
+
+
 class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata]):
     # The Triton kernel serves any batch with a launch shape fixed by the token
     # and request counts. FlashAttention serves prefills only where mixed batches
@@ -397,6 +440,12 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
 
 class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     supports_dcp: bool = False
+    # Steps whose longest query is at least this long run the kernel rows as a
+    # cascade (tree_attention_with_context): FlashAttention over the committed
+    # context, the Triton kernel over the new keys, merged by log-sum-exp. None:
+    # off (the Triton kernel reads the whole context). Off until measured on
+    # the H200 (benchmarks/bench_tree_attn.py's cascade column).
+    fa_context_min_query_len: ClassVar[int | None] = None
 
     def __init__(
         self,
@@ -456,7 +505,21 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
             return output.fill_(0)
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         rows = attn_metadata.kernel_rows
-        if rows.num_tokens > 0:
+        if rows.num_tokens > 0 and self._use_context_cascade(attn_metadata):
+            from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+            context = flash_context_attention(
+                key_cache, value_cache, rows.query_start_loc, rows.block_table,
+                self.scale, attn_metadata.max_query_len, attn_metadata.max_seq_len,
+                self._fa_version,
+            )
+            tree_attention_with_context(
+                query[: rows.num_tokens], key_cache, value_cache,
+                output[: rows.num_tokens], rows.query_start_loc, rows.seq_lens,
+                rows.block_table, self.scale, rows.tree_mask, rows.is_tree,
+                context, merge_attn_states,
+            )
+        elif rows.num_tokens > 0:
             tree_attention(
                 query[: rows.num_tokens], key_cache, value_cache,
                 output[: rows.num_tokens], rows.query_start_loc, rows.seq_lens,
@@ -479,6 +542,15 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
                 fa_version=self._fa_version,
             )
         return output
+
+    def _use_context_cascade(self, attn_metadata: TreeAttentionMetadata) -> bool:
+        """A host-side choice from static sizes (fixed in a captured graph)."""
+        threshold = self.fa_context_min_query_len
+        return (
+            threshold is not None
+            and self._fa_version is not None
+            and attn_metadata.max_query_len >= threshold
+        )
 
     def do_kv_cache_update(
         self,

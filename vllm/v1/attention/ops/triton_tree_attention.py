@@ -172,6 +172,8 @@ def tree_attention(
     is_tree: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: TreeAttentionConfig | None = None,
+    # [num_q_heads, >= num_tokens] fp32: with it, only the new keys are attended.
+    tail_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree/causal attention of the batch's new tokens over the paged KV cache.
 
@@ -179,6 +181,12 @@ def tree_attention(
     returns it. ``num_splits`` overrides the split-KV heuristic (tests); it may
     depend only on static sizes if the call is to be captured in a CUDA graph.
     ``config`` overrides the tile shape chosen from the static sizes.
+
+    With ``tail_lse``, rows attend to their request's new keys only (the tree or
+    causal part, no committed context) and the natural-log log-sum-exp of their
+    scores goes to ``tail_lse[head, token]``: the suffix half of a cascade whose
+    prefix half (the committed context) another kernel computes, merged by
+    log-sum-exp (see :func:`tree_attention_with_context`).
     """
     check_tree_attention_inputs(
         q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
@@ -187,12 +195,24 @@ def tree_attention(
     num_tokens, num_q_heads, head_size = q.shape
     num_reqs = query_start_loc.shape[0] - 1
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    tail_only = tail_lse is not None
+    if tail_only and (
+        tail_lse.dim() != 2
+        or tail_lse.dtype != torch.float32
+        or tail_lse.shape[0] != num_q_heads
+        or tail_lse.shape[1] < num_tokens
+    ):
+        raise ValueError(
+            f"tail_lse must be float32 [num_q_heads={num_q_heads}, >= num_tokens="
+            f"{num_tokens}], got {tuple(tail_lse.shape)} {tail_lse.dtype}"
+        )
     if num_tokens == 0 or num_reqs == 0:
         return out
 
     plan = plan_tree_attention(
         num_tokens, num_reqs, num_q_heads, num_kv_heads, head_size,
-        _num_sms(q.device), config, num_splits, q.element_size(),
+        _num_sms(q.device), config, 1 if tail_only else num_splits,
+        q.element_size(),
     )
     cfg, num_splits = plan.config, plan.num_splits
     num_tiles = num_tokens // plan.block_q + num_reqs
@@ -200,9 +220,11 @@ def tree_attention(
     if not has_tree:
         tree_mask = is_tree = query_start_loc  # never read
     part_out, part_lse = _partial_buffers(q, num_splits, plan.head_size_padded)
+    if not tail_only:
+        tail_lse = part_lse.view(-1, 1)  # never written
 
     _tree_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        out, q, key_cache, value_cache, part_out, part_lse,
+        out, q, key_cache, value_cache, part_out, part_lse, tail_lse,
         query_start_loc, seq_lens, block_table, tree_mask, is_tree,
         num_reqs, num_splits, softmax_scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -215,6 +237,7 @@ def tree_attention(
         tree_mask.shape[2] if has_tree else 0,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
+        tail_lse.stride(0), tail_lse.stride(1),
         NUM_QUERIES_PER_KV=num_q_heads // num_kv_heads,
         HEADS_PADDED=plan.heads_padded,
         BLOCK_Q=plan.block_q,
@@ -225,6 +248,7 @@ def tree_attention(
         PAGE_SIZE=block_size,
         MIN_SPLIT_KEYS=cfg.min_split_keys,
         HAS_TREE=has_tree,
+        TAIL_ONLY=tail_only,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -241,6 +265,48 @@ def tree_attention(
             SPLITS_PADDED=splits_padded,
             num_warps=4 if splits_padded * plan.head_size_padded >= 4096 else 2,
         )
+    return out
+
+
+def tree_attention_with_context(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    tree_mask: torch.Tensor | None,
+    is_tree: torch.Tensor | None,
+    context_attention,
+    merge_states,
+) -> torch.Tensor:
+    """:func:`tree_attention` as a cascade: the committed context by another
+    kernel, the new keys (tree or causal) by this module's kernel, merged by
+    log-sum-exp, as vLLM's cascade attention merges a shared prefix.
+
+    ``context_attention(q, ctx_lens)`` returns ``(out, lse)`` of every row over
+    its request's first ``ctx_lens[r]`` keys, non-causal (``lse``: natural log,
+    ``[num_q_heads, num_tokens]``; rows with no context key give an ``lse`` of
+    ``-inf`` or ``+inf``), e.g. FlashAttention with ``seqused_k=ctx_lens``;
+    ``merge_states(out, prefix_out, prefix_lse, suffix_out, suffix_lse)`` has
+    the signature of vLLM's ``merge_attn_states``. Everything stays on the GPU
+    (CUDA-graph capturable if both callables are).
+    """
+    num_tokens = q.shape[0]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    ctx_lens = seq_lens[: q_lens.shape[0]] - q_lens
+    ctx_out, ctx_lse = context_attention(q, ctx_lens)
+    tail_out = torch.empty_like(q)
+    tail_lse = torch.empty(
+        (q.shape[1], num_tokens), dtype=torch.float32, device=q.device
+    )
+    tree_attention(
+        q, key_cache, value_cache, tail_out, query_start_loc, seq_lens,
+        block_table, softmax_scale, tree_mask, is_tree, tail_lse=tail_lse,
+    )
+    merge_states(out, ctx_out, ctx_lse, tail_out, tail_lse)
     return out
 
 
@@ -571,6 +637,7 @@ def _tree_attention_kernel(
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     part_out_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_SIZE_PADDED] fp32
     part_lse_ptr,  # [num_splits, num_tokens, num_q_heads] fp32
+    tail_lse_ptr,  # [num_q_heads, num_tokens] fp32 (TAIL_ONLY)
     query_start_loc_ptr,  # [num_reqs + 1]
     seq_lens_ptr,  # [num_reqs]
     block_table_ptr,  # [num_reqs, max_num_blocks]
@@ -588,6 +655,7 @@ def _tree_attention_kernel(
     max_tree_len, num_words,
     stride_po_split: tl.int64, stride_po_tok: tl.int64, stride_po_head: tl.int64,
     stride_pl_split: tl.int64, stride_pl_tok: tl.int64,
+    stride_tl_head: tl.int64, stride_tl_tok: tl.int64,
     NUM_QUERIES_PER_KV: tl.constexpr,
     HEADS_PADDED: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -598,6 +666,7 @@ def _tree_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     MIN_SPLIT_KEYS: tl.constexpr,
     HAS_TREE: tl.constexpr,
+    TAIL_ONLY: tl.constexpr,  # new keys only; log-sum-exp to tail_lse_ptr
     DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M == BLOCK_Q * HEADS_PADDED)
@@ -655,6 +724,9 @@ def _tree_attention_kernel(
     chunk = tl.cdiv(tl.cdiv(ctx_len, num_active_splits), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(ctx_len, kv_lo + chunk)
+    if TAIL_ONLY:  # (one split) no committed key
+        kv_lo = ctx_len
+        kv_hi = ctx_len
     full_end = kv_lo + tl.maximum(kv_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
     all_keys = tl.full([BLOCK_N], 1, dtype=tl.int1)  # masks only padded dims
     for start in range(kv_lo, full_end, BLOCK_N):
@@ -709,6 +781,15 @@ def _tree_attention_kernel(
             o.to(out_ptr.dtype.element_ty),
             mask=io_mask,
         )
+        if TAIL_ONLY:
+            # Natural log: the scores were scaled by log2(e). Every row sees at
+            # least its own key, so l_i > 0.
+            tl.store(
+                tail_lse_ptr + head.to(tl.int64) * stride_tl_head
+                + tok * stride_tl_tok,
+                (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
+                mask=row_valid,
+            )
     else:
         tl.store(
             part_out_ptr + split * stride_po_split + tok[:, None] * stride_po_tok
