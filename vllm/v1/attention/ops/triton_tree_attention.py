@@ -298,7 +298,9 @@ def tree_attention_with_context(
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     ctx_lens = seq_lens[: q_lens.shape[0]] - q_lens
     ctx_out, ctx_lse = context_attention(q, ctx_lens)
-    tail_out = torch.empty_like(q)
+    # Contiguous like FlashAttention's output: merge_attn_states reads both
+    # halves with one head stride.
+    tail_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     tail_lse = torch.empty(
         (q.shape[1], num_tokens), dtype=torch.float32, device=q.device
     )
