@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session script: run on the H200 from the repo root after the vLLM bundle is
 # installed (see ../shared/gpu/README.md). Logs and results go to $OUT.
-#   bash benchmarks/run_h200.sh tests|bench-ops|bench-attn|bench-ddtree|train-pair [args]
+#   bash benchmarks/run_h200.sh tests|tests-v1|bench-ops|bench-attn|bench-ddtree|train-pair [args]
 # (tests: pytest arguments; the others: the script's own, see docs/bench_ddtree.md and
 # docs/train_pair.md)
 set -uo pipefail
@@ -23,6 +23,31 @@ case "$what" in
   tests)
     timeout $LIMIT python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 "$@" \
       2>&1 | tee -a "$OUT/pytest_gpu.log" | grep -v -i warn | tail -40 ;;
+  tests-v1)
+    # tests/v1 in three pytest processes at once (one after another it takes
+    # ~9.5 min, mostly CPU: the heap reference and Triton compiles); each group's
+    # log in $OUT/pytest_v1_<group>.log, then one summary line per group.
+    declare -A groups=(
+      [attention]="tests/v1/attention"
+      [builder]="tests/v1/spec_decode/test_dflash_tree_builder.py"
+      [rest]="tests/v1/sample tests/v1/spec_decode/test_ddtree_config.py \
+tests/v1/spec_decode/test_ddtree_inputs.py tests/v1/spec_decode/test_ddtree_step.py \
+tests/v1/test_sm90_compile.py"
+    )
+    pids=()
+    for g in "${!groups[@]}"; do
+      # shellcheck disable=SC2086
+      timeout $LIMIT python3 -m pytest -q -p no:cacheprovider -rfE "$@" ${groups[$g]} \
+        > "$OUT/pytest_v1_$g.log" 2>&1 &
+      pids+=($!)
+    done
+    rc=0
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    for g in "${!groups[@]}"; do
+      echo "$g: $(grep -E '(passed|failed|error)' "$OUT/pytest_v1_$g.log" | tail -1)"
+      grep -E '^(FAILED|ERROR)' "$OUT/pytest_v1_$g.log" | head -20
+    done
+    exit $rc ;;
   bench-ops)
     timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_ops.log" | tail -30 ;;
@@ -36,6 +61,6 @@ case "$what" in
     timeout $LIMIT python3 -m benchmarks.train_pair "$@" 2>&1 \
       | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac
