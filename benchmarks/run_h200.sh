@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session script: run on the H200 from the repo root after the vLLM bundle is
 # installed (see ../shared/gpu/README.md). Logs and results go to $OUT.
-#   bash benchmarks/run_h200.sh tests|tests-v1|bench-ops|bench-attn|bench-ddtree|train-pair [args]
+#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|bench-ops|bench-attn|bench-ddtree|train-pair [args]
 # (tests: pytest arguments; the others: the script's own, see docs/bench_ddtree.md and
 # docs/train_pair.md)
 set -uo pipefail
@@ -44,8 +44,30 @@ tests/v1/test_sm90_compile.py"
     rc=0
     for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
     for g in "${!groups[@]}"; do
-      echo "$g: $(grep -E '(passed|failed|error)' "$OUT/pytest_v1_$g.log" | tail -1)"
+      echo "$g: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/pytest_v1_$g.log" | tail -1)"
       grep -E '^(FAILED|ERROR)' "$OUT/pytest_v1_$g.log" | head -20
+    done
+    exit $rc ;;
+  e2e)
+    # The end-to-end modules side by side: the offline DDTree module, then
+    # TREE_ATTN's (reusing its reference engines), next to the serve module.
+    # Logs in $OUT/pytest_e2e_<module>.log; one summary line each.
+    run_e2e() {
+      timeout $LIMIT python3 -m pytest -q -p no:cacheprovider -rfE "$@" \
+        > "$OUT/pytest_e2e_$(basename "${@: -1}" .py).log" 2>&1
+    }
+    ( run_e2e "$@" tests/e2e/test_ddtree_llm.py; first=$?
+      run_e2e "$@" tests/e2e/test_tree_attn_llm.py || exit 1
+      exit $first ) &
+    chain=$!
+    run_e2e "$@" tests/e2e/test_ddtree_serve.py &
+    serve=$!
+    rc=0
+    wait $chain || rc=1
+    wait $serve || rc=1
+    for m in test_ddtree_llm test_tree_attn_llm test_ddtree_serve; do
+      echo "$m: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/pytest_e2e_$m.log" | tail -1)"
+      grep -E '^(FAILED|ERROR)' "$OUT/pytest_e2e_$m.log" | head -20
     done
     exit $rc ;;
   bench-ops)
@@ -61,6 +83,6 @@ tests/v1/test_sm90_compile.py"
     timeout $LIMIT python3 -m benchmarks.train_pair "$@" 2>&1 \
       | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.e2e.engines import KV_CACHE_BYTES
 from tests.e2e.generate import save_log
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 
@@ -94,7 +95,10 @@ def server(tmp_path_factory):
             "--speculative-config", json.dumps(spec),
             "--max-model-len", "1024",
             "--max-num-seqs", "8",
-            "--gpu-memory-utilization", "0.3",
+            # A fixed KV cache, no memory profiling: the server may start next
+            # to other engines on the GPU (tests/e2e/engines.py).
+            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+            "--gpu-memory-utilization", "0.1",
             "--host", "127.0.0.1", "--port", str(port),
         ],
         cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
