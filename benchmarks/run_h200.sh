@@ -18,6 +18,21 @@ export DDTREE_E2E_CACHE_DIR=${DDTREE_E2E_CACHE_DIR:-/tmp/ddtree_e2e_cache}
 export DDTREE_E2E_PARALLEL=${DDTREE_E2E_PARALLEL:-5}
 # Seconds per command (the device tool allows 600 per call).
 LIMIT=${LIMIT:-560}
+# pytest in the background of a mode that runs several at once: LOG ARGS...
+pytest_to() {
+  local log=$1; shift
+  # shellcheck disable=SC2086
+  timeout $LIMIT python3 -m pytest -q -p no:cacheprovider -rfE "$@" > "$log" 2>&1
+}
+# One summary line (and the failures) per log: PREFIX NAME...
+summarize() {
+  local prefix=$1; shift
+  for name in "$@"; do
+    echo "$name: $(grep -E '(passed|failed|error|skipped|no tests ran)' \
+      "$OUT/${prefix}_$name.log" | tail -1)"
+    grep -E '^(FAILED|ERROR)' "$OUT/${prefix}_$name.log" | head -20
+  done
+}
 what=$1; shift
 case "$what" in
   tests)
@@ -37,25 +52,18 @@ tests/v1/test_sm90_compile.py"
     pids=()
     for g in "${!groups[@]}"; do
       # shellcheck disable=SC2086
-      timeout $LIMIT python3 -m pytest -q -p no:cacheprovider -rfE "$@" ${groups[$g]} \
-        > "$OUT/pytest_v1_$g.log" 2>&1 &
+      pytest_to "$OUT/pytest_v1_$g.log" "$@" ${groups[$g]} &
       pids+=($!)
     done
     rc=0
     for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-    for g in "${!groups[@]}"; do
-      echo "$g: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/pytest_v1_$g.log" | tail -1)"
-      grep -E '^(FAILED|ERROR)' "$OUT/pytest_v1_$g.log" | head -20
-    done
+    summarize pytest_v1 "${!groups[@]}"
     exit $rc ;;
   e2e)
     # The end-to-end modules side by side: the offline DDTree module, then
     # TREE_ATTN's (reusing its reference engines), next to the serve module.
     # Logs in $OUT/pytest_e2e_<module>.log; one summary line each.
-    run_e2e() {
-      timeout $LIMIT python3 -m pytest -q -p no:cacheprovider -rfE "$@" \
-        > "$OUT/pytest_e2e_$(basename "${@: -1}" .py).log" 2>&1
-    }
+    run_e2e() { pytest_to "$OUT/pytest_e2e_$(basename "${@: -1}" .py).log" "$@"; }
     ( run_e2e "$@" tests/e2e/test_ddtree_llm.py; first=$?
       run_e2e "$@" tests/e2e/test_tree_attn_llm.py || exit 1
       exit $first ) &
@@ -65,10 +73,7 @@ tests/v1/test_sm90_compile.py"
     rc=0
     wait $chain || rc=1
     wait $serve || rc=1
-    for m in test_ddtree_llm test_tree_attn_llm test_ddtree_serve; do
-      echo "$m: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/pytest_e2e_$m.log" | tail -1)"
-      grep -E '^(FAILED|ERROR)' "$OUT/pytest_e2e_$m.log" | head -20
-    done
+    summarize pytest_e2e test_ddtree_llm test_tree_attn_llm test_ddtree_serve
     exit $rc ;;
   bench-ops)
     timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \

@@ -457,10 +457,10 @@ def test_cascade_dispatch(vllm_config, monkeypatch, threshold, used):
     monkeypatch.setattr(tree_attn, "flash_context_attention",
                         lambda *args: calls.append(("context", args[-1])))
     monkeypatch.setattr(tree_attn, "tree_attention_with_context",
-                        lambda *args: calls.append(("cascade",)))
+                        lambda *args, **kwargs: calls.append(("cascade",)))
     builder, step, visibility = _tree_step(vllm_config)
     impl = make_impl()
-    impl._fa_version = 3  # as on a Hopper GPU
+    impl._fa_version = builder._fa_version = 3  # as on a Hopper GPU
     _, out = step.forward(builder, impl)
     assert bool(calls) == used
     if used:
@@ -470,7 +470,7 @@ def test_cascade_dispatch(vllm_config, monkeypatch, threshold, used):
                                    **TOLERANCE[DTYPE])
     # Without FlashAttention (CPU) the threshold never applies.
     calls.clear()
-    impl._fa_version = None
+    impl._fa_version = builder._fa_version = None
     step.forward(builder, impl)
     assert calls == []
 

@@ -309,7 +309,8 @@ def _ranked_top_tokens(
         block = triton.next_power_of_2(vocab)
         _rank_row_kernel[(rows,)](
             logits, logits.stride(0), tok_lp, tok_id, lse, vocab, num_top,
-            BLOCK=block, INVALID=_INVALID_KEY, num_warps=4 if block <= 256 else 8,
+            BLOCK=block, INVALID=_INVALID_KEY, INT32_MIN=_INT32_MIN,
+            num_warps=4 if block <= 256 else 8,
         )
         return tok_lp, tok_id, lse
 
@@ -361,17 +362,15 @@ def _rank_row_kernel(
     num_top,
     BLOCK: tl.constexpr,
     INVALID: tl.constexpr,
+    INT32_MIN: tl.constexpr,
 ):
     """Small vocabulary: sort the whole row."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    valid = offs < vocab
-    x = tl.load(
-        logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")
-    ).to(tl.float32)
+    x, _ = _load_values(logits_ptr + row * logits_stride, offs, vocab, INT32_MIN)
     lse = _row_logsumexp(x)
     tl.store(lse_ptr + row, lse)
-    key = tl.where(valid, _sort_key(x, offs.to(tl.int64)), INVALID)
+    key = tl.where(offs < vocab, _sort_key(x, offs.to(tl.int64)), INVALID)
     _store_ranked(tl.sort(key, descending=True), lse, tok_lp_ptr, tok_id_ptr, row,
                   num_top, offs)
 

@@ -51,6 +51,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 from vllm.v1.attention.ops.triton_tree_attention import (
     tree_attention,
     tree_attention_with_context,
@@ -166,6 +167,9 @@ class TreeKernelRows:
     tree_mask: torch.Tensor | None
     # [num_kernel_reqs]
     is_tree: torch.Tensor | None
+    # [num_kernel_reqs] committed tokens (seq_lens - query lengths) when the step
+    # runs as a cascade (TreeAttentionImpl.fa_context_min_query_len), else None.
+    ctx_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -331,6 +335,11 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         self._tree_inputs: TreeAttentionInputs | None = None
         self._fa_version = _flash_attn_version(kv_cache_spec.head_size)
+        # Cascade steps: committed lengths, written in place (CUDA graphs).
+        self._ctx_lens = torch.zeros(
+            vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32,
+            device=device,
+        )
 
     def set_tree_inputs(self, inputs: TreeAttentionInputs) -> None:
         """Give the builder the speculator's persistent tree buffers (once)."""
@@ -396,17 +405,35 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
     def _kernel_rows(
         self, cm: CommonAttentionMetadata, num_reqs: int, num_tokens: int
     ) -> TreeKernelRows:
-        tree_mask = is_tree = None
+        tree_mask = is_tree = ctx_lens = None
         if self._tree_inputs is not None:
             tree_mask = self._tree_inputs.attn_mask[:num_reqs]
             is_tree = self._tree_inputs.is_tree[:num_reqs]
+        query_start_loc = cm.query_start_loc[: num_reqs + 1]
+        seq_lens = cm.seq_lens[:num_reqs]
+        if self._use_context_cascade(cm.max_query_len):
+            # Once per step, for every layer of this group.
+            ctx_lens = torch.sub(
+                seq_lens, query_start_loc[1:] - query_start_loc[:-1],
+                out=self._ctx_lens[:num_reqs],
+            )
         return TreeKernelRows(
             num_tokens=num_tokens,
-            query_start_loc=cm.query_start_loc[: num_reqs + 1],
-            seq_lens=cm.seq_lens[:num_reqs],
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
             block_table=cm.block_table_tensor[:num_reqs],
             tree_mask=tree_mask,
             is_tree=is_tree,
+            ctx_lens=ctx_lens,
+        )
+
+    def _use_context_cascade(self, max_query_len: int) -> bool:
+        """A host-side choice from static sizes (fixed in a captured graph)."""
+        threshold = TreeAttentionImpl.fa_context_min_query_len
+        return (
+            threshold is not None
+            and self._fa_version is not None
+            and max_query_len >= threshold
         )
 
     def _split_point(self, cm: CommonAttentionMetadata) -> tuple[int, int]:
@@ -505,9 +532,7 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
             return output.fill_(0)
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         rows = attn_metadata.kernel_rows
-        if rows.num_tokens > 0 and self._use_context_cascade(attn_metadata):
-            from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
-
+        if rows.num_tokens > 0 and rows.ctx_lens is not None:
             context = flash_context_attention(
                 key_cache, value_cache, rows.query_start_loc, rows.block_table,
                 self.scale, attn_metadata.max_query_len, attn_metadata.max_seq_len,
@@ -517,7 +542,7 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
                 query[: rows.num_tokens], key_cache, value_cache,
                 output[: rows.num_tokens], rows.query_start_loc, rows.seq_lens,
                 rows.block_table, self.scale, rows.tree_mask, rows.is_tree,
-                context, merge_attn_states,
+                context, merge_attn_states, ctx_lens=rows.ctx_lens,
             )
         elif rows.num_tokens > 0:
             tree_attention(
@@ -542,15 +567,6 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
                 fa_version=self._fa_version,
             )
         return output
-
-    def _use_context_cascade(self, attn_metadata: TreeAttentionMetadata) -> bool:
-        """A host-side choice from static sizes (fixed in a captured graph)."""
-        threshold = self.fa_context_min_query_len
-        return (
-            threshold is not None
-            and self._fa_version is not None
-            and attn_metadata.max_query_len >= threshold
-        )
 
     def do_kv_cache_update(
         self,

@@ -281,6 +281,8 @@ def tree_attention_with_context(
     is_tree: torch.Tensor | None,
     context_attention,
     merge_states,
+    # [num_reqs] int32 committed tokens per request, if the caller has them.
+    ctx_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`tree_attention` as a cascade: the committed context by another
     kernel, the new keys (tree or causal) by this module's kernel, merged by
@@ -295,8 +297,9 @@ def tree_attention_with_context(
     (CUDA-graph capturable if both callables are).
     """
     num_tokens = q.shape[0]
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    ctx_lens = seq_lens[: q_lens.shape[0]] - q_lens
+    if ctx_lens is None:
+        num_reqs = query_start_loc.shape[0] - 1
+        ctx_lens = seq_lens[:num_reqs] - (query_start_loc[1:] - query_start_loc[:-1])
     ctx_out, ctx_lse = context_attention(q, ctx_lens)
     # Contiguous like FlashAttention's output: merge_attn_states reads both
     # halves with one head stride.
