@@ -54,6 +54,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_ddtree_report import (  # noqa: E402
+    AUTO_CONFIG,
     REPORT_FILE,
     RESULTS_FILE,
     SCHEDULE_CONFIG,
@@ -139,7 +140,8 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
                        help="random prompt length in tokens")
     p.add_argument("--configs", default="none,dflash,ddtree",
                    help="comma list of none, dflash, ddtree (= every --budgets), "
-                        f"ddtree-<B>, {SCHEDULE_CONFIG} (needs --schedule)")
+                        f"ddtree-<B>, {AUTO_CONFIG} (tree_budget \"auto\"), "
+                        f"{SCHEDULE_CONFIG} (needs --schedule)")
     p.add_argument("--budgets", default=",".join(map(str, ALL_BUDGETS)),
                    help="tree budgets that 'ddtree' in --configs expands to")
     p.add_argument("--schedule", default=None,
@@ -201,7 +203,7 @@ def parse_configs(text: str, budgets: list[int], schedule=None) -> list[str]:
     needs a schedule."""
     names: set[str] = set()
     for raw in (t.strip() for t in text.split(",")):
-        if raw in ("none", "dflash"):
+        if raw in ("none", "dflash", AUTO_CONFIG):
             names.add(raw)
         elif raw == SCHEDULE_CONFIG:
             if schedule is None:
@@ -216,7 +218,7 @@ def parse_configs(text: str, budgets: list[int], schedule=None) -> list[str]:
         else:
             raise ValueError(
                 f"unknown config {raw!r}; use none, dflash, ddtree (every "
-                f"--budgets), ddtree-<budget> or {SCHEDULE_CONFIG}"
+                f"--budgets), ddtree-<budget>, {AUTO_CONFIG} or {SCHEDULE_CONFIG}"
             )
     return sorted(names, key=config_order)
 
@@ -254,10 +256,20 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _schedule_field(args, config: str) -> dict:
-    """Rows of ddtree-schedule carry their schedule (resumed runs may differ)."""
+    """Rows of ddtree-schedule and ddtree-auto carry their schedule (resumed runs
+    may differ; the auto table may change between commits)."""
+    if config == AUTO_CONFIG:
+        return {"tree_budget_per_batch_size": auto_schedule()}
     if config != SCHEDULE_CONFIG:
         return {}
     return {"tree_budget_per_batch_size": args.schedule}
+
+
+def auto_schedule() -> list[list[int]]:
+    """The schedule ``tree_budget: "auto"`` stands for in this checkout."""
+    from vllm.v1.spec_decode.ddtree_config import AUTO_TREE_BUDGET_PER_BATCH_SIZE
+
+    return [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
 
 
 def parse_schedule(text: str | None) -> list[list[int]] | None:
@@ -303,6 +315,8 @@ def speculative_config(config: str, drafter: Path, schedule=None) -> dict | None
     if config == SCHEDULE_CONFIG:
         return {"method": "ddtree", "model": str(drafter),
                 "tree_budget_per_batch_size": schedule}
+    if config == AUTO_CONFIG:
+        return {"method": "ddtree", "model": str(drafter), "tree_budget": "auto"}
     return {"method": "ddtree", "model": str(drafter),
             "tree_budget": budget_of(config)}
 
@@ -315,6 +329,8 @@ def step_tokens(config: str, batch: int, schedule=None) -> int:
         return batch * DRAFT_LEN
     if config == SCHEDULE_CONFIG:
         return batch * (schedule_budget(schedule, batch) + 1)
+    if config == AUTO_CONFIG:
+        return batch * (schedule_budget(auto_schedule(), batch) + 1)
     return batch * (budget_of(config) + 1)
 
 

@@ -7,7 +7,8 @@ A result row is one (engine config, batch, temperature) measurement, one JSON li
 in ``<out>/results.jsonl``. Its key fields:
 
 * ``config``: ``none`` (no speculation), ``dflash`` (DFlash chain, 15 draft tokens)
-  , ``ddtree-<B>`` (tree_budget B) or ``ddtree-schedule`` (a budget per batch
+  , ``ddtree-<B>`` (tree_budget B), ``ddtree-auto`` (tree_budget "auto") or
+  ``ddtree-schedule`` (a budget per batch
   size, ``tree_budget_per_batch_size``); ``batch``; ``temperature``;
 * ``tok_s``: output tokens / wall time of the whole generation (prefill included);
 * ``decode_ms_per_step``: (wall - prefill-only wall) / (steps - prefill-only steps),
@@ -181,16 +182,19 @@ def _sort_key(key: tuple[str, int, float]):
 
 # DDTree with a tree_budget_per_batch_size schedule (bench_ddtree.py --schedule).
 SCHEDULE_CONFIG = "ddtree-schedule"
+AUTO_CONFIG = "ddtree-auto"
 
 
 def config_order(config: str) -> tuple[int, int]:
-    """none, dflash, ddtree by budget, then ddtree with a schedule."""
+    """none, dflash, ddtree by budget, then ddtree with a schedule, then auto."""
     if config == "none":
         return (0, 0)
     if config == "dflash":
         return (1, 0)
     if config == SCHEDULE_CONFIG:
         return (3, 0)
+    if config == AUTO_CONFIG:
+        return (3, 1)
     return (2, budget_of(config) or 0)
 
 
@@ -282,11 +286,21 @@ def target_checks(rows: Sequence[Mapping], mode: str) -> list[str]:
     """Issue 5's targets, one line each, from rows that carry ratios.
 
     e2e/serve: batch 1, T=0: DDTree throughput / DFlash throughput >= 0.95 x
-    (acceptance-length ratio). cost: batch 1, T=0: decode step time at budget 128
-    <= 1.10 x DFlash's and at 512 <= 1.30 x."""
+    (acceptance-length ratio); ddtree-auto: throughput >= DFlash's at every batch
+    and temperature. cost: batch 1, T=0: decode step time at budget 128 <= 1.10 x
+    DFlash's and at 512 <= 1.30 x."""
     lines = []
     for r in rows:
         config, batch, temperature = row_key(r)
+        if config == AUTO_CONFIG and mode != "cost":
+            tput = r.get("tok_s_vs_dflash")
+            if tput is not None:
+                verdict = "met" if tput >= 1.0 else "NOT met"
+                lines.append(
+                    f"{config}, batch {batch}, T={temperature:g}: throughput "
+                    f"{tput:.3f} x DFlash's (target >= 1.0): {verdict}{_run_note(r)}"
+                )
+            continue
         budget = budget_of(config)
         if budget is None or batch != 1 or temperature != 0.0:
             continue

@@ -188,6 +188,43 @@ def test_schedule_config(tmp_path):
         args, "ddtree-64", 1, [(1, 0.0)], None, "r")["row"]
 
 
+def test_auto_config(tmp_path):
+    """ddtree-auto asks the engine for tree_budget "auto"; its rows carry the
+    schedule that stands for, and the step-token limit follows it."""
+    from vllm.v1.spec_decode.ddtree_config import AUTO_TREE_BUDGET_PER_BATCH_SIZE
+
+    auto = [list(e) for e in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
+    args = bd.parse_args(["cost", "--out", str(tmp_path), "--configs",
+                          "ddtree-auto,dflash,ddtree-64"])
+    assert args.configs == ["dflash", "ddtree-64", "ddtree-auto"]
+    kw = bd.engine_kwargs(args, "ddtree-auto", 64)
+    assert kw["speculative_config"]["tree_budget"] == "auto"
+    assert "tree_budget_per_batch_size" not in kw["speculative_config"]
+    assert "compilation_config" not in kw
+    for batch in (1, 4, 5, 64):
+        assert bd.step_tokens("ddtree-auto", batch) == batch * (
+            bd.schedule_budget(auto, batch) + 1)
+    assert "schedule" not in bd.setup_of(args)
+    row = bd.worker_spec(args, "ddtree-auto", 1, [(1, 0.0)], None, "r")["row"]
+    assert row["tree_budget_per_batch_size"] == auto
+
+
+def test_auto_target_check():
+    rows = rep.with_ratios([
+        _row("dflash", 1, tok_s=400.0, acceptance_length=5.0),
+        _row("ddtree-auto", 1, tok_s=480.0, acceptance_length=6.0),
+        _row("dflash", 64, tok_s=4000.0, acceptance_length=5.0),
+        _row("ddtree-auto", 64, tok_s=3960.0, acceptance_length=5.2),
+    ])
+    assert rep.target_checks(rows, "e2e") == [
+        "ddtree-auto, batch 1, T=0: throughput 1.200 x DFlash's (target >= 1.0): met",
+        "ddtree-auto, batch 64, T=0: throughput 0.990 x DFlash's (target >= 1.0): "
+        "NOT met",
+    ]
+    # Dummy weights accept nothing: no throughput target in cost mode.
+    assert rep.target_checks(rows, "cost") == []
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [

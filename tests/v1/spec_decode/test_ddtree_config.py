@@ -53,7 +53,8 @@ def test_parse_budget_range(budget):
         (0, r"tree_budget must be in \[1, 1024\], got 0"),
         (1025, r"tree_budget must be in \[1, 1024\], got 1025"),
         (-3, r"got -3"),
-        (12.5, r"tree_budget must be an integer in \[1, 1024\], got 12.5"),
+        (12.5, r"tree_budget must be an integer in \[1, 1024\] or 'auto', got 12.5"),
+        ("Auto", r"or 'auto', got 'Auto'"),
         ("128", r"must be an integer .* got '128'"),
         (True, r"must be an integer .* got True"),
         (None, r"must be an integer .* got None"),
@@ -148,6 +149,30 @@ def test_parse_budget_schedule_conflicts():
         ddt.parse_speculative_config(
             {"method": "ddtree", "model": "d",
              "num_speculative_tokens_per_batch_size": SCHEDULE}
+        )
+
+
+def test_parse_auto_budget_is_the_measured_schedule():
+    budget, dflash = ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree_budget": "auto"}
+    )
+    auto = [tuple(e) for e in ddt.AUTO_TREE_BUDGET_PER_BATCH_SIZE]
+    assert dflash["num_speculative_tokens_per_batch_size"] == auto
+    assert budget == dflash["num_speculative_tokens"] == max(b for *_, b in auto)
+    assert "tree_budget" not in dflash
+    # The table itself passes the schedule checks a user's schedule passes.
+    assert ddt.parse_budget_schedule([list(e) for e in auto]) == auto
+    # Small batches get the deepest trees; budgets never grow with the batch.
+    budgets = [b for *_, b in auto]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]
+
+
+def test_parse_auto_budget_conflicts_with_a_schedule():
+    with pytest.raises(ValueError, match="tree_budget='auto' picks a budget per "
+                       "batch size itself; drop tree_budget_per_batch_size"):
+        ddt.parse_speculative_config(
+            {"method": "ddtree", "model": "d", "tree_budget": "auto",
+             "tree_budget_per_batch_size": SCHEDULE}
         )
 
 
@@ -469,6 +494,36 @@ def test_engine_config_with_budget_schedule(models, cuda_platform):
     assert DDTreeConfig.from_vllm_config(pickle.loads(pickle.dumps(config))) == (
         DDTreeConfig(64, 15, (4, 16))
     )
+
+
+def test_engine_config_with_auto_budget(models, cuda_platform):
+    """tree_budget='auto' -> the measured schedule through vLLM's dynamic
+    speculative decoding, graphs for each of its budgets."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    _, drafter = models
+    _, config = _engine_config(
+        models,
+        {"method": "ddtree", "model": drafter, "tree_budget": "auto"},
+        max_num_batched_tokens=4096,
+        max_num_seqs=32,
+    )
+    spec = config.speculative_config
+    auto = ddt.AUTO_TREE_BUDGET_PER_BATCH_SIZE
+    budgets = sorted({b for *_, b in auto})
+    assert spec.uses_dynamic_speculative_decoding()
+    assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(
+        budgets[-1], 15, tuple(budgets[:-1])
+    )
+    lookup = build_dynamic_sd_schedule_lookup(
+        spec.num_speculative_tokens_per_batch_size, 32, spec.num_speculative_tokens
+    )
+    for first, last, budget in auto:
+        for batch in range(first, min(last, 32) + 1):
+            assert lookup[batch] == budget, batch
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    if sizes:
+        assert {b + 1 for b in budgets} <= set(sizes)
 
 
 def test_budget_schedule_without_async_scheduling_warns(models, cuda_platform,

@@ -25,6 +25,9 @@ draft tokens of each step from the number of running requests. The drafter still
 builds trees of the largest budget; since nodes are in best-first order, the first
 b nodes the scheduler keeps are the best tree of budget b.
 
+``"tree_budget": "auto"`` asks for :data:`AUTO_TREE_BUDGET_PER_BATCH_SIZE`, a
+schedule read off measured step times (docs/ddtree.md, "Choosing the budget").
+
 Every check raises ``ValueError`` with the setting to change.
 """
 
@@ -38,6 +41,20 @@ DDTREE_METHOD = "ddtree"
 ADDITIONAL_CONFIG_KEY = "ddtree"
 # Good at small batches; the best budget falls as the batch grows (docs/ddtree.md).
 DEFAULT_TREE_BUDGET = 64
+AUTO_TREE_BUDGET = "auto"
+# The schedule "tree_budget": "auto" stands for. Batch sizes 1-4: budget 32, the
+# best budget measured there (Qwen3-8B-shaped target and DFlash drafter on one
+# H200, dummy weights: step 1.05x / 1.16x DFlash's at batch 1 / 4, budget 128
+# 1.21x / 2.67x; the trained pair accepts 5.47 tokens per step at budget 32 vs
+# DFlash's 4.11, so 1.26x / 1.14x DFlash's throughput projected). Larger batches:
+# 15 nodes, the 16 tokens per request DFlash (15 draft tokens) itself verifies, so
+# the target's step costs what DFlash's does; budget 32 measured 1.92x DFlash's
+# step at batch 16. Results and commands: benchmarks/results/bench_ddtree_cost,
+# docs/ddtree.md.
+AUTO_TREE_BUDGET_PER_BATCH_SIZE: tuple[tuple[int, int, int], ...] = (
+    (1, 4, 32),
+    (5, 1024, 15),  # vLLM carries the last budget past the end
+)
 # Keys of a ddtree speculative config passed to the DFlash drafter's config as is.
 DRAFTER_KEYS = frozenset(
     {
@@ -137,6 +154,15 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> tuple[int, dict[str, Any
     cfg = {str(k).replace("-", "_"): v for k, v in raw.items()}
     cfg.pop("method")
     schedule = cfg.pop("tree_budget_per_batch_size", None)
+    if cfg.get("tree_budget") == AUTO_TREE_BUDGET:
+        if schedule is not None:
+            raise ValueError(
+                "tree_budget='auto' picks a budget per batch size itself; drop "
+                "tree_budget_per_batch_size, or drop tree_budget to use your "
+                "schedule"
+            )
+        del cfg["tree_budget"]
+        schedule = [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
     if schedule is None:
         budget = cfg.pop("tree_budget", DEFAULT_TREE_BUDGET)
         check_tree_budget(budget)
@@ -229,7 +255,8 @@ def parse_budget_schedule(schedule: Any) -> list[tuple[int, int, int]]:
 def check_tree_budget(budget: Any) -> None:
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise ValueError(
-            f"tree_budget must be an integer in [1, {MAX_BUDGET}], got {budget!r}"
+            f"tree_budget must be an integer in [1, {MAX_BUDGET}] or "
+            f"{AUTO_TREE_BUDGET!r}, got {budget!r}"
         )
     if not 1 <= budget <= MAX_BUDGET:
         raise ValueError(
