@@ -9,7 +9,11 @@ Sequences and anchors depend only on the seed and the step number.
 
 Evaluation runs every ``eval_anchor_stride``-th anchor of the held-out continuations
 and reports the loss, top-1 accuracy per block offset and the chain acceptance length
-(tokens a greedy DFlash step would commit: the bonus plus the leading correct drafts).
+(tokens a greedy DFlash step would commit: the bonus plus the leading correct drafts),
+a mean over anchors. The saved checkpoint is also run at every anchor and walked the
+way greedy decoding steps (``dflash.decoding_acceptance``): the decoding acceptance
+length, the number comparable with vLLM's mean acceptance length (lower: decoding
+spends more steps where drafting is hard).
 """
 
 import json
@@ -23,6 +27,7 @@ from .dflash import (
     DrafterShape,
     block_loss,
     chain_acceptance,
+    decoding_acceptance,
     default_target_layer_ids,
     draft_logits,
     drafter_config,
@@ -104,6 +109,31 @@ def evaluate(
     }
 
 
+@torch.no_grad()
+def evaluate_decoding(
+    setup: DraftingSetup, drafter, seqs, scale: DrafterScale, cont: ContinuationScale
+) -> float:
+    """Mean acceptance length of greedy DFlash decoding over the held-out
+    continuations, from the last prompt token on (every anchor is drafted)."""
+    drafter.eval()
+    low, high = anchor_range(cont, scale.block_size)
+    anchors = torch.arange(low, high + 1)
+    per_batch = max(1, scale.batch_size // scale.eval_anchor_stride)
+    accepts = []
+    for batch in seqs.split(per_batch):
+        _, correct = setup.loss(
+            drafter,
+            batch,
+            anchors.expand(len(batch), -1),
+            drafter.shape.target_layer_ids,
+            scale.loss_gamma,
+        )
+        accepts.append(chain_acceptance(correct).cpu())
+    drafter.train()
+    tokens, steps = decoding_acceptance(torch.cat(accepts))
+    return round(tokens / steps, 4)
+
+
 def run(
     paths: Paths,
     scale: DrafterScale,
@@ -177,7 +207,11 @@ def run(
 
     seconds += progress.elapsed()
     save_drafter(drafter, config, paths.drafter, CHECKPOINT_DTYPE)
-    final = evaluate(setup, _reloaded(paths, device), held, scale, cont)
+    reloaded = _reloaded(paths, device)
+    final = evaluate(setup, reloaded, held, scale, cont)
+    final["decoding_acceptance_length"] = evaluate_decoding(
+        setup, reloaded, held, scale, cont
+    )
     result = {
         "num_layers": scale.num_layers,
         "block_size": scale.block_size,

@@ -19,6 +19,7 @@ from benchmarks.train_pair.dflash import (
     block_inputs,
     block_mask,
     chain_acceptance,
+    decoding_acceptance,
     default_target_layer_ids,
     load_drafter,
     position_weights,
@@ -123,6 +124,7 @@ def test_drafter_loss_decreases(summary):
     d = summary["drafter"]
     assert d["eval_checkpoint_fp16"]["loss"] < d["first_losses"][0] - 1.0
     assert 1 <= d["eval_checkpoint_fp16"]["chain_acceptance_length"] <= 16
+    assert 1 <= d["eval_checkpoint_fp16"]["decoding_acceptance_length"] <= 16
 
 
 def test_rerun_is_identical_and_resumes_exactly(pair, summary, tmp_path):
@@ -323,3 +325,14 @@ def test_position_weights_and_acceptance():
         [[True, True, False, True], [False, True, True, True], [True, True, True, True]]
     )
     assert chain_acceptance(correct).tolist() == [3, 1, 5]
+
+
+def test_decoding_acceptance_walks_like_greedy_decoding():
+    # Sequence 0: anchored at 0 the step commits 3 (positions 0-2), then at 3 it
+    # commits 1, at 4 it commits 2 and runs past the end: 6 tokens in 3 steps.
+    # Sequence 1: 4 + 1 + 1 in 3 steps. The anchors' mean (4.25) is higher than
+    # the walk's 2.0: the 9s are skipped over.
+    accept = torch.tensor([[3, 9, 9, 1, 2, 1], [4, 9, 9, 9, 1, 1]])
+    assert decoding_acceptance(accept[:1]) == (6, 3)
+    assert decoding_acceptance(accept) == (12, 6)
+    assert decoding_acceptance(torch.ones(2, 4, dtype=torch.long)) == (8, 8)
