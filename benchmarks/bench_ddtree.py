@@ -235,14 +235,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
                          "difference to a max_tokens=1 run)")
     if getattr(args, "num_prompts", 1) < 1 or getattr(args, "waves", 1) < 1:
         raise ValueError("--num-prompts and --waves must be >= 1")
-    if args.limit_seconds < 0 or args.config_seconds <= 0:
-        raise ValueError("--limit-seconds must be >= 0, --config-seconds > 0")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise ValueError("--gpu-memory-utilization must be in (0, 1]")
-    for flag in ("target", "drafter"):
-        path = getattr(args, flag)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"--{flag} {path}: no config.json there")
+    check_run_options(args)
     if getattr(args, "prompts", None) is not None and not args.prompts.is_file():
         raise ValueError(f"--prompts {args.prompts}: no such file")
     if getattr(args, "input_len", 1) < 1:
@@ -253,6 +246,19 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             f"--max-model-len {args.max_model_len}"
         )
     return args
+
+
+def check_run_options(args: argparse.Namespace) -> None:
+    """Checks this script shares with profile_step.py: the time budget, the GPU
+    memory share and the two model directories."""
+    if args.limit_seconds < 0 or args.config_seconds <= 0:
+        raise ValueError("--limit-seconds must be >= 0, --config-seconds > 0")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+    for flag in ("target", "drafter"):
+        path = getattr(args, flag)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--{flag} {path}: no config.json there")
 
 
 def _schedule_field(args, config: str) -> dict:

@@ -471,14 +471,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         )
     if args.top < 1:
         raise ValueError("--top must be >= 1")
-    if args.limit_seconds < 0 or args.config_seconds <= 0:
-        raise ValueError("--limit-seconds must be >= 0, --config-seconds > 0")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise ValueError("--gpu-memory-utilization must be in (0, 1]")
-    for flag in ("target", "drafter"):
-        path = getattr(args, flag)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"--{flag} {path}: no config.json there")
+    bd.check_run_options(args)
     return args
 
 

@@ -83,21 +83,12 @@ class DraftingSetup:
 def evaluate(
     setup: DraftingSetup, drafter, seqs, scale: DrafterScale, cont: ContinuationScale
 ) -> dict:
-    drafter.eval()
-    low, high = anchor_range(cont, scale.block_size)
-    anchors = torch.arange(low, high + 1, scale.eval_anchor_stride)
     losses, corrects = [], []
-    for batch in seqs.split(scale.batch_size):
-        loss, correct = setup.loss(
-            drafter,
-            batch,
-            anchors.expand(len(batch), -1),
-            drafter.shape.target_layer_ids,
-            scale.loss_gamma,
-        )
-        losses.append(float(loss) * len(batch))
-        corrects.append(correct.flatten(0, 1).cpu())
-    drafter.train()
+    for n, loss, correct in _eval_blocks(
+        setup, drafter, seqs, scale, cont, scale.eval_anchor_stride, scale.batch_size
+    ):
+        losses.append(float(loss) * n)
+        corrects.append(correct.flatten(0, 1))
     correct = torch.cat(corrects)
     return {
         "loss": round(sum(losses) / len(seqs), 4),
@@ -115,23 +106,35 @@ def evaluate_decoding(
 ) -> float:
     """Mean acceptance length of greedy DFlash decoding over the held-out
     continuations, from the last prompt token on (every anchor is drafted)."""
-    drafter.eval()
-    low, high = anchor_range(cont, scale.block_size)
-    anchors = torch.arange(low, high + 1)
     per_batch = max(1, scale.batch_size // scale.eval_anchor_stride)
-    accepts = []
-    for batch in seqs.split(per_batch):
-        _, correct = setup.loss(
-            drafter,
-            batch,
-            anchors.expand(len(batch), -1),
-            drafter.shape.target_layer_ids,
-            scale.loss_gamma,
+    accepts = [
+        chain_acceptance(correct)
+        for _, _, correct in _eval_blocks(
+            setup, drafter, seqs, scale, cont, 1, per_batch
         )
-        accepts.append(chain_acceptance(correct).cpu())
-    drafter.train()
+    ]
     tokens, steps = decoding_acceptance(torch.cat(accepts))
     return round(tokens / steps, 4)
+
+
+def _eval_blocks(setup, drafter, seqs, scale, cont, stride: int, per_batch: int):
+    """(sequences, loss, correct [n, anchors, bs - 1] on the CPU) per batch of
+    held-out sequences, drafted at every ``stride``-th anchor, drafter in eval mode."""
+    drafter.eval()
+    low, high = anchor_range(cont, scale.block_size)
+    anchors = torch.arange(low, high + 1, stride)
+    try:
+        for batch in seqs.split(per_batch):
+            loss, correct = setup.loss(
+                drafter,
+                batch,
+                anchors.expand(len(batch), -1),
+                drafter.shape.target_layer_ids,
+                scale.loss_gamma,
+            )
+            yield len(batch), loss, correct.cpu()
+    finally:
+        drafter.train()
 
 
 def run(
