@@ -70,6 +70,7 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
     metric_totals,
     pending,
     row_key,
+    schedule_budget,
     spec_stats,
     timing_stats,
 )
@@ -295,16 +296,6 @@ def parse_schedule(text: str | None) -> list[list[int]] | None:
     from vllm.v1.spec_decode.ddtree_config import parse_budget_schedule
 
     return [list(entry) for entry in parse_budget_schedule(value)]
-
-
-def schedule_budget(schedule: list[list[int]], batch: int) -> int:
-    """The budget the scheduler uses at ``batch`` running requests (vLLM carries
-    a range's budget over gaps and past the last range)."""
-    budget = schedule[0][2]
-    for first, _, b in schedule:
-        if first <= batch:
-            budget = b
-    return budget
 
 
 # ---------------------------------------------------------------------------

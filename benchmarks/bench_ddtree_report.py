@@ -198,6 +198,16 @@ def config_order(config: str) -> tuple[int, int]:
     return (2, budget_of(config) or 0)
 
 
+def schedule_budget(schedule: list[list[int]], batch: int) -> int:
+    """The budget the scheduler uses at ``batch`` running requests (vLLM carries
+    a range's budget over gaps and past the last range)."""
+    budget = schedule[0][2]
+    for first, _, b in schedule:
+        if first <= batch:
+            budget = b
+    return budget
+
+
 def budget_of(config: str) -> int | None:
     if config.startswith("ddtree-") and config[7:].isdigit():
         return int(config[7:])

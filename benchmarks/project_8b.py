@@ -39,6 +39,7 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
     markdown_table,
     merge_rows,
     row_key,
+    schedule_budget,
 )
 
 # Ringel & Romano, "Accelerating Speculative Decoding with Block Diffusion Draft
@@ -64,6 +65,12 @@ def step_times(rows: Sequence[Mapping], temperature: float) -> dict:
     return out
 
 
+def schedules_of(rows: Sequence[Mapping]) -> dict[str, list]:
+    """{config: tree_budget_per_batch_size} of ddtree-schedule / ddtree-auto rows."""
+    return {r["config"]: r["tree_budget_per_batch_size"] for r in rows
+            if r.get("tree_budget_per_batch_size")}
+
+
 def pooled_tau(rows: Sequence[Mapping], temperature: float) -> dict[str, float]:
     """{config: 1 + accepted / drafts} over every batch at ``temperature``;
     no speculation is 1."""
@@ -83,12 +90,17 @@ def pooled_tau(rows: Sequence[Mapping], temperature: float) -> dict[str, float]:
     return taus
 
 
-def project(steps: Mapping, taus: Mapping[str, float]) -> list[dict]:
+def project(steps: Mapping, taus: Mapping[str, float],
+            schedules: Mapping[str, list] | None = None) -> list[dict]:
     """Projected throughput and speedups for every (config, batch) with both a
-    step time and an acceptance length."""
+    step time and an acceptance length. A config with a budget schedule
+    (``schedules``) takes at each batch the acceptance length of the fixed budget
+    its schedule picks there (``ddtree-<b>``), its own varying with the batch."""
     rows = []
     for (config, batch), ms in steps.items():
         tau = taus.get(config)
+        if schedules and config in schedules:
+            tau = taus.get(f"ddtree-{schedule_budget(schedules[config], batch)}")
         if tau is None:
             continue
         per_s = tau / ms * 1000  # tokens per second per request
@@ -155,6 +167,21 @@ def projection_table(projected: Sequence[Mapping]) -> str:
          "projected tok/s", "projected x no-spec", "projected x DFlash"], body)
 
 
+def schedule_verdicts(projected: Sequence[Mapping],
+                      schedules: Mapping[str, list]) -> list[str]:
+    """One line per (schedule config, batch): projected x DFlash, and whether it
+    reaches DFlash (what ``tree_budget="auto"`` must do at every batch)."""
+    lines = []
+    for r in projected:
+        if r["config"] not in schedules or r["vs_dflash"] is None:
+            continue
+        budget = schedule_budget(schedules[r["config"]], r["batch"])
+        verdict = "yes" if r["vs_dflash"] >= 1.0 else "NO"
+        lines.append(f"- {r['config']}, batch {r['batch']} (budget {budget}): "
+                     f"projected {r['vs_dflash']:.3f} x DFlash, >= DFlash: {verdict}")
+    return lines
+
+
 def auto_table(rows: Sequence[Mapping]) -> str:
     body = [[r["batch"], r["budget"], fmt(r["tok_s"], 0), fmt(r["vs_dflash"], 3),
              "yes" if (r["vs_dflash"] or 0) >= 1.0 else "NO"] for r in rows]
@@ -166,6 +193,7 @@ def auto_table(rows: Sequence[Mapping]) -> str:
 def report(cost_rows: Sequence[Mapping], sources: Sequence[tuple[str, dict]],
            temperature: float) -> str:
     steps = step_times(cost_rows, temperature)
+    schedules = schedules_of(cost_rows)
     measured = (
         f"Measured: decode step times of the 8B shapes (dummy weights, "
         f"T={temperature}); `(x DFlash)` is the ratio to DFlash's step at the same "
@@ -176,7 +204,7 @@ def report(cost_rows: Sequence[Mapping], sources: Sequence[tuple[str, dict]],
         measured, "", step_table(steps), "",
     ]
     for label, taus in sources:
-        projected = project(steps, taus)
+        projected = project(steps, taus, schedules)
         parts += [f"## Projected with acceptance lengths from {label}", ""]
         if not projected:
             parts += ["(no config has both a step time and an acceptance length)", ""]
@@ -187,6 +215,10 @@ def report(cost_rows: Sequence[Mapping], sources: Sequence[tuple[str, dict]],
                   auto_table(auto), "",
                   "As a speculative-config schedule (projected): "
                   f'`"tree_budget_per_batch_size": {budget_schedule(auto)}`', ""]
+        verdicts = schedule_verdicts(projected, schedules)
+        if verdicts:
+            parts += ["Measured schedules (step times measured, acceptance of the "
+                      "budget each batch gets; projected):", "", *verdicts, ""]
     return "\n".join(parts)
 
 

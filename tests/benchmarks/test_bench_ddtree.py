@@ -743,6 +743,40 @@ def test_projection_math():
     assert proj.project(steps, {"none": 1.0})[0]["vs_dflash"] is None
 
 
+def test_projection_of_a_schedule():
+    """ddtree-auto / ddtree-schedule rows take, per batch, the acceptance of the
+    budget their schedule picks there; the report says whether each reaches
+    DFlash."""
+    schedule = [[1, 4, 32], [5, 1024, 15]]
+    cost = [_row("dflash", 1, decode_ms_per_step=6.4),
+            _row("dflash", 16, decode_ms_per_step=9.6),
+            _row("ddtree-auto", 1, decode_ms_per_step=6.7,
+                 tree_budget_per_batch_size=schedule),
+            _row("ddtree-auto", 16, decode_ms_per_step=10.0,
+                 tree_budget_per_batch_size=schedule)]
+    steps, schedules = proj.step_times(cost, 0.0), proj.schedules_of(cost)
+    assert schedules == {"ddtree-auto": schedule}
+    taus = {"dflash": 4.1, "ddtree-32": 5.5, "ddtree-15": 4.0, "ddtree-auto": 99.0}
+    rows = {(r["config"], r["batch"]): r
+            for r in proj.project(steps, taus, schedules)}
+    assert rows[("ddtree-auto", 1)]["tau"] == 5.5
+    assert rows[("ddtree-auto", 16)]["tau"] == 4.0
+    assert math.isclose(rows[("ddtree-auto", 16)]["vs_dflash"],
+                        (4.0 / 10.0) / (4.1 / 9.6))
+    lines = proj.schedule_verdicts(proj.project(steps, taus, schedules), schedules)
+    assert lines == [
+        "- ddtree-auto, batch 1 (budget 32): projected 1.281 x DFlash, >= DFlash: yes",
+        "- ddtree-auto, batch 16 (budget 15): projected 0.937 x DFlash, >= DFlash: NO",
+    ]
+    # Without the budget's acceptance the batch is not projected.
+    assert ("ddtree-auto", 16) not in {
+        (r["config"], r["batch"])
+        for r in proj.project(steps, {"dflash": 4.1, "ddtree-32": 5.5}, schedules)}
+    # The auto-budget table only considers fixed budgets.
+    assert all(a["budget"] is not None for a in
+               proj.auto_budget(proj.project(steps, taus, schedules)))
+
+
 def test_pooled_tau():
     rows = [_row("dflash", 1, num_drafts=10, num_accepted_tokens=50),
             _row("dflash", 8, num_drafts=30, num_accepted_tokens=70),
