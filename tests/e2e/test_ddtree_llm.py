@@ -16,7 +16,8 @@ several batches:
   seed twice, and reports free KV blocks and the spec-decode metrics;
 * ``ddtree_schedule``: a budget per batch size (``tree_budget_per_batch_size``,
   vLLM's dynamic speculative decoding): 64 nodes for one request, 16 for 2-8,
-  4 for 9-32, same batches.
+  4 for 9-32, same batches; ``ddtree_auto``: ``tree_budget="auto"`` (the measured
+  schedule of ddtree_config.AUTO_TREE_BUDGET_PER_BATCH_SIZE), same batches.
 
 Greedy outputs (DDTree's and DFlash's) must equal ``ref`` token for token, up to
 numerical ties (tests/e2e/compare.py: logits of different kernels and batch
@@ -91,6 +92,11 @@ def _configs(target, drafter) -> dict[str, dict]:
         "llm": llm_kwargs(target, spec, disable_log_stats=False),
         "runs": greedy_runs(),
     }
+    spec = {"method": "ddtree", "model": str(drafter), "tree_budget": "auto"}
+    configs["ddtree_auto"] = {
+        "llm": llm_kwargs(target, spec, disable_log_stats=False),
+        "runs": greedy_runs(),
+    }
     return configs
 
 
@@ -156,7 +162,9 @@ def test_abort_mid_generation(results):
 
 
 def test_free_kv_blocks_return_to_start(results):
-    for name in [f"ddtree_{budget}" for budget in RUN_BUDGETS] + ["ddtree_schedule"]:
+    for name in [f"ddtree_{budget}" for budget in RUN_BUDGETS] + [
+        "ddtree_schedule", "ddtree_auto"
+    ]:
         _get(results, name)
         blocks = results[name]["free_blocks"]
         assert blocks["end"] == blocks["start"], name
@@ -178,6 +186,24 @@ def test_budget_per_batch_size(results):
     assert draft_tokens <= 64 * drafts
     # Batches of 7 and 32 (budgets 16 and 4) make most of the drafts.
     assert draft_tokens < 32 * drafts
+
+
+def test_auto_budget(results):
+    """tree_budget="auto": the measured schedule (32 nodes for 1-4 requests, 15
+    above): greedy output is the reference's and the trees have 15-32 nodes,
+    fewer than 32 on average since batches of 7 and 32 make most drafts."""
+    from vllm.v1.spec_decode.ddtree_config import AUTO_TREE_BUDGET_PER_BATCH_SIZE
+
+    budgets = [b for *_, b in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
+    ref, ddtree = _get(results, "ref"), _get(results, "ddtree_auto")
+    for n in BATCHES:
+        _assert_greedy_close(ddtree[f"b{n}"], ref[f"b{n}"], f"auto, batch {n}")
+    metrics = results["ddtree_auto"]["metrics"]
+    drafts = metrics["vllm:spec_decode_num_drafts"]
+    draft_tokens = metrics["vllm:spec_decode_num_draft_tokens"]
+    print(f"auto: {draft_tokens / drafts:.1f} nodes per verified tree")
+    assert drafts > 0
+    assert min(budgets) * drafts <= draft_tokens < max(budgets) * drafts
 
 
 def test_seeded_sampling_repeats_exactly(results):
