@@ -254,8 +254,9 @@ def _create_engine_config(original, self, *args, **kwargs):
         # vLLM 0.26 applies a per-batch-size draft count only through the async
         # scheduler's draft placeholders.
         logger.warning(
-            "DDTree: tree_budget_per_batch_size takes effect with async scheduling "
-            "only; without it every step verifies tree_budget=%d nodes",
+            "DDTree: a budget per batch size (tree_budget_per_batch_size or "
+            "tree_budget 'auto') takes effect with async scheduling only; without "
+            "it every step verifies tree_budget=%d nodes",
             cfg.tree_budget,
         )
     return vllm_config

@@ -539,6 +539,11 @@ def test_budget_schedule_without_async_scheduling_warns(models, cuda_platform,
     assert any("takes effect with async scheduling only" in w and
                "tree_budget=64" in w for w in warnings), warnings
     warnings.clear()
+    spec = {"method": "ddtree", "model": drafter, "tree_budget": "auto"}
+    _engine_config(models, spec, max_num_batched_tokens=4096, async_scheduling=False)
+    assert any("tree_budget 'auto') takes effect with async scheduling only" in w
+               for w in warnings), warnings
+    warnings.clear()
     _engine_config(models, max_num_batched_tokens=4096, async_scheduling=False)
     assert not any("async scheduling" in w for w in warnings)
 
