@@ -156,6 +156,10 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
         p.add_argument("--num-prompts", type=int, default=d["num_prompts"],
                        help="requests per (batch, temperature): waves of batch "
                             "requests (e2e), at most batch at once (serve)")
+        p.add_argument("--min-waves", type=int, default=1,
+                       help="at least this many waves of batch requests per "
+                            "(batch, temperature), cycling the prompts, so large "
+                            "batches are timed over more steps than one wave")
     else:
         p.add_argument("--waves", type=int, default=d["waves"],
                        help="timed waves of batch random prompts per batch")
@@ -234,8 +238,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.max_tokens < 2:
         raise ValueError("--max-tokens must be >= 2 (the decode phase is the "
                          "difference to a max_tokens=1 run)")
-    if getattr(args, "num_prompts", 1) < 1 or getattr(args, "waves", 1) < 1:
-        raise ValueError("--num-prompts and --waves must be >= 1")
+    for key in ("num_prompts", "waves", "min_waves"):
+        if getattr(args, key, 1) < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1")
     check_run_options(args)
     if getattr(args, "prompts", None) is not None and not args.prompts.is_file():
         raise ValueError(f"--prompts {args.prompts}: no such file")
@@ -424,10 +429,12 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(RANDOM_VOCAB) for _ in range(length)] for _ in range(count)]
 
 
-def batch_requests(prompts: list, batch: int, num_prompts: int) -> list:
+def batch_requests(prompts: list, batch: int, num_prompts: int,
+                   min_waves: int = 1) -> list:
     """Requests for one (batch, temperature) measurement: ``num_prompts`` rounded
-    up to whole waves of ``batch``, taken from the prompts in order (cycling)."""
-    n = max(1, math.ceil(num_prompts / batch)) * batch
+    up to whole waves of ``batch``, at least ``min_waves`` of them, taken from the
+    prompts in order (cycling)."""
+    n = max(1, min_waves, math.ceil(num_prompts / batch)) * batch
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
@@ -460,6 +467,8 @@ def setup_of(args) -> dict:
         setup.update(input_len=args.input_len, waves=args.waves)
     else:
         setup["num_prompts"] = args.num_prompts
+        if args.min_waves != 1:  # absent at the default: older setups still match
+            setup["min_waves"] = args.min_waves
         setup["prompts"] = _sha(args.prompts)
         setup["ignore_eos"] = args.ignore_eos
         setup["info"]["prompts"] = str(args.prompts)
@@ -610,7 +619,8 @@ def worker_spec(args, config, max_batch, runs, prompts, rid) -> dict:
                 args.waves * batch, args.input_len, args.seed + batch
             )
         else:
-            requests[str(batch)] = batch_requests(prompts, batch, args.num_prompts)
+            requests[str(batch)] = batch_requests(prompts, batch, args.num_prompts,
+                                                  args.min_waves)
     return {
         "llm": engine_kwargs(args, config, max_batch),
         "runs": runs,
@@ -831,7 +841,7 @@ def bench_command(args, base: str, dataset: Path, batch: int, temperature: float
         "--dataset-name", "custom", "--dataset-path", str(dataset),
         "--custom-output-len", str(args.max_tokens), "--skip-chat-template",
         "--disable-shuffle", "--seed", str(args.seed),
-        "--num-prompts", str(max(args.num_prompts, batch)),
+        "--num-prompts", str(max(args.num_prompts, batch * args.min_waves)),
         "--max-concurrency", str(batch), "--num-warmups", str(batch),
         "--temperature", str(temperature), "--disable-tqdm",
         "--save-result", "--result-dir", str(result.parent),

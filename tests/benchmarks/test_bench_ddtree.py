@@ -111,6 +111,19 @@ def test_e2e_needs_a_pair(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bd.parse_args(["e2e", "--out", str(tmp_path), *pair])
     assert "missing.json: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bd.parse_args(["e2e", "--out", str(tmp_path), *pair[:-1],
+                       str(tmp_path / "prompts.json"), "--min-waves", "0"])
+    assert "--min-waves must be >= 1" in capsys.readouterr().err
+
+
+def test_min_waves_in_setup_only_when_set(tmp_path):
+    base = ["e2e", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
+    assert "min_waves" not in bd.setup_of(bd.parse_args(base))
+    args = bd.parse_args([*base, "--min-waves", "4", "--batches", "8"])
+    assert bd.setup_of(args)["min_waves"] == 4
+    spec = bd.worker_spec(args, "dflash", 8, [(8, 0.0)], ["p"] * 3, "r")
+    assert len(spec["requests"]["8"]) == 4 * 8
 
 
 # ---------------------------------------------------------------------------
@@ -330,6 +343,9 @@ def test_requests_and_random_prompts():
     assert bd.batch_requests(["a", "b", "c"], 2, 3) == ["a", "b", "c", "a"]
     assert bd.batch_requests(["a"], 8, 1) == ["a"] * 8
     assert len(bd.batch_requests(list("abcdefgh"), 1, 5)) == 5
+    # --min-waves: at least that many waves, whatever --num-prompts says.
+    assert bd.batch_requests(["a", "b", "c"], 2, 3, min_waves=3) == list("abcabc")
+    assert len(bd.batch_requests(list("abcdefgh"), 1, 5, min_waves=3)) == 5
     a = bd.random_prompts(3, 50, seed=7)
     assert a == bd.random_prompts(3, 50, seed=7) != bd.random_prompts(3, 50, seed=8)
     assert all(len(p) == 50 and 0 <= min(p) and max(p) < 151643 for p in a)
