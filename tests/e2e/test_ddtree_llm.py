@@ -170,19 +170,26 @@ def test_free_kv_blocks_return_to_start(results):
         assert blocks["end"] == blocks["start"], name
 
 
+def _scheduled_run(results, name: str, label: str) -> tuple[int, int]:
+    """Greedy output of a budget-per-batch-size config equals the reference's at
+    every batch; (verified trees, tree nodes verified) from its metrics."""
+    ref, ddtree = _get(results, "ref"), _get(results, name)
+    for n in BATCHES:
+        _assert_greedy_close(ddtree[f"b{n}"], ref[f"b{n}"], f"{label}, batch {n}")
+    metrics = results[name]["metrics"]
+    drafts = metrics["vllm:spec_decode_num_drafts"]
+    draft_tokens = metrics["vllm:spec_decode_num_draft_tokens"]
+    print(f"{label}: {draft_tokens / max(drafts, 1):.1f} nodes per verified tree")
+    assert drafts > 0
+    return drafts, draft_tokens
+
+
 def test_budget_per_batch_size(results):
     """With a schedule, each step verifies the budget of its batch size: greedy
     output is still the reference's, and the mean number of nodes per verified
     tree falls well below the largest budget (a fixed budget of 64 gives 64 per
     tree unless the token budget trims it)."""
-    ref, ddtree = _get(results, "ref"), _get(results, "ddtree_schedule")
-    for n in BATCHES:
-        _assert_greedy_close(ddtree[f"b{n}"], ref[f"b{n}"], f"schedule, batch {n}")
-    metrics = results["ddtree_schedule"]["metrics"]
-    drafts = metrics["vllm:spec_decode_num_drafts"]
-    draft_tokens = metrics["vllm:spec_decode_num_draft_tokens"]
-    print(f"schedule: {draft_tokens / drafts:.1f} nodes per verified tree")
-    assert drafts > 0
+    drafts, draft_tokens = _scheduled_run(results, "ddtree_schedule", "schedule")
     assert draft_tokens <= 64 * drafts
     # Batches of 7 and 32 (budgets 16 and 4) make most of the drafts.
     assert draft_tokens < 32 * drafts
@@ -195,14 +202,7 @@ def test_auto_budget(results):
     from vllm.v1.spec_decode.ddtree_config import AUTO_TREE_BUDGET_PER_BATCH_SIZE
 
     budgets = [b for *_, b in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
-    ref, ddtree = _get(results, "ref"), _get(results, "ddtree_auto")
-    for n in BATCHES:
-        _assert_greedy_close(ddtree[f"b{n}"], ref[f"b{n}"], f"auto, batch {n}")
-    metrics = results["ddtree_auto"]["metrics"]
-    drafts = metrics["vllm:spec_decode_num_drafts"]
-    draft_tokens = metrics["vllm:spec_decode_num_draft_tokens"]
-    print(f"auto: {draft_tokens / drafts:.1f} nodes per verified tree")
-    assert drafts > 0
+    drafts, draft_tokens = _scheduled_run(results, "ddtree_auto", "auto")
     assert min(budgets) * drafts <= draft_tokens < max(budgets) * drafts
 
 
