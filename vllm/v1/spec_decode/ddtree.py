@@ -34,7 +34,7 @@ from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm.v1.spec_decode.ddtree_inputs import draft_context_size, prepare_draft_inputs
-from vllm.v1.spec_decode.dflash_tree_builder import DDTree, build_ddtree, num_mask_words
+from vllm.v1.spec_decode.dflash_tree_builder import DDTree, build_ddtree
 from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
 from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -49,26 +49,15 @@ class DraftTrees:
     """Trees of up to ``max_num_reqs`` requests in :class:`DDTree` layout."""
 
     def __init__(self, max_num_reqs: int, budget: int, device: torch.device):
+        trees = DDTree.empty(max_num_reqs, budget, device)
         # [max_num_reqs, budget] int64; -1 on padding nodes.
-        self.token_ids = torch.full(
-            (max_num_reqs, budget), -1, dtype=torch.int64, device=device
-        )
+        self.token_ids = trees.token_ids.fill_(-1)
         # [max_num_reqs, budget] int32; 0 = root.
-        self.parent_ids = torch.zeros(
-            max_num_reqs, budget, dtype=torch.int32, device=device
-        )
+        self.parent_ids = trees.parent_ids.zero_()
         # [max_num_reqs, budget] int32; 1..depth, 0 on padding nodes.
-        self.depths = torch.zeros(
-            max_num_reqs, budget, dtype=torch.int32, device=device
-        )
+        self.depths = trees.depths.zero_()
         # [max_num_reqs, budget + 1, num_words] int32 ancestor-or-self masks.
-        self.attn_mask = torch.zeros(
-            max_num_reqs,
-            budget + 1,
-            num_mask_words(budget),
-            dtype=torch.int32,
-            device=device,
-        )
+        self.attn_mask = trees.attn_mask.zero_()
 
     def scatter_(
         self,
