@@ -279,6 +279,11 @@ def _schedule_field(args, config: str) -> dict:
 
 def auto_schedule() -> list[list[int]]:
     """The schedule ``tree_budget: "auto"`` stands for in this checkout."""
+    # The checkout's modules join the installed vllm package once the plugin
+    # registers (engines load it themselves; this process does not).
+    import vllm_ddtree
+
+    vllm_ddtree.register()
     from vllm.v1.spec_decode.ddtree_config import AUTO_TREE_BUDGET_PER_BATCH_SIZE
 
     return [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]

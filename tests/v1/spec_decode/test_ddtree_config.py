@@ -526,6 +526,54 @@ def test_engine_config_with_auto_budget(models, cuda_platform):
         assert {b + 1 for b in budgets} <= set(sizes)
 
 
+@pytest.mark.parametrize(
+    "budgets", [{"tree_budget": "auto"}, {"tree_budget_per_batch_size": SCHEDULE}]
+)
+def test_drafter_graphs_keep_one_query_length(models, cuda_platform, monkeypatch,
+                                              budgets):
+    """With a budget per batch size the drafter still runs depth + 1 tokens per
+    request: its graphs are planned for that one length. vLLM's manager plans
+    one length per scheduled budget (budget + 16 - max budget), which is
+    negative for the small budgets and failed the capture on the H200."""
+    import torch
+
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.spec_decode.ddtree import DDTreeDraftCudaGraphManager
+    from vllm.v1.worker.gpu import cudagraph_utils
+    from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
+
+    _, drafter = models
+    _, config = _engine_config(
+        models, {"method": "ddtree", "model": drafter, **budgets},
+        max_num_batched_tokens=4096, max_num_seqs=32,
+    )
+    # A CPU build captures no graphs: give it the sizes a GPU build would get.
+    compilation = config.compilation_config
+    compilation.cudagraph_capture_sizes = [1, 2, 4, 5, 8, 16, 17, 32, 33, 64, 65,
+                                           128, 256, 512]
+    compilation.max_cudagraph_capture_size = 512
+    monkeypatch.setattr(cudagraph_utils, "get_pp_group", lambda: types.SimpleNamespace(
+        is_first_rank=True, is_last_rank=True))
+    monkeypatch.setattr(cudagraph_utils.current_platform, "get_global_graph_pool",
+                        lambda: None, raising=False)
+    block = DDTreeConfig.from_vllm_config(config).draft_len
+
+    def planned(manager_cls):
+        manager = manager_cls(config, torch.device("cpu"),
+                              CUDAGraphMode.FULL_DECODE_ONLY, decode_query_len=block)
+        return [d for descs in manager._capture_descs.values() for d in descs]
+
+    descs = planned(DDTreeDraftCudaGraphManager)
+    num_reqs = {d.num_reqs for d in descs}
+    assert {1, 2, 4, 8, 16, 32} <= num_reqs and max(num_reqs) == 32
+    for d in descs:
+        assert d.uniform_token_count == block and d.num_tokens == block * d.num_reqs
+    # What vLLM's manager plans for the same config (the failure above).
+    assert any(d.uniform_token_count != block for d in planned(DFlashCudaGraphManager))
+    # The engine's own config still carries the schedule.
+    assert config.speculative_config.uses_dynamic_speculative_decoding()
+
+
 def test_budget_schedule_without_async_scheduling_warns(models, cuda_platform,
                                                         monkeypatch):
     from vllm_ddtree import glue
