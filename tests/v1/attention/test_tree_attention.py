@@ -336,6 +336,23 @@ def test_plan_warps(num_tokens, num_reqs, num_warps):
     assert plan.config.num_warps == 4
 
 
+@pytest.mark.parametrize(
+    "budget,tiles,rows_used",
+    # (tree budget, query tiles per request, share of the tiles' rows holding
+    # queries). A budget B verifies B + 1 tokens: one past a power of two opens a
+    # tile for a single token (or doubles the tile), one below fills them.
+    [(15, 1, 1.0), (16, 1, 17 / 32), (31, 1, 1.0), (32, 2, 33 / 64),
+     (63, 2, 1.0), (64, 3, 65 / 96), (127, 4, 1.0), (128, 5, 129 / 160)],
+)
+@pytest.mark.parametrize("batch", [1, 64])
+def test_plan_tiles_per_tree(budget, tiles, rows_used, batch):
+    """Qwen3-8B heads: the work of a tree step's attention is query tiles per
+    request; budgets 2^k - 1 (auto's 15 and 31) waste no tile rows."""
+    plan = plan_tree_attention(batch * (budget + 1), batch, 32, 8, 128, num_sms=132)
+    assert -(-(budget + 1) // plan.block_q) == tiles
+    assert (budget + 1) / (tiles * plan.block_q) == pytest.approx(rows_used)
+
+
 # The tile shapes bench_tree_attn.py sweeps by default, at full size.
 GPU_CONFIGS = ["m128n64w8s5", "m128n64w8s7", "m128n64w8s3", "m128n32w8s5",
                "m64n64w4s5", "m64n64w8s5", "m64n32w4s5", "m128n128w8s3"]

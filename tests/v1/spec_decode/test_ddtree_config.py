@@ -533,7 +533,7 @@ def test_drafter_graphs_keep_one_query_length(models, cuda_platform, monkeypatch
                                               budgets):
     """With a budget per batch size the drafter still runs depth + 1 tokens per
     request: its graphs are planned for that one length. vLLM's manager plans
-    one length per scheduled budget (budget + 16 - max budget), which is
+    one length per scheduled budget (budget + 16 - max budget), which is zero or
     negative for the small budgets and failed the capture on the H200."""
     import torch
 
@@ -568,8 +568,13 @@ def test_drafter_graphs_keep_one_query_length(models, cuda_platform, monkeypatch
     assert {1, 2, 4, 8, 16, 32} <= num_reqs and max(num_reqs) == 32
     for d in descs:
         assert d.uniform_token_count == block and d.num_tokens == block * d.num_reqs
-    # What vLLM's manager plans for the same config (the failure above).
-    assert any(d.uniform_token_count != block for d in planned(DFlashCudaGraphManager))
+    # vLLM's manager on the same config: lengths other than the drafter's, or a
+    # zero length it cannot plan at all (max budget 31: 15 + 16 - 31).
+    try:
+        stock = planned(DFlashCudaGraphManager)
+    except ZeroDivisionError:
+        stock = None
+    assert stock is None or any(d.uniform_token_count != block for d in stock)
     # The engine's own config still carries the schedule.
     assert config.speculative_config.uses_dynamic_speculative_decoding()
 

@@ -42,17 +42,20 @@ ADDITIONAL_CONFIG_KEY = "ddtree"
 # Good at small batches; the best budget falls as the batch grows (docs/ddtree.md).
 DEFAULT_TREE_BUDGET = 64
 AUTO_TREE_BUDGET = "auto"
-# The schedule "tree_budget": "auto" stands for. Batch sizes 1-4: budget 32, the
+# The schedule "tree_budget": "auto" stands for. Batch sizes 1-4: budget 31, the
 # best budget measured there (Qwen3-8B-shaped target and DFlash drafter on one
-# H200, dummy weights: step 1.05x / 1.16x DFlash's at batch 1 / 4, budget 128
-# 1.21x / 2.67x; the trained pair accepts 5.47 tokens per step at budget 32 vs
-# DFlash's 4.11, so 1.26x / 1.14x DFlash's throughput projected). Larger batches:
-# 15 nodes, the 16 tokens per request DFlash (15 draft tokens) itself verifies, so
-# the target's step costs what DFlash's does; budget 32 measured 1.92x DFlash's
-# step at batch 16. Results and commands: benchmarks/results/bench_ddtree_cost,
+# H200, dummy weights: budget 32's step 1.05x / 1.16x DFlash's at batch 1 / 4,
+# budget 128 1.21x / 2.67x; the trained pair accepts 5.47 tokens per step at
+# budget 32 vs DFlash's 4.11, so 1.26x / 1.14x DFlash's throughput projected),
+# one node less: B nodes verify B + 1 tokens, and 32 tokens fill the tree kernel's
+# query tiles where 33 open a second one (plan_tree_attention; 31 is not measured
+# yet, and its step is at most budget 32's). Larger batches: 15 nodes, the 16
+# tokens per request DFlash (15 draft tokens) itself verifies; budget 32 measured
+# 1.92x DFlash's step at batch 16 and budget 16 (17 tokens) 1.22x / 1.26x at batch
+# 16 / 64. Results and commands: benchmarks/results/bench_ddtree_cost*,
 # docs/ddtree.md.
 AUTO_TREE_BUDGET_PER_BATCH_SIZE: tuple[tuple[int, int, int], ...] = (
-    (1, 4, 32),
+    (1, 4, 31),
     (5, 1024, 15),  # vLLM carries the last budget past the end
 )
 # Keys of a ddtree speculative config passed to the DFlash drafter's config as is.
