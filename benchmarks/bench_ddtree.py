@@ -76,6 +76,9 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
 )
 
 MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"
+# TREE_ATTN's switch for its cascade form (tree_attn.CONTEXT_CASCADE_ENV; this
+# process does not import vLLM).
+CONTEXT_CASCADE_ENV = "VLLM_TREE_ATTN_CONTEXT_CASCADE_MIN_QUERY_LEN"
 DFLASH_TOKENS = 15  # DFlash's chain: a block of 16 minus the root
 DRAFT_LEN = DFLASH_TOKENS + 1
 MAX_BUDGET = 1024
@@ -480,6 +483,11 @@ def setup_of(args) -> dict:
     if args.schedule is not None:
         # ddtree-schedule rows mean this schedule; another one needs another --out.
         setup["schedule"] = args.schedule
+    cascade = os.environ.get(CONTEXT_CASCADE_ENV, "").strip()
+    if cascade:
+        # TREE_ATTN's cascade form, inherited by every engine of this command
+        # (absent when unset: older setups still match).
+        setup["tree_attn_context_cascade_min_query_len"] = cascade
     return setup
 
 

@@ -126,6 +126,22 @@ def test_min_waves_in_setup_only_when_set(tmp_path):
     assert len(spec["requests"]["8"]) == 4 * 8
 
 
+def test_context_cascade_switch_in_setup(tmp_path, monkeypatch):
+    """Engines inherit TREE_ATTN's cascade switch from the environment; the
+    setup records it, so such rows never merge with rows run without it."""
+    from vllm.v1.attention.backends import tree_attn
+
+    assert bd.CONTEXT_CASCADE_ENV == tree_attn.CONTEXT_CASCADE_ENV
+    args = bd.parse_args(["e2e", "--out", str(tmp_path / "o"), *_pair(tmp_path)])
+    monkeypatch.delenv(bd.CONTEXT_CASCADE_ENV, raising=False)
+    plain = bd.setup_of(args)
+    assert "tree_attn_context_cascade_min_query_len" not in plain
+    monkeypatch.setenv(bd.CONTEXT_CASCADE_ENV, "32")
+    cascade = bd.setup_of(args)
+    assert cascade["tree_attn_context_cascade_min_query_len"] == "32"
+    assert cascade != plain
+
+
 # ---------------------------------------------------------------------------
 # Engine configurations
 # ---------------------------------------------------------------------------

@@ -476,6 +476,23 @@ def test_cascade_dispatch(vllm_config, monkeypatch, threshold, used):
 
 
 @needs_gpu
+def test_cascade_switch_from_environment(monkeypatch):
+    """Off unless the environment names a positive shortest query length; a bad
+    value stops the start with the variable's name."""
+    from vllm.v1.attention.backends import tree_attn
+
+    name = tree_attn.CONTEXT_CASCADE_ENV
+    monkeypatch.delenv(name, raising=False)
+    assert tree_attn.context_cascade_min_query_len() is None
+    for value, want in [("", None), (" 32 ", 32), ("1", 1)]:
+        monkeypatch.setenv(name, value)
+        assert tree_attn.context_cascade_min_query_len() == want
+    for bad in ["0", "-4", "x", "2.5"]:
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            tree_attn.context_cascade_min_query_len()
+
+
 def test_cascade_through_builder_and_impl(vllm_config, monkeypatch):
     from vllm.v1.attention.backends import tree_attn
 

@@ -538,7 +538,7 @@ def test_drafter_graphs_keep_one_query_length(models, cuda_platform, monkeypatch
     import torch
 
     from vllm.config.compilation import CUDAGraphMode
-    from vllm.v1.spec_decode.ddtree import DDTreeDraftCudaGraphManager
+    from vllm.v1.spec_decode.ddtree import fixed_draft_len_config
     from vllm.v1.worker.gpu import cudagraph_utils
     from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
 
@@ -558,23 +558,48 @@ def test_drafter_graphs_keep_one_query_length(models, cuda_platform, monkeypatch
                         lambda: None, raising=False)
     block = DDTreeConfig.from_vllm_config(config).draft_len
 
-    def planned(manager_cls):
-        manager = manager_cls(config, torch.device("cpu"),
-                              CUDAGraphMode.FULL_DECODE_ONLY, decode_query_len=block)
+    def planned(vllm_config):
+        manager = DFlashCudaGraphManager(vllm_config, torch.device("cpu"),
+                                         CUDAGraphMode.FULL_DECODE_ONLY,
+                                         decode_query_len=block)
         return [d for descs in manager._capture_descs.values() for d in descs]
 
-    descs = planned(DDTreeDraftCudaGraphManager)
+    fixed = fixed_draft_len_config(config)
+    descs = planned(fixed)
     num_reqs = {d.num_reqs for d in descs}
     assert {1, 2, 4, 8, 16, 32} <= num_reqs and max(num_reqs) == 32
     for d in descs:
         assert d.uniform_token_count == block and d.num_tokens == block * d.num_reqs
-    # vLLM's manager on the same config: lengths other than the drafter's, or a
-    # zero length it cannot plan at all (max budget 31: 15 + 16 - 31).
+    # Everything but the schedule is the engine's own.
+    assert fixed.compilation_config is config.compilation_config
+    assert fixed.speculative_config.num_speculative_tokens == (
+        config.speculative_config.num_speculative_tokens)
+    # The engine's config as is: lengths other than the drafter's, or a zero
+    # length vLLM's manager cannot plan at all (max budget 31: 15 + 16 - 31).
     try:
-        stock = planned(DFlashCudaGraphManager)
+        stock = planned(config)
     except ZeroDivisionError:
         stock = None
     assert stock is None or any(d.uniform_token_count != block for d in stock)
+    # Without a schedule the config is used as is.
+    _, plain = _engine_config(models, max_num_batched_tokens=4096)
+    assert fixed_draft_len_config(plain) is plain
+
+    # The speculator's hook: DFlash's graph-mode choice, the fixed plan, and the
+    # speculator keeps the engine's config.
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
+
+    spec = object.__new__(DDTreeSpeculator)  # only what the hook reads
+    spec.vllm_config, spec.device, spec.num_query_per_req = config, "cpu", block
+    spec.attn_cg_support = types.SimpleNamespace(
+        min_cg_support=AttentionCGSupport.UNIFORM_BATCH, min_cg_attn_backend="x")
+    spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert spec.vllm_config is config
+    manager = spec.query_cudagraph_manager
+    assert manager.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    hooked = [d for descs in manager._capture_descs.values() for d in descs]
+    assert hooked == descs
     # The engine's own config still carries the schedule.
     assert config.speculative_config.uses_dynamic_speculative_decoding()
 

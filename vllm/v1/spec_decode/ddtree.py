@@ -42,7 +42,6 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.model_states.interface import ModelState
-from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.utils import AttentionGroup
 
@@ -75,32 +74,26 @@ class DraftTrees:
         self.attn_mask[idx_mapping] = src.attn_mask[:num_reqs]
 
 
-class DDTreeDraftCudaGraphManager(DFlashCudaGraphManager):
-    """DFlash's drafter graphs with one query length for every tree budget.
+def fixed_draft_len_config(vllm_config: VllmConfig) -> VllmConfig:
+    """``vllm_config`` as the drafter's CUDA graphs must see it.
 
     With a budget per batch size (``tree_budget_per_batch_size`` or ``"auto"``,
-    vLLM's dynamic speculative decoding) vLLM's manager derives one decode query
-    length per scheduled budget, ``budget + decode_query_len - max budget``: right
-    for a chain drafter, whose block grows with the budget, but wrong for DDTree's,
-    which runs ``depth + 1`` tokens per request whatever the budget (negative for
-    budgets below ``max budget - depth``, which fails the capture). The drafter's
-    graphs are therefore planned as for a fixed budget.
+    vLLM's dynamic speculative decoding) vLLM's graph manager plans one decode
+    query length per scheduled draft count, ``count + decode_query_len - max
+    count``: right for a chain drafter, whose block grows with the count, wrong
+    for DDTree's, which runs ``depth + 1`` tokens per request whatever budget the
+    scheduler keeps (zero or negative for budgets below ``max budget - depth``,
+    which fails the capture). The drafter's graphs are planned from a shallow copy
+    without the schedule; the engine's config keeps it.
     """
-
-    def _init_candidates(self) -> None:
-        spec = self.vllm_config.speculative_config
-        if spec is None or not spec.uses_dynamic_speculative_decoding():
-            super()._init_candidates()
-            return
-        full_config = self.vllm_config
-        fixed_spec = copy.copy(spec)
-        fixed_spec.num_speculative_tokens_per_batch_size = None
-        self.vllm_config = copy.copy(full_config)
-        self.vllm_config.speculative_config = fixed_spec
-        try:
-            super()._init_candidates()
-        finally:
-            self.vllm_config = full_config
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.uses_dynamic_speculative_decoding():
+        return vllm_config
+    spec = copy.copy(spec)
+    spec.num_speculative_tokens_per_batch_size = None
+    fixed = copy.copy(vllm_config)
+    fixed.speculative_config = spec
+    return fixed
 
 
 @dataclass
@@ -175,16 +168,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.state: DDTreeState | None = None
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
-        # DFlash picks the drafter's graph mode; the plan of its graphs must not
-        # follow the per-batch budgets (DDTreeDraftCudaGraphManager).
-        super().init_cudagraph_manager(cudagraph_mode)
-        assert self.query_cudagraph_manager is not None
-        self.query_cudagraph_manager = DDTreeDraftCudaGraphManager(
-            self.vllm_config,
-            self.device,
-            self.query_cudagraph_manager.cudagraph_mode,
-            decode_query_len=self.num_query_per_req,
-        )
+        # DFlash's choice of the drafter's graph mode, with its graphs planned
+        # for the one block length (fixed_draft_len_config).
+        full_config = self.vllm_config
+        self.vllm_config = fixed_draft_len_config(full_config)
+        try:
+            super().init_cudagraph_manager(cudagraph_mode)
+        finally:
+            self.vllm_config = full_config
 
     def set_attn(
         self,

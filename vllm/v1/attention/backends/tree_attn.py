@@ -28,6 +28,7 @@ takes ``CUSTOM``: call ``register_tree_attn_backend()`` (idempotent) in every
 process, then select ``AttentionBackendEnum.CUSTOM``.
 """
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -465,14 +466,35 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         )
 
 
+# Turns the cascade form on for measurements in engines (benchmarks): the
+# shortest step query (max_query_len) that runs it. Unset: off. Upstream this
+# would be an AttentionConfig field.
+CONTEXT_CASCADE_ENV = "VLLM_TREE_ATTN_CONTEXT_CASCADE_MIN_QUERY_LEN"
+
+
+def context_cascade_min_query_len() -> int | None:
+    """``CONTEXT_CASCADE_ENV`` as a positive int, None when unset or empty."""
+    value = os.environ.get(CONTEXT_CASCADE_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"{CONTEXT_CASCADE_ENV} must be a positive integer (the shortest "
+            f"step query length that runs FlashAttention over the context), "
+            f"got {value!r}; unset it to keep the cascade off"
+        )
+    return int(value)
+
+
 class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     supports_dcp: bool = False
     # Steps whose longest query is at least this long run the kernel rows as a
     # cascade (tree_attention_with_context): FlashAttention over the committed
     # context, the Triton kernel over the new keys, merged by log-sum-exp. None:
     # off (the Triton kernel reads the whole context). Off until measured on
-    # the H200 (benchmarks/bench_tree_attn.py's cascade column).
-    fa_context_min_query_len: ClassVar[int | None] = None
+    # the H200 (benchmarks/bench_tree_attn.py's cascade column); set it for a
+    # measurement with CONTEXT_CASCADE_ENV.
+    fa_context_min_query_len: ClassVar[int | None] = context_cascade_min_query_len()
 
     def __init__(
         self,
