@@ -49,7 +49,7 @@ AUTO_TREE_BUDGET = "auto"
 # budget 32 vs DFlash's 4.11, so 1.26x / 1.14x DFlash's throughput projected),
 # one node less: B nodes verify B + 1 tokens, and 32 tokens fill the tree kernel's
 # query tiles where 33 open a second one (plan_tree_attention; 31 is not measured
-# yet, and its step is at most budget 32's). Larger batches: 15 nodes, the 16
+# yet, it is expected to be no slower than 32). Larger batches: 15 nodes, the 16
 # tokens per request DFlash (15 draft tokens) itself verifies; budget 32 measured
 # 1.92x DFlash's step at batch 16 and budget 16 (17 tokens) 1.22x / 1.26x at batch
 # 16 / 64. Results and commands: benchmarks/results/bench_ddtree_cost*,
