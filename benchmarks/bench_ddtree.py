@@ -76,9 +76,15 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
 )
 
 MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"
-# TREE_ATTN's switch for its cascade form (tree_attn.CONTEXT_CASCADE_ENV; this
-# process does not import vLLM).
+# TREE_ATTN's switches for its cascade form (tree_attn.CONTEXT_CASCADE_ENV and
+# CONTEXT_CASCADE_REQS_ENV; this process does not import vLLM) and the setup
+# keys that record them.
 CONTEXT_CASCADE_ENV = "VLLM_TREE_ATTN_CONTEXT_CASCADE_MIN_QUERY_LEN"
+CONTEXT_CASCADE_REQS_ENV = "VLLM_TREE_ATTN_CONTEXT_CASCADE_MIN_REQS"
+CASCADE_SETUP_KEYS = {
+    CONTEXT_CASCADE_ENV: "tree_attn_context_cascade_min_query_len",
+    CONTEXT_CASCADE_REQS_ENV: "tree_attn_context_cascade_min_reqs",
+}
 DFLASH_TOKENS = 15  # DFlash's chain: a block of 16 minus the root
 DRAFT_LEN = DFLASH_TOKENS + 1
 MAX_BUDGET = 1024
@@ -483,11 +489,12 @@ def setup_of(args) -> dict:
     if args.schedule is not None:
         # ddtree-schedule rows mean this schedule; another one needs another --out.
         setup["schedule"] = args.schedule
-    cascade = os.environ.get(CONTEXT_CASCADE_ENV, "").strip()
-    if cascade:
-        # TREE_ATTN's cascade form, inherited by every engine of this command
-        # (absent when unset: older setups still match).
-        setup["tree_attn_context_cascade_min_query_len"] = cascade
+    for env, key in CASCADE_SETUP_KEYS.items():
+        value = os.environ.get(env, "").strip()
+        if value:
+            # TREE_ATTN's cascade form, inherited by every engine of this
+            # command (absent when unset: older setups still match).
+            setup[key] = value
     return setup
 
 

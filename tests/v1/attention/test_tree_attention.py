@@ -353,6 +353,22 @@ def test_plan_tiles_per_tree(budget, tiles, rows_used, batch):
     assert (budget + 1) / (tiles * plan.block_q) == pytest.approx(rows_used)
 
 
+@pytest.mark.parametrize("budget,block_n", [(15, 32), (31, 32), (63, 64), (127, 64)])
+def test_tail_plan_streams_few_keys_unpipelined(budget, block_n):
+    """The cascade's suffix half reads only the new keys: key blocks about the
+    query length and one pipeline stage, so more programs share an SM."""
+    full = plan_tree_attention(64 * (budget + 1), 64, 32, 8, 128, num_sms=132)
+    tail = plan_tree_attention(64 * (budget + 1), 64, 32, 8, 128, num_sms=132,
+                               tail_only=True)
+    assert (tail.config.block_n, tail.config.num_stages) == (block_n, 1)
+    assert tail.config.block_m == full.config.block_m
+    assert tail.num_splits == 1 and full.config.num_stages == 5
+    # An explicit config is taken as given.
+    cfg = TreeAttentionConfig.parse("m64n64w4s5")
+    assert plan_tree_attention(1024, 64, 32, 8, 128, num_sms=132, config=cfg,
+                               tail_only=True).config == cfg
+
+
 # The tile shapes bench_tree_attn.py sweeps by default, at full size.
 GPU_CONFIGS = ["m128n64w8s5", "m128n64w8s7", "m128n64w8s3", "m128n32w8s5",
                "m64n64w4s5", "m64n64w8s5", "m64n32w4s5", "m128n128w8s3"]
@@ -457,6 +473,8 @@ def torch_merge_states(out, prefix_out, prefix_lse, suffix_out, suffix_lse):
 CASCADE_CASES = [  # (ctx_lens, q_lens, trees as budgets or None)
     ([40, 1, 77], [16, 3, 1], ["heap", None, None]),
     ([200, 0], [64, 5], ["parents", None]),  # a request with no context
+    # 32-key tail blocks (_tail_config): the tree's keys span two of them.
+    ([10, 3], [40, 1], ["heap", None]),
 ]
 
 

@@ -445,15 +445,20 @@ def _tree_step(vllm_config, budget=31, seed=1):
     return builder, step, visibility
 
 
-@pytest.mark.parametrize("threshold, used", [(None, False), (8, True), (33, False)])
-def test_cascade_dispatch(vllm_config, monkeypatch, threshold, used):
-    """The impl takes the cascade only where FlashAttention exists and the
-    step's longest query reaches fa_context_min_query_len (here 32)."""
+@pytest.mark.parametrize("threshold, min_reqs, used", [
+    (None, 1, False), (8, 1, True), (33, 1, False), (8, 2, True), (8, 3, False),
+])
+def test_cascade_dispatch(vllm_config, monkeypatch, threshold, min_reqs, used):
+    """The impl takes the cascade only where FlashAttention exists, the
+    step's longest query reaches fa_context_min_query_len (here 32) and its
+    kernel rows hold fa_context_min_reqs requests (here 2)."""
     from vllm.v1.attention.backends import tree_attn
 
     calls = []
     monkeypatch.setattr(tree_attn.TreeAttentionImpl, "fa_context_min_query_len",
                         threshold)
+    monkeypatch.setattr(tree_attn.TreeAttentionImpl, "fa_context_min_reqs",
+                        min_reqs)
     monkeypatch.setattr(tree_attn, "flash_context_attention",
                         lambda *args: calls.append(("context", args[-1])))
     monkeypatch.setattr(tree_attn, "tree_attention_with_context",
@@ -491,6 +496,17 @@ def test_cascade_switch_from_environment(monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             tree_attn.context_cascade_min_query_len()
+    # The request threshold: any number of requests unless set.
+    name = tree_attn.CONTEXT_CASCADE_REQS_ENV
+    monkeypatch.delenv(name, raising=False)
+    assert tree_attn.context_cascade_min_reqs() == 1
+    for value, want in [("", 1), (" 16 ", 16)]:
+        monkeypatch.setenv(name, value)
+        assert tree_attn.context_cascade_min_reqs() == want
+    for bad in ["0", "x"]:
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            tree_attn.context_cascade_min_reqs()
 
 
 def test_cascade_through_builder_and_impl(vllm_config, monkeypatch):

@@ -169,7 +169,8 @@ class TreeKernelRows:
     # [num_kernel_reqs]
     is_tree: torch.Tensor | None
     # [num_kernel_reqs] committed tokens (seq_lens - query lengths) when the step
-    # runs as a cascade (TreeAttentionImpl.fa_context_min_query_len), else None.
+    # runs as a cascade (TreeAttentionImpl.fa_context_min_query_len and
+    # fa_context_min_reqs), else None.
     ctx_lens: torch.Tensor | None = None
 
 
@@ -412,7 +413,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             is_tree = self._tree_inputs.is_tree[:num_reqs]
         query_start_loc = cm.query_start_loc[: num_reqs + 1]
         seq_lens = cm.seq_lens[:num_reqs]
-        if self._use_context_cascade(cm.max_query_len):
+        if self._use_context_cascade(cm.max_query_len, num_reqs):
             # Once per step, for every layer of this group.
             ctx_lens = torch.sub(
                 seq_lens, query_start_loc[1:] - query_start_loc[:-1],
@@ -428,13 +429,14 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             ctx_lens=ctx_lens,
         )
 
-    def _use_context_cascade(self, max_query_len: int) -> bool:
+    def _use_context_cascade(self, max_query_len: int, num_reqs: int) -> bool:
         """A host-side choice from static sizes (fixed in a captured graph)."""
         threshold = TreeAttentionImpl.fa_context_min_query_len
         return (
             threshold is not None
             and self._fa_version is not None
             and max_query_len >= threshold
+            and num_reqs >= TreeAttentionImpl.fa_context_min_reqs
         )
 
     def _split_point(self, cm: CommonAttentionMetadata) -> tuple[int, int]:
@@ -466,24 +468,46 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         )
 
 
-# Turns the cascade form on for measurements in engines (benchmarks): the
-# shortest step query (max_query_len) that runs it. Unset: off. Upstream this
-# would be an AttentionConfig field.
+# Turn the cascade form on for measurements in engines (benchmarks): the
+# shortest step query (max_query_len) that runs it (unset: off) and the fewest
+# requests in the kernel's rows (unset: 1). Upstream these would be
+# AttentionConfig fields.
 CONTEXT_CASCADE_ENV = "VLLM_TREE_ATTN_CONTEXT_CASCADE_MIN_QUERY_LEN"
+CONTEXT_CASCADE_REQS_ENV = "VLLM_TREE_ATTN_CONTEXT_CASCADE_MIN_REQS"
 
 
-def context_cascade_min_query_len() -> int | None:
-    """``CONTEXT_CASCADE_ENV`` as a positive int, None when unset or empty."""
-    value = os.environ.get(CONTEXT_CASCADE_ENV, "").strip()
+def _positive_int_env(name: str, meaning: str, unset: str) -> int | None:
+    """Environment variable ``name`` as a positive int, None when unset or
+    empty; anything else stops the start naming the variable."""
+    value = os.environ.get(name, "").strip()
     if not value:
         return None
     if not value.isdigit() or int(value) < 1:
         raise ValueError(
-            f"{CONTEXT_CASCADE_ENV} must be a positive integer (the shortest "
-            f"step query length that runs FlashAttention over the context), "
-            f"got {value!r}; unset it to keep the cascade off"
+            f"{name} must be a positive integer ({meaning}), got {value!r}; "
+            f"unset it {unset}"
         )
     return int(value)
+
+
+def context_cascade_min_query_len() -> int | None:
+    """``CONTEXT_CASCADE_ENV`` as a positive int, None when unset or empty."""
+    return _positive_int_env(
+        CONTEXT_CASCADE_ENV,
+        "the shortest step query length that runs FlashAttention over the "
+        "context",
+        "to keep the cascade off",
+    )
+
+
+def context_cascade_min_reqs() -> int:
+    """``CONTEXT_CASCADE_REQS_ENV`` as a positive int, 1 when unset or empty."""
+    value = _positive_int_env(
+        CONTEXT_CASCADE_REQS_ENV,
+        "the fewest requests of a step that runs the cascade",
+        "for any number",
+    )
+    return 1 if value is None else value
 
 
 class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
@@ -495,6 +519,9 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     # the H200 (benchmarks/bench_tree_attn.py's cascade column); set it for a
     # measurement with CONTEXT_CASCADE_ENV.
     fa_context_min_query_len: ClassVar[int | None] = context_cascade_min_query_len()
+    # ... and whose kernel rows hold at least this many requests (the cascade's
+    # extra launches cost more than they save on small batches).
+    fa_context_min_reqs: ClassVar[int] = context_cascade_min_reqs()
 
     def __init__(
         self,

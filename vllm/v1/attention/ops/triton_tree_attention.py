@@ -211,8 +211,7 @@ def tree_attention(
 
     plan = plan_tree_attention(
         num_tokens, num_reqs, num_q_heads, num_kv_heads, head_size,
-        _num_sms(q.device), config, 1 if tail_only else num_splits,
-        q.element_size(),
+        _num_sms(q.device), config, num_splits, q.element_size(), tail_only,
     )
     cfg, num_splits = plan.config, plan.num_splits
     num_tiles = num_tokens // plan.block_q + num_reqs
@@ -389,10 +388,13 @@ class TreeAttentionPlan:
 def plan_tree_attention(
     num_tokens: int, num_reqs: int, num_q_heads: int, num_kv_heads: int,
     head_size: int, num_sms: int, config: TreeAttentionConfig | None = None,
-    num_splits: int | None = None, itemsize: int = 2,
+    num_splits: int | None = None, itemsize: int = 2, tail_only: bool = False,
 ) -> TreeAttentionPlan:
     """Tile shape and split count from static sizes only (token and request
-    counts, heads, dtype size), so that a captured CUDA graph stays valid."""
+    counts, heads, dtype size), so that a captured CUDA graph stays valid.
+    ``tail_only``: the cascade's suffix half (new keys only, one split)."""
+    if tail_only:
+        num_splits = 1
     heads_padded = triton.next_power_of_2(num_q_heads // num_kv_heads)
     head_size_padded = max(16, triton.next_power_of_2(head_size))
     user_config = config
@@ -400,6 +402,8 @@ def plan_tree_attention(
         config = _default_config(
             num_tokens, num_reqs, heads_padded, head_size_padded, itemsize
         )
+        if tail_only:
+            config = _tail_config(config, triton.cdiv(num_tokens, num_reqs))
     # A tile holds whole tokens (all heads of a KV head) and >= 16 rows (tl.dot).
     block_m = max(config.block_m, heads_padded, 16)
     if block_m != config.block_m:
@@ -452,6 +456,20 @@ def _default_config(
         block_n=block_n,
         num_warps=8 if block_m * width >= 128 * 128 else 4,
         num_stages=5,
+    )
+
+
+def _tail_config(
+    config: TreeAttentionConfig, avg_q_len: int
+) -> TreeAttentionConfig:
+    """The cascade's suffix half streams only a request's new keys, one or
+    two blocks: key blocks no wider than the query length (>= 32) and no
+    pipelining, whose K/V buffers would only cut the programs per SM (Qwen3-8B
+    heads, 16-token trees, batch 64 on the H200: the 5-stage tile ran 41 us per
+    layer, mostly waves of two programs per SM; profile_step, 2026-11-29)."""
+    block_n = min(config.block_n, max(32, triton.next_power_of_2(avg_q_len)))
+    return TreeAttentionConfig(
+        **{**config.__dict__, "block_n": block_n, "num_stages": 1}
     )
 
 
