@@ -256,7 +256,8 @@ def _create_engine_config(original, self, *args, **kwargs):
         logger.warning(
             "DDTree: a budget per batch size (tree_budget_per_batch_size or "
             "tree_budget 'auto') takes effect with async scheduling only; without "
-            "it every step verifies tree_budget=%d nodes",
+            "it every step verifies tree_budget=%d nodes (set an integer "
+            "tree_budget to choose one for every batch size)",
             cfg.tree_budget,
         )
     return vllm_config

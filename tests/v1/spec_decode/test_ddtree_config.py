@@ -34,10 +34,23 @@ def test_parse_maps_onto_dflash():
     }
 
 
-def test_parse_default_budget():
-    budget, dflash = ddt.parse_speculative_config({"method": "ddtree", "model": "d"})
-    assert budget == ddt.DEFAULT_TREE_BUDGET == 64
-    assert dflash["num_speculative_tokens"] == 64
+def test_parse_default_budget_is_auto():
+    """No tree_budget: the measured per-batch-size schedule, exactly as
+    tree_budget='auto' asks for it."""
+    assert ddt.DEFAULT_TREE_BUDGET == ddt.AUTO_TREE_BUDGET == "auto"
+    default = ddt.parse_speculative_config({"method": "ddtree", "model": "d"})
+    auto = ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree_budget": "auto"})
+    assert default == auto
+    budget, dflash = default
+    schedule = [tuple(e) for e in ddt.AUTO_TREE_BUDGET_PER_BATCH_SIZE]
+    assert dflash["num_speculative_tokens_per_batch_size"] == schedule
+    assert budget == dflash["num_speculative_tokens"] == 31
+    # A schedule of the user's own replaces the default.
+    budget, dflash = ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree_budget_per_batch_size": [[1, 8, 7]]})
+    assert budget == 7 and dflash["num_speculative_tokens_per_batch_size"] == [
+        (1, 8, 7)]
 
 
 @pytest.mark.parametrize("budget", [1, 7, 1024])

@@ -25,8 +25,9 @@ draft tokens of each step from the number of running requests. The drafter still
 builds trees of the largest budget; since nodes are in best-first order, the first
 b nodes the scheduler keeps are the best tree of budget b.
 
-``"tree_budget": "auto"`` asks for :data:`AUTO_TREE_BUDGET_PER_BATCH_SIZE`, a
-schedule read off measured step times (docs/ddtree.md, "Choosing the budget").
+``"tree_budget": "auto"``, the default, asks for
+:data:`AUTO_TREE_BUDGET_PER_BATCH_SIZE`, a schedule read off measured step times
+(docs/ddtree.md, "Choosing the budget").
 
 Every check raises ``ValueError`` with the setting to change.
 """
@@ -39,21 +40,24 @@ from vllm.v1.spec_decode.dflash_tree_builder import MAX_BUDGET, MAX_DEPTH
 
 DDTREE_METHOD = "ddtree"
 ADDITIONAL_CONFIG_KEY = "ddtree"
-# Good at small batches; the best budget falls as the batch grows (docs/ddtree.md).
-DEFAULT_TREE_BUDGET = 64
 AUTO_TREE_BUDGET = "auto"
-# The schedule "tree_budget": "auto" stands for. Batch sizes 1-4: budget 31, the
-# best budget measured there (Qwen3-8B-shaped target and DFlash drafter on one
-# H200, dummy weights: budget 32's step 1.05x / 1.16x DFlash's at batch 1 / 4,
-# budget 128 1.21x / 2.67x; the trained pair accepts 5.47 tokens per step at
-# budget 32 vs DFlash's 4.11, so 1.26x / 1.14x DFlash's throughput projected),
-# one node less: B nodes verify B + 1 tokens, and 32 tokens fill the tree kernel's
-# query tiles where 33 open a second one (plan_tree_attention; 31 is not measured
-# yet, it is expected to be no slower than 32). Larger batches: 15 nodes, the 16
-# tokens per request DFlash (15 draft tokens) itself verifies; budget 32 measured
-# 1.92x DFlash's step at batch 16 and budget 16 (17 tokens) 1.22x / 1.26x at batch
-# 16 / 64. Results and commands: benchmarks/results/bench_ddtree_cost*,
-# docs/ddtree.md.
+# The best budget falls as the batch grows, so the default picks one per batch
+# size: "auto" measured at least DFlash's throughput at every batch on the trained
+# pair and projects to 1.04-1.30x DFlash on Qwen3-8B shapes (docs/ddtree.md).
+DEFAULT_TREE_BUDGET = AUTO_TREE_BUDGET
+# The schedule "tree_budget": "auto" stands for, from step times measured for a
+# Qwen3-8B-shaped target and DFlash drafter on one H200 (dummy weights) and the
+# trained pair's acceptance. Batch sizes 1-4: budget 31, one node below the best
+# budget measured there (32: step 1.05x / 1.16x DFlash's at batch 1 / 4; 128: 1.21x
+# / 2.67x), as B nodes verify B + 1 tokens and 32 fill the tree kernel's query
+# tiles where 33 open another (plan_tree_attention). Larger batches: 15 nodes, the
+# 16 tokens per request DFlash's chain verifies (step 1.06x / 1.12x / 1.16x
+# DFlash's at batch 8 / 16 / 64, where 16 nodes cost 1.22x / 1.26x at 16 / 64),
+# accepting 1.20x the chain's tokens on the trained pair. Measured with "auto": the
+# pair 1.01-1.18x DFlash at batch 1 / 8 / 64, T = 0 and 1; 8B shapes 1.02x / 1.04x
+# / 1.12x / 1.16x DFlash's step at batch 1 / 4 / 16 / 64, so 1.04-1.30x DFlash's
+# throughput projected. Commands and tables: benchmarks/results/bench_ddtree_*auto*,
+# benchmarks/results/project_8b.md, docs/ddtree.md.
 AUTO_TREE_BUDGET_PER_BATCH_SIZE: tuple[tuple[int, int, int], ...] = (
     (1, 4, 31),
     (5, 1024, 15),  # vLLM carries the last budget past the end
@@ -157,17 +161,19 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> tuple[int, dict[str, Any
     cfg = {str(k).replace("-", "_"): v for k, v in raw.items()}
     cfg.pop("method")
     schedule = cfg.pop("tree_budget_per_batch_size", None)
-    if cfg.get("tree_budget") == AUTO_TREE_BUDGET:
-        if schedule is not None:
-            raise ValueError(
-                "tree_budget='auto' picks a budget per batch size itself; drop "
-                "tree_budget_per_batch_size, or drop tree_budget to use your "
-                "schedule"
-            )
-        del cfg["tree_budget"]
+    if cfg.get("tree_budget") == AUTO_TREE_BUDGET and schedule is not None:
+        raise ValueError(
+            "tree_budget='auto' picks a budget per batch size itself; drop "
+            "tree_budget_per_batch_size, or drop tree_budget to use your "
+            "schedule"
+        )
+    if schedule is None and (
+        cfg.get("tree_budget", DEFAULT_TREE_BUDGET) == AUTO_TREE_BUDGET
+    ):
+        cfg.pop("tree_budget", None)
         schedule = [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
     if schedule is None:
-        budget = cfg.pop("tree_budget", DEFAULT_TREE_BUDGET)
+        budget = cfg.pop("tree_budget")
         check_tree_budget(budget)
     else:
         schedule = parse_budget_schedule(schedule)
@@ -264,7 +270,7 @@ def check_tree_budget(budget: Any) -> None:
     if not 1 <= budget <= MAX_BUDGET:
         raise ValueError(
             f"tree_budget must be in [1, {MAX_BUDGET}], got {budget}; "
-            f"{DEFAULT_TREE_BUDGET} (the default) suits small batches"
+            f"{AUTO_TREE_BUDGET!r} (the default) picks one per batch size"
         )
 
 
