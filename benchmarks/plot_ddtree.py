@@ -154,6 +154,19 @@ def _marker(draw, x: float, y: float, color) -> None:
     draw.ellipse([x - r, y - r, x + r, y + r], fill=color)
 
 
+def drawn_labels(centers: Sequence[float], widths: Sequence[float],
+                 gap: float = 6) -> list[bool]:
+    """Which of the centred labels (ascending centres) to draw: each unless it
+    would come within ``gap`` pixels of the last one drawn."""
+    shown, last_right = [], float("-inf")
+    for center, width in zip(centers, widths):
+        ok = center - width / 2 >= last_right + gap
+        shown.append(ok)
+        if ok:
+            last_right = center + width / 2
+    return shown
+
+
 def _fmt_tick(v: float) -> str:
     return f"{v:g}"
 
@@ -178,12 +191,16 @@ def plot(path: Path, title: str, xlabel: str, ylabel: str,
     small, normal, big = _font(11), _font(13), _font(16)
     left, top, right, bottom = axes.box
 
-    # Grid, ticks and tick labels.
-    for x in axes.xticks:
-        px, _ = axes.to_pixel(x, axes.ylim[0])
+    # Grid, ticks and tick labels (a label that would overlap the one before it,
+    # e.g. 16 next to 15 on the log axis, is left out; its tick stays).
+    xpixels = [axes.to_pixel(x, axes.ylim[0])[0] for x in axes.xticks]
+    labels = [_fmt_tick(x) for x in axes.xticks]
+    widths = [draw.textlength(t, font=normal) for t in labels]
+    for px, text, shown in zip(xpixels, labels, drawn_labels(xpixels, widths)):
         draw.line([(px, top), (px, bottom)], fill=GRID)
         draw.line([(px, bottom), (px, bottom + 5)], fill=INK)
-        draw.text((px, bottom + 8), _fmt_tick(x), fill=INK, font=normal, anchor="mt")
+        if shown:
+            draw.text((px, bottom + 8), text, fill=INK, font=normal, anchor="mt")
     for y in axes.yticks:
         _, py = axes.to_pixel(2 ** axes.xlim[0], y)
         draw.line([(left, py), (right, py)], fill=GRID)

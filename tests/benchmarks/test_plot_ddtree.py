@@ -219,3 +219,11 @@ def test_missing_results_and_mixed_setups(tmp_path, capsys):
         pd.main([str(good), str(cost), "--out", str(tmp_path / "o")])
     assert err.value.code == 2
     assert "different setup (mode: 'cost' there, 'e2e' now)" in capsys.readouterr().err
+
+
+def test_overlapping_tick_labels_are_left_out():
+    """15 and 16 sit 0.09 log2 steps apart: the second label is dropped, the
+    next one far enough away is drawn again."""
+    assert pd.drawn_labels([100, 110, 200, 204, 300], [14, 14, 14, 14, 20]) == [
+        True, False, True, False, True]
+    assert pd.drawn_labels([], []) == []
