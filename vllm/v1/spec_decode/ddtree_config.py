@@ -42,8 +42,9 @@ DDTREE_METHOD = "ddtree"
 ADDITIONAL_CONFIG_KEY = "ddtree"
 AUTO_TREE_BUDGET = "auto"
 # The best budget falls as the batch grows, so the default picks one per batch
-# size: "auto" measured at least DFlash's throughput at every batch on the trained
-# pair and projects to 1.04-1.30x DFlash on Qwen3-8B shapes (docs/ddtree.md).
+# size: "auto" measured at least DFlash's throughput on the trained pair at batch
+# 1, 8 and 64 and projects to 1.04-1.30x DFlash on Qwen3-8B shapes at batch 1-64
+# (docs/ddtree.md).
 DEFAULT_TREE_BUDGET = AUTO_TREE_BUDGET
 # The schedule "tree_budget": "auto" stands for, from step times measured for a
 # Qwen3-8B-shaped target and DFlash drafter on one H200 (dummy weights) and the
