@@ -509,15 +509,17 @@ def test_engine_config_with_budget_schedule(models, cuda_platform):
     )
 
 
-def test_engine_config_with_auto_budget(models, cuda_platform):
-    """tree_budget='auto' -> the measured schedule through vLLM's dynamic
-    speculative decoding, graphs for each of its budgets."""
+@pytest.mark.parametrize("budget", [{"tree_budget": "auto"}, {}],
+                         ids=["auto", "default"])
+def test_engine_config_with_auto_budget(models, cuda_platform, budget):
+    """tree_budget='auto', also when left out -> the measured schedule through
+    vLLM's dynamic speculative decoding, graphs for each of its budgets."""
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
     _, drafter = models
     _, config = _engine_config(
         models,
-        {"method": "ddtree", "model": drafter, "tree_budget": "auto"},
+        {"method": "ddtree", "model": drafter, **budget},
         max_num_batched_tokens=4096,
         max_num_seqs=32,
     )
