@@ -304,6 +304,116 @@ GRAPH_WARNING = (
 )
 
 
+# ---------------------------------------------------------------------------
+# GPU clocks and power while the unprofiled generation runs (NVML through vLLM's
+# vendored pynvml): a kernel slower per call in one config than in another may
+# be the same work at a lower clock (power limit), not more work.
+# ---------------------------------------------------------------------------
+
+# NVML clock event reasons (nvmlClocksEventReason*): software power cap and
+# hardware power brake; software / hardware thermal slowdown and hardware
+# slowdown.
+POWER_REASONS = 0x4 | 0x80
+THERMAL_REASONS = 0x8 | 0x20 | 0x40
+SAMPLE_INTERVAL_S = 0.05
+
+
+def summarize_samples(samples: Sequence[tuple]) -> dict | None:
+    """(SM clock MHz, power W, event-reason bits or None) samples -> means,
+    extremes and the share of samples held back by power or heat; None
+    without samples."""
+    if not samples:
+        return None
+    clocks = [c for c, _, _ in samples]
+    power = [w for _, w, _ in samples]
+    reasons = [r for _, _, r in samples if r is not None]
+
+    def share(bits: int) -> float | None:
+        return (sum(1 for r in reasons if r & bits) / len(reasons)
+                if reasons else None)
+
+    return {
+        "samples": len(samples),
+        "sm_clock_mhz_mean": sum(clocks) / len(clocks),
+        "sm_clock_mhz_min": min(clocks),
+        "sm_clock_mhz_max": max(clocks),
+        "power_w_mean": sum(power) / len(power),
+        "power_w_max": max(power),
+        "power_limited_share": share(POWER_REASONS),
+        "thermal_limited_share": share(THERMAL_REASONS),
+    }
+
+
+class GpuSampler:
+    """``with GpuSampler(read): ...`` calls ``read()`` (-> one sample) every
+    ``interval_s`` in a thread while the block runs; ``summary()`` after it.
+    Errors of ``read`` end the sampling, never the run."""
+
+    def __init__(self, read, interval_s: float = SAMPLE_INTERVAL_S):
+        import threading
+
+        self._read, self._interval = read, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.samples: list[tuple] = []
+        self.error: str | None = None
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self.samples.append(tuple(self._read()))
+            except Exception as e:  # NVML can fail mid-run (driver, permissions)
+                self.error = f"{type(e).__name__}: {e}"
+                return
+            if self._stop.wait(self._interval):
+                return
+
+    def __enter__(self) -> "GpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict | None:
+        out = summarize_samples(self.samples)
+        if out is not None and self.error:
+            out["error"] = self.error
+        return out
+
+
+def nvml_reader(visible_index: int = 0):
+    """A ``read()`` for :class:`GpuSampler` on the process's GPU
+    ``visible_index`` (CUDA_VISIBLE_DEVICES mapped to NVML's physical index),
+    or None where NVML is not available."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.third_party import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(
+            current_platform.visible_device_id_to_physical_device_id(visible_index))
+    except Exception as e:
+        print(f"profile_step worker: GPU clocks not sampled ({e})", flush=True)
+        return None
+
+    def reasons():
+        for name in ("nvmlDeviceGetCurrentClocksEventReasons",
+                     "nvmlDeviceGetCurrentClocksThrottleReasons"):
+            try:
+                return getattr(pynvml, name)(handle)
+            except Exception:
+                continue
+        return None
+
+    def read():
+        return (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, reasons())
+
+    return read
+
+
 def _us(value) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -381,6 +491,21 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
             str(d.get("graph_kernels_status")) for d in decode],
         ["accept len"] + [rep.fmt(r.get("acceptance_length")) for r in results],
     ]
+    clocks = [r.get("gpu_clocks") for r in results]
+    if any(clocks):
+        rows += [
+            ["SM clock, unprofiled run (MHz, mean / min)"] + [
+                "-" if c is None else
+                f"{c['sm_clock_mhz_mean']:.0f} / {c['sm_clock_mhz_min']:.0f}"
+                for c in clocks],
+            ["power, unprofiled run (W, mean / max)"] + [
+                "-" if c is None else
+                f"{c['power_w_mean']:.0f} / {c['power_w_max']:.0f}" for c in clocks],
+            ["samples held back by power (by heat)"] + [
+                "-" if c is None or c.get("power_limited_share") is None else
+                f"{100 * c['power_limited_share']:.0f}% "
+                f"({100 * c['thermal_limited_share']:.0f}%)" for c in clocks],
+        ]
     lines.append(rep.markdown_table(["us / decode step"] + configs, rows))
     return "\n".join(lines) + "\n"
 
@@ -778,7 +903,15 @@ def run_worker(spec: dict) -> None:
     max_tokens = spec["max_tokens"]
     generate(min(16, max_tokens))  # warm-up
     pre_wall, pre_delta, _ = generate(1)
-    wall, delta, tokens = generate(max_tokens)
+    read = nvml_reader(torch.cuda.current_device())
+    if read is None:
+        wall, delta, tokens = generate(max_tokens)
+        clocks = None
+    else:
+        with GpuSampler(read) as sampler:
+            wall, delta, tokens = generate(max_tokens)
+        clocks = sampler.summary()
+        print("profile_step worker: GPU clocks " + json.dumps(clocks), flush=True)
     timing = rep.timing_stats(delta, pre_delta, wall, pre_wall, tokens)
     print("profile_step worker: unprofiled " + json.dumps(timing), flush=True)
     generate(1, profiler())  # the profiler's own start-up, outside the windows
@@ -802,6 +935,8 @@ def run_worker(spec: dict) -> None:
         "decode": decode,
         "acceptance_length": spec_numbers["acceptance_length"],
         "unprofiled": timing,
+        # SM clock and power over the unprofiled generation (None: no NVML).
+        "gpu_clocks": clocks,
         "windows": {k: {key: v for key, v in w.items() if key != "kernels"}
                     for k, w in windows.items()},
         "info": {"gpu": spec["gpu"], "torch": torch.__version__,

@@ -432,6 +432,60 @@ def test_markdown_report_flags_missing_graph_kernels():
     assert "No profiled config" in ps.markdown_report([])
 
 
+def test_summarize_clock_samples():
+    samples = [(1980, 500.0, 0), (1800, 700.0, 0x4), (1700, 690.0, 0x4 | 0x20),
+               (1900, 610.0, None)]
+    out = ps.summarize_samples(samples)
+    assert out["samples"] == 4
+    assert out["sm_clock_mhz_mean"] == pytest.approx(1845)
+    assert (out["sm_clock_mhz_min"], out["sm_clock_mhz_max"]) == (1700, 1980)
+    assert out["power_w_mean"] == pytest.approx(625) and out["power_w_max"] == 700
+    # Shares over the samples that carry reasons (3 of 4).
+    assert out["power_limited_share"] == pytest.approx(2 / 3)
+    assert out["thermal_limited_share"] == pytest.approx(1 / 3)
+    assert ps.summarize_samples([(1000, 100.0, None)])["power_limited_share"] is None
+    assert ps.summarize_samples([]) is None
+
+
+def test_gpu_sampler_samples_until_the_block_ends():
+    import threading
+
+    calls, enough = [], threading.Event()
+
+    def read():
+        calls.append(1)
+        if len(calls) >= 3:
+            enough.set()
+        return (1500 + len(calls), 400.0, 0)
+
+    with ps.GpuSampler(read, interval_s=0.001) as sampler:
+        assert enough.wait(10)
+    n = len(sampler.samples)
+    assert n >= 3 and sampler.summary()["samples"] == n
+    assert len(calls) == n  # nothing read after the block
+
+    def broken():
+        raise OSError("NVML gone")
+
+    with ps.GpuSampler(broken, interval_s=0.001) as failing:
+        pass  # the run goes on
+    assert failing.samples == [] and failing.summary() is None
+    assert failing.error == "OSError: NVML gone"
+
+
+def test_markdown_report_shows_clocks_where_sampled():
+    clocked = _result("ddtree-15", 90.0, 20.0, 8400.0)
+    clocked["gpu_clocks"] = ps.summarize_samples([(1700, 690.0, 0x4),
+                                                  (1900, 650.0, 0)])
+    text = ps.markdown_report([clocked, _result("dflash", 60.0, 0.0, 7000.0)])
+    lines = text.splitlines()
+    assert "| SM clock, unprofiled run (MHz, mean / min) | - | 1800 / 1700 |" in lines
+    assert "| power, unprofiled run (W, mean / max) | - | 670 / 690 |" in lines
+    assert "| samples held back by power (by heat) | - | 50% (0%) |" in lines
+    # Results without clocks (older JSONs) print no clock rows.
+    assert "SM clock" not in ps.markdown_report([_result("dflash")])
+
+
 # ---------------------------------------------------------------------------
 # Orchestration (fake engines) and the GPU check
 # ---------------------------------------------------------------------------
@@ -570,3 +624,14 @@ def test_profiler_sees_cuda_graph_kernels():
                              w["linked_kernels"], w["count"] - w["memcpy_count"],
                              w["kernel_launches"])
     assert status == "recorded", (status, w["count"], w["kernel_launches"])
+
+
+def test_nvml_reader_reads_the_gpu_or_says_why_not(capsys):
+    """Without NVML (CPU machines) no reader and a message; with it, one
+    sample of this process's GPU."""
+    read = ps.nvml_reader(0)
+    if read is None:
+        assert "GPU clocks not sampled" in capsys.readouterr().out
+    else:
+        clock, watts, _ = read()
+        assert clock > 0 and watts > 0
