@@ -24,7 +24,9 @@ Outputs in ``--out``:
 * ``<config>.json``: microseconds of kernel time per decode step per category,
   GPU-busy time (union of kernel intervals), wall time per decode step (unprofiled
   and profiled), kernel and launch counts, whether graph-replayed kernels were
-  recorded, and the top ``--top`` kernels by time;
+  recorded, the top ``--top`` kernels by time, and the GPU's SM clock and power
+  over the unprofiled whole generation (NVML, every 50 ms, from a thread that
+  holds the GIL only between samples);
 * ``profile.md``: the table (rows: categories, columns: configs, us per decode
   step, with kernel-total and wall ratios to DFlash), printed last;
 * ``profile.log``: the configs' engine logs;
