@@ -46,6 +46,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -352,8 +353,6 @@ class GpuSampler:
     Errors of ``read`` end the sampling, never the run."""
 
     def __init__(self, read, interval_s: float = SAMPLE_INTERVAL_S):
-        import threading
-
         self._read, self._interval = read, interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -400,18 +399,22 @@ def nvml_reader(visible_index: int = 0):
         print(f"profile_step worker: GPU clocks not sampled ({e})", flush=True)
         return None
 
-    def reasons():
-        for name in ("nvmlDeviceGetCurrentClocksEventReasons",
-                     "nvmlDeviceGetCurrentClocksThrottleReasons"):
-            try:
-                return getattr(pynvml, name)(handle)
-            except Exception:
-                continue
-        return None
+    # The clock event reasons under their current name, else the older one
+    # (drivers before 535), else none; chosen once, not per sample.
+    reasons = None
+    for name in ("nvmlDeviceGetCurrentClocksEventReasons",
+                 "nvmlDeviceGetCurrentClocksThrottleReasons"):
+        try:
+            getattr(pynvml, name)(handle)
+        except Exception:
+            continue
+        reasons = getattr(pynvml, name)
+        break
 
     def read():
         return (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, reasons())
+                pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+                None if reasons is None else reasons(handle))
 
     return read
 
