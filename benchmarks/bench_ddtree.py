@@ -574,7 +574,7 @@ def run_sweep(args) -> int:
         check_prompt_lengths(prompts, args.max_tokens, args.max_model_len)
         if args.mode == "serve" and not isinstance(prompts[0], str):
             raise ValueError("serve mode needs text prompts (vllm bench serve's "
-                             "custom dataset); --prompts holds token ids")
+                             "ShareGPT-style dataset); --prompts holds token ids")
     clock, rid, failed = Clock(args.limit_seconds, args.config_seconds), run_id(), []
     todo = plan(args, done)
     for i, (config, fit, runs) in enumerate(todo, 1):
@@ -852,14 +852,28 @@ def serve_command(args, config: str, max_batch: int, port: int) -> list[str]:
     return cmd
 
 
+def write_serve_dataset(prompts: list[str], path: Path) -> Path:
+    """The prompts as a ShareGPT-style JSON file for ``vllm bench serve``.
+
+    ShareGPT, not vLLM's ``custom`` JSONL: the custom loader needs pandas, which
+    vLLM does not depend on (the H200 bundle lacks it), while ShareGPT's is plain
+    ``json`` and sends the text as it is (no chat template). The second turn only
+    satisfies the loader; ``--sharegpt-output-len`` sets the output length."""
+    path.write_text(json.dumps([
+        {"id": str(i), "conversations": [{"from": "human", "value": p},
+                                         {"from": "gpt", "value": ""}]}
+        for i, p in enumerate(prompts)]))
+    return path
+
+
 def bench_command(args, base: str, dataset: Path, batch: int, temperature: float,
                   result: Path) -> list[str]:
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
         "--backend", "vllm", "--base-url", base,
         "--model", str(args.target), "--served-model-name", SERVED_NAME,
-        "--dataset-name", "custom", "--dataset-path", str(dataset),
-        "--custom-output-len", str(args.max_tokens), "--skip-chat-template",
+        "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+        "--sharegpt-output-len", str(args.max_tokens),
         "--disable-shuffle", "--seed", str(args.seed),
         "--num-prompts", str(max(args.num_prompts, batch * args.min_waves)),
         "--max-concurrency", str(batch), "--num-warmups", str(batch),
@@ -873,8 +887,7 @@ def bench_command(args, base: str, dataset: Path, batch: int, temperature: float
 def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> bool:
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
-    dataset = logs / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    dataset = write_serve_dataset(prompts, logs / "prompts_sharegpt.json")
     env = _worker_env()
     env["PYTHONPATH"] = os.pathsep.join(
         [str(_plugin_site(logs / "plugin_site")), str(ROOT), env.get("PYTHONPATH", "")])

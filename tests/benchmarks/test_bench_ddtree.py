@@ -17,6 +17,7 @@ from benchmarks import bench_ddtree_report as rep
 from benchmarks import project_8b as proj
 
 MODEL_CONFIGS = Path(bd.__file__).parent / "model_configs"
+PAIR = Path(bd.__file__).parent / "models" / "pycode"
 
 
 # ---------------------------------------------------------------------------
@@ -741,6 +742,24 @@ def test_serve_row_and_commands(tmp_path):
     assert bench[bench.index("--max-concurrency") + 1] == "8"
     assert bench[bench.index("--temperature") + 1] == "1.0"
     assert "--ignore-eos" not in bench
+    assert bench[bench.index("--dataset-name") + 1] == "sharegpt"
+    assert bench[bench.index("--sharegpt-output-len") + 1] == str(args.max_tokens)
+
+
+def test_serve_dataset_reads_back_through_vllm_bench(tmp_path):
+    """vLLM's own ShareGPT loader (no pandas needed) returns the held-out prompts
+    as they are, in order, with the requested output length."""
+    from vllm.benchmarks.datasets import ShareGPTDataset
+    from vllm.tokenizers import get_tokenizer
+
+    prompts = bd.load_prompts(PAIR / "eval_prompts.json")[:4]
+    path = bd.write_serve_dataset(prompts, tmp_path / "d.json")
+    got = ShareGPTDataset(random_seed=0, dataset_path=str(path),
+                          disable_shuffle=True).sample(
+        tokenizer=get_tokenizer(str(PAIR / "target")), num_requests=4,
+        output_len=96)
+    assert [r.prompt for r in got] == prompts
+    assert {r.expected_output_len for r in got} == {96}
 
 
 # ---------------------------------------------------------------------------
