@@ -4,7 +4,8 @@
 
     python benchmarks/plot_ddtree.py DIR [DIR ...] --out OUTDIR [--caption TEXT]
 
-From the merged rows of the result directories (``bench_ddtree_report``), with the
+From the merged rows of the result directories (``bench_ddtree_report``; each
+row's ratios are to the DFlash of its own directory, one GPU command), with the
 tree budget on a log2 x axis and one line per batch size:
 
 * ``acceptance_vs_budget_T{t}.png``: acceptance length of ``ddtree-<B>``, DFlash's
@@ -47,6 +48,8 @@ from benchmarks.bench_ddtree_report import (
     with_ratios,
 )
 
+# Present once a row's ratios are computed (bench_ddtree_report.with_ratios).
+RATIO_KEY = "tok_s_vs_dflash"
 SIZE = (900, 600)
 # Plot area (left, top, right, bottom); the legend sits right of it, the footer
 # below the x label.
@@ -291,9 +294,12 @@ def _temp(t: float) -> str:
 
 def figures(rows: Sequence[Mapping], modes: Mapping | None = None) -> list[Figure]:
     """The figures the rows hold, in file-name order. ``rows`` are merged rows
-    (``merge_rows``); ratios are added here. ``modes`` maps a row's key to its
-    mode when the row does not carry one (from the directory's setup)."""
-    rows = with_ratios(rows)
+    (``merge_rows``); a row without ratios gets them here, from the DFlash row
+    of its batch and temperature among ``rows`` (``load`` gives each directory's
+    rows their own DFlash's first). ``modes`` maps a row's key to its mode when
+    the row does not carry one (from the directory's setup)."""
+    rows = [r if RATIO_KEY in r else with_r
+            for r, with_r in zip(rows, with_ratios(rows))]
     colors = batch_colors(rows)
     by_key = {row_key(r): r for r in rows}
     temps = sorted({row_key(r)[2] for r in rows})
@@ -341,7 +347,8 @@ def default_caption(dirs: Sequence[Path], rows: Sequence[Mapping]) -> str:
 
 
 def load(dirs: Sequence[Path]) -> tuple[list[dict], dict]:
-    """Merged rows of ``dirs`` and each row's mode from its directory's setup.
+    """Merged rows of ``dirs``, each with its ratios to the DFlash and no-spec rows
+    of its own directory, and each row's mode from its directory's setup.
     Raises ``ValueError`` for a directory without results or setups that differ."""
     missing = [str(d) for d in dirs if not (Path(d) / RESULTS_FILE).is_file()]
     if missing:
@@ -350,12 +357,16 @@ def load(dirs: Sequence[Path]) -> tuple[list[dict], dict]:
               if (Path(d) / SETUP_FILE).is_file()]
     for d, other in setups[1:]:
         check_setup(setups[0][1], other, str(d))
-    modes = {}
+    modes, rows = {}, []
     for d in dirs:
         setup = dict(setups).get(d, {})
-        for r in load_rows([d]):
+        # Ratios within the directory (one GPU command), before the merge lets
+        # a later directory's DFlash row stand in for an earlier one's.
+        own = with_ratios(merge_rows(load_rows([d])))
+        for r in own:
             modes[row_key(r)] = r.get("mode") or setup.get("mode")
-    return merge_rows(load_rows(dirs)), modes
+        rows += own
+    return merge_rows(rows), modes
 
 
 def write_figures(rows: Sequence[Mapping], out: Path, caption: str,

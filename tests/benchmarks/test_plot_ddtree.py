@@ -154,6 +154,31 @@ def test_cost_step_figure(tmp_path):
         assert ("step_vs_budget.png" in names) == expect
 
 
+def test_ratios_stay_within_their_directory(tmp_path):
+    """Two GPU commands, each with its own DFlash: every DDTree point is a ratio to
+    the DFlash of its own command, though the merge keeps one DFlash row."""
+    first = _results(tmp_path / "a", [
+        _row("dflash", 1, run="a", tok_s=100.0, decode_ms_per_step=6.0),
+        _row("ddtree-16", 1, run="a", tok_s=120.0, decode_ms_per_step=6.6)], "e2e")
+    second = _results(tmp_path / "b", [
+        _row("dflash", 1, run="b", tok_s=200.0, decode_ms_per_step=3.0),
+        _row("ddtree-64", 1, run="b", tok_s=150.0, decode_ms_per_step=4.5)], "e2e")
+    rows, modes = pd.load([first, second])
+    assert [r["run_id"] for r in rows if r["config"] == "dflash"] == ["b"]
+    fig = _figure(pd.figures(rows, modes), "speedup_vs_budget_T0.png")
+    (one, _ref) = fig.series
+    assert [(x, round(y, 6)) for x, y in one.points] == [(16, 1.2), (64, 0.75)]
+    by_config = {r["config"]: r for r in rows}
+    assert by_config["ddtree-16"]["step_vs_dflash"] == pytest.approx(1.1)
+    assert by_config["ddtree-64"]["step_vs_dflash"] == pytest.approx(1.5)
+    # A directory without its own DFlash gets none (no ratio to another's).
+    lone = _results(tmp_path / "c", [_row("ddtree-256", 1, run="c", tok_s=90.0)],
+                    "e2e")
+    rows, modes = pd.load([first, lone])
+    fig = _figure(pd.figures(rows, modes), "speedup_vs_budget_T0.png")
+    assert [x for x, _ in fig.series[0].points] == [16]
+
+
 def test_same_input_same_bytes(tmp_path, capsys):
     d = _results(tmp_path / "bench_ddtree_e2e", _e2e_rows(), "e2e")
     outs = [tmp_path / "a", tmp_path / "b"]
