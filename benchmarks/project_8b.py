@@ -65,6 +65,30 @@ def step_times(rows: Sequence[Mapping], temperature: float) -> dict:
     return out
 
 
+def command_steps(dir_rows: Sequence[Sequence[Mapping]], temperature: float
+                  ) -> tuple[dict, dict]:
+    """Step times of several cost commands (one row list per result directory):
+    ``{(config, batch): ms}`` with a later command's number winning, and per
+    ``(config, batch)`` the ``{"dflash": ms, "none": ms}`` steps measured by the
+    same command (None where it measured none), so every ratio stays within one
+    GPU command (DFlash's own step moves by a few percent between commands)."""
+    steps, baselines = {}, {}
+    for rows in dir_rows:
+        own = step_times(rows, temperature)
+        for (config, batch), ms in own.items():
+            steps[(config, batch)] = ms
+            baselines[(config, batch)] = {"dflash": own.get(("dflash", batch)),
+                                          "none": own.get(("none", batch))}
+    return steps, baselines
+
+
+def _baseline(steps: Mapping, baselines: Mapping | None, config: str, batch: int,
+              which: str) -> float | None:
+    if baselines is None:
+        return steps.get((which, batch))
+    return baselines.get((config, batch), {}).get(which)
+
+
 def schedules_of(rows: Sequence[Mapping]) -> dict[str, list]:
     """{config: tree_budget_per_batch_size} of ddtree-schedule / ddtree-auto rows."""
     return {r["config"]: r["tree_budget_per_batch_size"] for r in rows
@@ -91,11 +115,14 @@ def pooled_tau(rows: Sequence[Mapping], temperature: float) -> dict[str, float]:
 
 
 def project(steps: Mapping, taus: Mapping[str, float],
-            schedules: Mapping[str, list] | None = None) -> list[dict]:
+            schedules: Mapping[str, list] | None = None,
+            baselines: Mapping | None = None) -> list[dict]:
     """Projected throughput and speedups for every (config, batch) with both a
     step time and an acceptance length. A config with a budget schedule
     (``schedules``) takes at each batch the acceptance length of the fixed budget
-    its schedule picks there (``ddtree-<b>``), its own varying with the batch."""
+    its schedule picks there (``ddtree-<b>``), its own varying with the batch.
+    Ratios are to the DFlash / no-spec steps of ``baselines`` (``command_steps``:
+    the same command's) when given, else to those of ``steps``."""
     rows = []
     for (config, batch), ms in steps.items():
         tau = taus.get(config)
@@ -104,7 +131,8 @@ def project(steps: Mapping, taus: Mapping[str, float],
         if tau is None:
             continue
         per_s = tau / ms * 1000  # tokens per second per request
-        none_ms, dflash_ms = steps.get(("none", batch)), steps.get(("dflash", batch))
+        none_ms = _baseline(steps, baselines, config, batch, "none")
+        dflash_ms = _baseline(steps, baselines, config, batch, "dflash")
         rows.append({
             "config": config, "batch": batch, "tau": tau, "step_ms": ms,
             "tok_s": batch * per_s,
@@ -143,14 +171,14 @@ def budget_schedule(auto_rows: Sequence[Mapping]) -> list[list[int]]:
     return schedule
 
 
-def step_table(steps: Mapping) -> str:
+def step_table(steps: Mapping, baselines: Mapping | None = None) -> str:
     batches = sorted({b for _, b in steps})
     configs = sorted({c for c, _ in steps}, key=config_order)
     body = []
     for c in configs:
         cells = []
         for b in batches:
-            ms, d = steps.get((c, b)), steps.get(("dflash", b))
+            ms, d = steps.get((c, b)), _baseline(steps, baselines, c, b, "dflash")
             cells.append("-" if ms is None else
                          f"{ms:.2f}" + (f" ({ms / d:.2f}x)" if d else ""))
         body.append([c] + cells)
@@ -190,21 +218,40 @@ def auto_table(rows: Sequence[Mapping]) -> str:
          "projected x DFlash", ">= DFlash"], body)
 
 
-def report(cost_rows: Sequence[Mapping], sources: Sequence[tuple[str, dict]],
-           temperature: float) -> str:
-    steps = step_times(cost_rows, temperature)
-    schedules = schedules_of(cost_rows)
+def dflash_spread(dir_rows: Sequence[Sequence[Mapping]], temperature: float) -> str:
+    """DFlash's step per batch over the commands that measured it (min-max)."""
+    by_batch: dict[int, list[float]] = {}
+    for rows in dir_rows:
+        for (config, batch), ms in step_times(rows, temperature).items():
+            if config == "dflash":
+                by_batch.setdefault(batch, []).append(ms)
+    return "; ".join(
+        f"batch {b}: {min(v):.2f}" + (f"-{max(v):.2f}" if len(v) > 1 else "")
+        + f" ms ({len(v)} command{'s' if len(v) > 1 else ''})"
+        for b, v in sorted(by_batch.items()))
+
+
+def report(cost_dirs: Sequence[Sequence[Mapping]],
+           sources: Sequence[tuple[str, dict]], temperature: float,
+           command: str | None = None) -> str:
+    """The markdown report. ``cost_dirs``: the rows of each cost command, oldest
+    first; a later command's step of a (config, batch) replaces an older one's."""
+    steps, baselines = command_steps(cost_dirs, temperature)
+    schedules = schedules_of([r for rows in cost_dirs for r in rows])
     measured = (
         f"Measured: decode step times of the 8B shapes (dummy weights, "
-        f"T={temperature}); `(x DFlash)` is the ratio to DFlash's step at the same "
-        "batch."
+        f"T={temperature}); where several commands measured a config at a batch "
+        "the last one given is shown; `(x DFlash)` is the ratio to DFlash's step "
+        "at the same batch **in the same command**, and so are the projected "
+        "ratios below. DFlash's own step by command: "
+        f"{dflash_spread(cost_dirs, temperature)}."
     )
-    parts = [
-        "# Projected Qwen3-8B speedups (projected, not measured end to end)", "",
-        measured, "", step_table(steps), "",
-    ]
+    parts = ["# Projected Qwen3-8B speedups (projected, not measured end to end)", ""]
+    if command:
+        parts += [f"Command: `{command}`", ""]
+    parts += [measured, "", step_table(steps, baselines), ""]
     for label, taus in sources:
-        projected = project(steps, taus, schedules)
+        projected = project(steps, taus, schedules, baselines)
         parts += [f"## Projected with acceptance lengths from {label}", ""]
         if not projected:
             parts += ["(no config has both a step time and an acceptance length)", ""]
@@ -240,8 +287,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    cost_rows = merge_rows(load_rows(args.cost))
+    cost_dirs = [merge_rows(load_rows([d])) for d in args.cost]
     sources = []
     if args.e2e:
         taus = pooled_tau(merge_rows(load_rows(args.e2e)), args.temperature)
@@ -249,7 +297,8 @@ def main(argv=None) -> int:
         sources.append((label, taus))
     if not args.no_paper and args.temperature == PAPER["temperature"]:
         sources.append((PAPER["label"], PAPER["tau"]))
-    text = report(cost_rows, sources, args.temperature)
+    command = " ".join(["python benchmarks/project_8b.py", *argv])
+    text = report(cost_dirs, sources, args.temperature, command)
     if args.out is not None:
         args.out.write_text(text + "\n")
     print(text)

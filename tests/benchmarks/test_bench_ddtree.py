@@ -834,6 +834,43 @@ def test_projection_of_a_schedule():
                proj.auto_budget(proj.project(steps, taus, schedules)))
 
 
+def test_projection_ratios_stay_within_a_command(tmp_path):
+    """Two cost commands with different DFlash steps: each config is compared with
+    the DFlash of the command that measured it; the later command's step of a
+    (config, batch) wins; the report names the command line and DFlash's spread."""
+    older = [_row("dflash", 1, decode_ms_per_step=6.0),
+             _row("ddtree-32", 1, decode_ms_per_step=6.6),
+             _row("ddtree-64", 1, decode_ms_per_step=9.9)]
+    newer = [_row("dflash", 1, decode_ms_per_step=5.0),
+             _row("ddtree-64", 1, decode_ms_per_step=7.5),
+             _row("ddtree-128", 1, decode_ms_per_step=9.0)]  # no none anywhere
+    steps, baselines = proj.command_steps([older, newer], 0.0)
+    assert steps == {("dflash", 1): 5.0, ("ddtree-32", 1): 6.6,
+                     ("ddtree-64", 1): 7.5, ("ddtree-128", 1): 9.0}
+    taus = {"dflash": 4.0, "ddtree-32": 5.0, "ddtree-64": 6.0, "ddtree-128": 6.0}
+    rows = {r["config"]: r for r in proj.project(steps, taus, None, baselines)}
+    assert math.isclose(rows["ddtree-32"]["vs_dflash"], (5.0 / 6.6) / (4.0 / 6.0))
+    assert math.isclose(rows["ddtree-64"]["vs_dflash"], (6.0 / 7.5) / (4.0 / 5.0))
+    assert rows["ddtree-32"]["vs_none"] is None
+    # Without baselines the merged DFlash (the newer command's) is the reference.
+    merged = {r["config"]: r for r in proj.project(steps, taus)}
+    assert math.isclose(merged["ddtree-32"]["vs_dflash"], (5.0 / 6.6) / (4.0 / 5.0))
+    dirs = []
+    for name, rows_ in (("old", older), ("new", newer)):
+        d = tmp_path / name
+        d.mkdir()
+        for r in rows_:
+            rep.append_row(d, r)
+        dirs.append(str(d))
+    out = tmp_path / "proj.md"
+    assert proj.main(["--cost", *dirs, "--no-paper", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert f"Command: `python benchmarks/project_8b.py --cost {' '.join(dirs)}" in text
+    assert "batch 1: 5.00-6.00 ms (2 commands)" in text
+    assert "| ddtree-32 | 6.60 (1.10x) |" in text
+    assert "| ddtree-64 | 7.50 (1.50x) |" in text
+
+
 def test_pooled_tau():
     rows = [_row("dflash", 1, num_drafts=10, num_accepted_tokens=50),
             _row("dflash", 8, num_drafts=30, num_accepted_tokens=70),
