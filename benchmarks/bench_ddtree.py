@@ -6,7 +6,10 @@ Modes:
 
 * ``e2e``: a trained target/drafter pair (``--target``, ``--drafter``) on held-out
   prompts (``--prompts``: JSON or JSONL of texts or token-id lists), offline
-  ``vllm.LLM``. Batches 1, 8, 32; temperatures 0 and 1.
+  ``vllm.LLM``. Batches 1, 8, 32; temperatures 0 and 1. Requests come in waves
+  of ``batch`` that start together, or with ``--arrivals continuous`` all at once
+  into an engine that runs ``batch`` of them at a time (mixed prefill and decode
+  steps, as behind a server).
 * ``cost``: a Qwen3-8B-shaped target and a DFlash-8B-shaped drafter from
   ``benchmarks/model_configs`` (config.json only, ``load_format="dummy"``, no
   tokenizer), random prompts, ``ignore_eos``, fixed output length. With random
@@ -92,6 +95,9 @@ ALL_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
 # Qwen3's vocabulary below its special tokens, for random prompts.
 RANDOM_VOCAB = 151643
 SERVED_NAME = "bench"
+# How e2e requests reach the engine (--arrivals).
+ARRIVALS = ("waves", "continuous")
+
 MODE_DEFAULTS = {
     "e2e": {"batches": (1, 8, 32), "temperatures": (0.0, 1.0), "max_tokens": 256,
             "num_prompts": 32, "config_seconds": 120},
@@ -172,6 +178,13 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
     else:
         p.add_argument("--waves", type=int, default=d["waves"],
                        help="timed waves of batch random prompts per batch")
+    if mode == "e2e":
+        p.add_argument("--arrivals", choices=ARRIVALS, default="waves",
+                       help="waves: batch requests start together, the next wave "
+                            "when all are done; continuous: all requests at once "
+                            "with max_num_seqs = batch, a new one joining as one "
+                            "finishes (steps mix prefill and decode, as behind "
+                            "vllm serve); one --batches value per command")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-step-tokens", type=int, default=33000,
                    help="skip DDTree batches whose batch x (B + 1) verified "
@@ -250,6 +263,10 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     for key in ("num_prompts", "waves", "min_waves"):
         if getattr(args, key, 1) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1")
+    if arrivals_of(args) == "continuous" and len(args.batches) != 1:
+        raise ValueError(
+            "--arrivals continuous runs one batch per command (the engine's "
+            f"max_num_seqs is the concurrency); got --batches {args.batches}")
     check_run_options(args)
     if getattr(args, "prompts", None) is not None and not args.prompts.is_file():
         raise ValueError(f"--prompts {args.prompts}: no such file")
@@ -261,6 +278,10 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             f"--max-model-len {args.max_model_len}"
         )
     return args
+
+
+def arrivals_of(args) -> str:
+    return getattr(args, "arrivals", "waves")
 
 
 def check_run_options(args: argparse.Namespace) -> None:
@@ -483,6 +504,8 @@ def setup_of(args) -> dict:
         setup["num_prompts"] = args.num_prompts
         if args.min_waves != 1:  # absent at the default: older setups still match
             setup["min_waves"] = args.min_waves
+        if arrivals_of(args) != "waves":  # likewise
+            setup["arrivals"] = arrivals_of(args)
         setup["prompts"] = _sha(args.prompts)
         setup["ignore_eos"] = args.ignore_eos
         setup["info"]["prompts"] = str(args.prompts)
@@ -647,6 +670,7 @@ def worker_spec(args, config, max_batch, runs, prompts, rid) -> dict:
         "requests": requests,
         "max_tokens": args.max_tokens,
         "ignore_eos": args.mode == "cost" or args.ignore_eos,
+        "arrivals": arrivals_of(args),
         "detokenize": args.mode != "cost",
         "out": str(args.out),
         "row": {"mode": args.mode, "config": config, "run_id": rid,
@@ -747,9 +771,14 @@ def _as_input(prompt) -> dict:
 def measure(llm, sampling_cls, requests: list, batch: int, temperature: float,
             spec: dict) -> dict:
     """Warm-up, prefill-only (max_tokens=1) and timed generation of ``requests``
-    in waves of ``batch``; one result row."""
+    in waves of ``batch``, or all in one call under ``arrivals: continuous`` (the
+    engine's max_num_seqs = batch admits a new request as one finishes); one
+    result row."""
     waves = [[_as_input(p) for p in requests[i:i + batch]]
              for i in range(0, len(requests), batch)]
+    calls = waves
+    if spec.get("arrivals", "waves") == "continuous":
+        calls = [[r for wave in waves for r in wave]]
 
     def params(max_tokens: int):
         return sampling_cls(temperature=temperature, max_tokens=max_tokens,
@@ -759,8 +788,8 @@ def measure(llm, sampling_cls, requests: list, batch: int, temperature: float,
     def timed(max_tokens: int):
         before = metric_totals(llm.get_metrics())
         start = time.perf_counter()
-        outputs = [o for wave in waves
-                   for o in llm.generate(wave, params(max_tokens), use_tqdm=False)]
+        outputs = [o for call in calls
+                   for o in llm.generate(call, params(max_tokens), use_tqdm=False)]
         wall = time.perf_counter() - start
         delta = metric_delta(before, metric_totals(llm.get_metrics()))
         return wall, delta, sum(len(o.outputs[0].token_ids) for o in outputs)

@@ -127,6 +127,31 @@ def test_min_waves_in_setup_only_when_set(tmp_path):
     assert len(spec["requests"]["8"]) == 4 * 8
 
 
+def test_continuous_arrivals_option(tmp_path, capsys):
+    """--arrivals continuous: e2e only, one batch per command, in the setup (so
+    its rows never merge with waves' rows) and in the worker's spec."""
+    base = ["e2e", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
+    waves = bd.parse_args(base)
+    assert waves.arrivals == "waves" and "arrivals" not in bd.setup_of(waves)
+    args = bd.parse_args([*base, "--arrivals", "continuous", "--batches", "8"])
+    assert bd.setup_of(args)["arrivals"] == "continuous"
+    with pytest.raises(ValueError, match="differ"):
+        rep.check_setup(bd.setup_of(waves), bd.setup_of(args), "o")
+    spec = bd.worker_spec(args, "dflash", 8, [(8, 0.0)], ["p"] * 3, "r")
+    assert spec["arrivals"] == "continuous" and spec["llm"]["max_num_seqs"] == 8
+    with pytest.raises(SystemExit):
+        bd.parse_args([*base, "--arrivals", "continuous", "--batches", "1,8"])
+    assert "one batch per command" in capsys.readouterr().err
+    (tmp_path / "serve_pair").mkdir()
+    pair = _pair(tmp_path / "serve_pair")
+    for mode in ("cost", "serve"):
+        extra = [] if mode == "cost" else pair
+        with pytest.raises(SystemExit):
+            bd.parse_args([mode, "--out", str(tmp_path / mode), *extra,
+                           "--arrivals", "continuous"])
+        assert "unrecognized arguments: --arrivals" in capsys.readouterr().err
+
+
 def test_context_cascade_switch_in_setup(tmp_path, monkeypatch):
     """Engines inherit TREE_ATTN's cascade switch from the environment; the
     setup records it, so such rows never merge with rows run without it."""
@@ -500,6 +525,19 @@ def test_measure_with_a_fake_engine(monkeypatch):
     assert row["acceptance_length"] == 4.0
     assert row["per_depth"][:4] == [1.0, 1.0, 1.0, 0.0]
     assert math.isclose(row["tok_s"], 6 * 33 / 0.27)
+
+
+def test_measure_continuous_arrivals(monkeypatch):
+    """Under arrivals: continuous every timed generation is one call with all
+    requests (the engine's max_num_seqs keeps batch of them running)."""
+    clock = Clock()
+    monkeypatch.setattr(bd, "time", clock)
+    llm = FakeLLM(clock, tau=4, budget=64)
+    spec = {"max_tokens": 33, "ignore_eos": True, "detokenize": False,
+            "arrivals": "continuous"}
+    row = bd.measure(llm, _params, [[1, 2]] * 6, 2, 0.0, spec)
+    assert llm.calls == [(2, 16, 0.0), (6, 1, 0.0), (6, 33, 0.0)]
+    assert row["num_requests"] == 6 and row["output_tokens"] == 6 * 33
 
 
 def test_worker_with_a_fake_engine(tmp_path, monkeypatch):
