@@ -19,6 +19,14 @@ their difference, as in ``bench_ddtree.py``: per category, kernel time of the
 whole generation minus that of the prefill-only one, divided by the difference of
 their step counts (observations of ``vllm:iteration_tokens_total``).
 
+Two variants: ``--pair DIR`` profiles a trained pair (``benchmarks/train_pair``'s
+directory: real weights, its held-out prompts, stop at EOS) instead of the 8B
+shapes; ``--requests N`` (> ``--batch``) sends N requests at once into an engine
+of ``max_num_seqs = --batch``, output lengths staggered, so new prefills keep
+joining the running trees as behind ``vllm serve``. Its per-step numbers are then
+the average step of such a run, with the work of the same prefills run alone
+subtracted (what mixing costs on top stays in).
+
 Outputs in ``--out``:
 
 * ``<config>.json``: microseconds of kernel time per decode step per category,
@@ -62,6 +70,8 @@ REPORT_FILE = "profile.md"
 LOG_FILE = "profile.log"
 TRACE_SUFFIX = ".trace.json.gz"
 DEFAULT_CONFIGS = "dflash,ddtree-32,ddtree-128"
+DEFAULT_TARGET = bd.MODEL_CONFIGS / "qwen3_8b"
+DEFAULT_DRAFTER = bd.MODEL_CONFIGS / "dflash_qwen3_8b"
 
 # ---------------------------------------------------------------------------
 # Kernel categories (pure functions of the kernel names)
@@ -442,14 +452,24 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
     setup = results[0].get("setup", {})
     info = setup.get("info", {})
     gpus = sorted({str(r.get("info", {}).get("gpu", "?")) for r in results})
+    models = (f"{Path(str(info.get('target', 'target'))).name} / "
+              f"{Path(str(info.get('drafter', 'drafter'))).name}")
+    if "prompts" in info:
+        inputs = (f"held-out prompts of {info['prompts']}, stop at EOS, {models} "
+                  "(trained weights)")
+    else:
+        inputs = (f"{setup.get('input_len')}-token random prompts, {models} "
+                  "(dummy weights)")
+    requests = setup.get("requests")
+    arrivals = ("" if requests is None else
+                f", {requests} requests arriving as others finish (output lengths "
+                "staggered)")
     lines = [
         "# Profile of one decode step",
         "",
-        (f"`benchmarks/profile_step.py`: batch {setup.get('batch')}, "
-         f"{setup.get('max_tokens')} output tokens, {setup.get('input_len')}-token "
-         f"random prompts, {Path(str(info.get('target', 'target'))).name} / "
-         f"{Path(str(info.get('drafter', 'drafter'))).name} (dummy weights), "
-         f"CUDA graphs on; GPU: {', '.join(gpus)}."),
+        (f"`benchmarks/profile_step.py`: batch {setup.get('batch')}{arrivals}, "
+         f"{setup.get('max_tokens')} output tokens, {inputs}, CUDA graphs on; "
+         f"GPU: {', '.join(gpus)}."),
         "",
         ("Microseconds per decode step = (whole generation - the same requests "
          "with max_tokens=1) / (their step difference), from torch.profiler "
@@ -539,14 +559,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "(JSON or a file), as in bench_ddtree.py")
     p.add_argument("--batch", type=int, default=1,
                    help="requests generated at once (the decode batch)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per generation (default: --batch). More than "
+                        "--batch: all go in at once and the engine (max_num_seqs "
+                        "= --batch) admits one as one finishes, so steps mix "
+                        "prefill and decode as behind vllm serve; their output "
+                        "lengths are staggered over [max-tokens / 2, max-tokens]")
+    p.add_argument("--pair", type=Path, default=None,
+                   help="a trained pair's directory (benchmarks/train_pair: "
+                        "target/, drafter/, eval_prompts.json): real weights, its "
+                        "held-out prompts, stop at EOS, instead of the 8B shapes' "
+                        "dummy weights and random prompts")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="output tokens per request (ignore_eos)")
     p.add_argument("--input-len", type=int, default=1024,
                    help="random prompt length in tokens")
-    p.add_argument("--target", type=Path, default=bd.MODEL_CONFIGS / "qwen3_8b",
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET,
                    help="target model directory (config.json; dummy weights)")
-    p.add_argument("--drafter", type=Path,
-                   default=bd.MODEL_CONFIGS / "dflash_qwen3_8b",
+    p.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER,
                    help="DFlash drafter directory (config.json; dummy weights)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=None,
@@ -579,6 +609,14 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """Check and normalise the options in place; ``ValueError`` names the bad
     one."""
+    if args.pair is not None:
+        if (args.target, args.drafter) != (DEFAULT_TARGET, DEFAULT_DRAFTER):
+            raise ValueError("give --pair or --target / --drafter, not both")
+        args.target, args.drafter = args.pair / "target", args.pair / "drafter"
+        args.prompts = args.pair / "eval_prompts.json"
+        if not args.prompts.is_file():
+            raise ValueError(f"--pair {args.pair}: no eval_prompts.json there")
+        args.mode = "e2e"  # bench_ddtree.engine_kwargs: real weights, tokenizer
     args.schedule = bd.parse_schedule(args.schedule)
     args.configs = bd.parse_configs(args.configs, list(bd.ALL_BUDGETS),
                                     args.schedule)
@@ -589,6 +627,14 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.max_num_seqs < args.batch:
         raise ValueError(f"--max-num-seqs {args.max_num_seqs} is below --batch "
                          f"{args.batch}")
+    if args.requests is None:
+        args.requests = args.batch
+    if args.requests < args.batch:
+        raise ValueError(f"--requests {args.requests} is below --batch {args.batch}")
+    if args.requests > args.batch and args.max_num_seqs != args.batch:
+        raise ValueError(
+            f"--requests {args.requests} > --batch {args.batch} runs them "
+            f"{args.batch} at a time (max_num_seqs = --batch); drop --max-num-seqs")
     if args.max_tokens < 2:
         raise ValueError("--max-tokens must be >= 2 (the decode phase is the "
                          "difference to a max_tokens=1 generation)")
@@ -653,7 +699,35 @@ def setup_of(args) -> dict:
     }
     if args.schedule is not None:
         setup["schedule"] = args.schedule
+    # Absent at their defaults: older profiles still match.
+    if args.requests != args.batch:
+        setup["requests"] = args.requests
+    if args.pair is not None:
+        setup["prompts"] = bd._sha(args.prompts)
+        setup["info"]["prompts"] = str(args.prompts)
     return setup
+
+
+def request_prompts(args) -> list:
+    """The generation's prompts: the pair's held-out prompts in order (cycled), or
+    bench_ddtree cost's random prompts of this batch (its seed)."""
+    if args.pair is None:
+        return bd.random_prompts(args.requests, args.input_len,
+                                 args.seed + args.batch)
+    prompts = bd.load_prompts(args.prompts)
+    return [prompts[i % len(prompts)] for i in range(args.requests)]
+
+
+def output_lengths(max_tokens: int, requests: int, batch: int) -> list[int]:
+    """max_tokens per request: all ``max_tokens`` for one wave; staggered over
+    [max_tokens / 2, max_tokens] (a fixed spread, no randomness) when more
+    requests than ``batch`` run continuously, so they finish at different steps
+    and the batch keeps taking new prefills (equal lengths would keep whole
+    waves in step)."""
+    if requests == batch:
+        return [max_tokens] * requests
+    low = max(2, max_tokens // 2)
+    return [low + (i * 37) % (max_tokens - low + 1) for i in range(requests)]
 
 
 def result_path(out: Path, config: str) -> Path:
@@ -702,9 +776,10 @@ def worker_spec(args, config: str, gpu: str) -> dict:
     return {
         "config": config,
         "llm": bd.engine_kwargs(args, config, args.max_num_seqs),
-        "prompts": bd.random_prompts(args.batch, args.input_len,
-                                     args.seed + args.batch),
+        "prompts": request_prompts(args),
         "max_tokens": args.max_tokens,
+        "output_lengths": output_lengths(args.max_tokens, args.requests, args.batch),
+        "ignore_eos": args.pair is None,
         "top": args.top,
         "trace": trace,
         "init_profiler_early": args.init_profiler_early,
@@ -881,11 +956,15 @@ def run_worker(spec: dict) -> None:
     llm = LLM(**spec["llm"])
     engine = bd._engine_info(llm, time.perf_counter() - start)
     print("profile_step worker: engine " + json.dumps(engine), flush=True)
-    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    prompts = [bd._as_input(p) for p in spec["prompts"]]
+    lengths = spec.get("output_lengths") or [spec["max_tokens"]] * len(prompts)
 
     def params(max_tokens: int):
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                              ignore_eos=True, detokenize=False)
+        """One SamplingParams per request: max_tokens caps each staggered
+        length (1: prefill only)."""
+        return [SamplingParams(temperature=0.0, max_tokens=min(max_tokens, n),
+                               ignore_eos=spec.get("ignore_eos", True),
+                               detokenize=False) for n in lengths]
 
     def generate(max_tokens: int, prof=None):
         """(wall seconds, metric delta, output tokens) of one generation."""

@@ -89,6 +89,55 @@ def test_worker_spec_is_bench_ddtrees_cost_engine(tmp_path):
         tmp_path / "dflash.trace.json.gz")
 
 
+PAIR = Path(bd.__file__).parent / "models" / "pycode"
+
+
+def test_continuous_requests_and_the_pair(tmp_path, capsys):
+    """--requests > --batch: staggered output lengths within [max/2, max], in the
+    setup (absent at the default); --pair: the pair's models, held-out prompts
+    (cycled), real weights, stop at EOS."""
+    args = ps.parse_args(["--out", str(tmp_path), "--batch", "4",
+                          "--requests", "16", "--max-tokens", "64"])
+    spec = ps.worker_spec(args, "dflash", "H200")
+    lengths = spec["output_lengths"]
+    assert len(lengths) == 16 and len(spec["prompts"]) == 16
+    assert min(lengths) >= 32 and max(lengths) <= 64
+    assert len(set(lengths[:4])) == 4  # a wave does not finish in step
+    assert spec["llm"]["max_num_seqs"] == 4 and spec["ignore_eos"]
+    assert ps.setup_of(args)["requests"] == 16
+    one_wave = ps.parse_args(["--out", str(tmp_path), "--batch", "4"])
+    assert "requests" not in ps.setup_of(one_wave)
+    assert ps.worker_spec(one_wave, "dflash", "H200")["output_lengths"] == [64] * 4
+
+    pair = ps.parse_args(["--out", str(tmp_path), "--pair", str(PAIR), "--batch",
+                          "2", "--requests", "5", "--configs", "dflash,ddtree-auto"])
+    assert (pair.target, pair.drafter) == (PAIR / "target", PAIR / "drafter")
+    spec = ps.worker_spec(pair, "ddtree-auto", "H200")
+    held_out = bd.load_prompts(PAIR / "eval_prompts.json")
+    assert spec["prompts"] == held_out[:5] and not spec["ignore_eos"]
+    assert "load_format" not in spec["llm"] and "skip_tokenizer_init" not in spec["llm"]
+    assert spec["llm"]["model"] == str(PAIR / "target")
+    assert spec["llm"]["speculative_config"]["tree_budget"] == "auto"
+    setup = ps.setup_of(pair)
+    assert setup["info"]["prompts"] == str(PAIR / "eval_prompts.json")
+    assert setup["prompts"] == bd._sha(PAIR / "eval_prompts.json")
+    json.dumps(spec)
+    report = ps.markdown_report([_result("dflash", setup=setup)])
+    assert "5 requests arriving as others finish" in report
+    assert "held-out prompts of" in report and "trained weights" in report
+
+    for extra, message in (
+            (["--batch", "4", "--requests", "2"], "--requests 2 is below --batch 4"),
+            (["--batch", "4", "--requests", "8", "--max-num-seqs", "8"],
+             "drop --max-num-seqs"),
+            (["--pair", str(PAIR), "--target", str(PAIR / "target")],
+             "--pair or --target"),
+            (["--pair", str(tmp_path)], "no eval_prompts.json")):
+        with pytest.raises(SystemExit):
+            ps.parse_args(["--out", str(tmp_path), *extra])
+        assert message in capsys.readouterr().err
+
+
 def test_child_env_keeps_the_engine_in_process(monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     env = ps._child_env()
