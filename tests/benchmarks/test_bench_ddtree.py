@@ -685,6 +685,32 @@ def test_sweep_stops_at_the_time_limit(tmp_path, fake_runs, capsys):
     assert bd.Clock(0, 1e9).can_start()  # no limit
 
 
+@pytest.mark.parametrize("seconds, rc, message", [
+    (200.0, 0, "--limit-seconds ran out while measuring ['dflash']"),
+    (1.0, 1, "failed configs"),
+])
+def test_config_cut_by_the_time_limit_is_not_a_failure(
+        tmp_path, monkeypatch, capsys, seconds, rc, message):
+    """A config whose engine ended without finishing: killed at --limit-seconds
+    (rows so far kept, exit 0, resume hint), or a failure (exit 1)."""
+    now = [0.0]
+    monkeypatch.setattr(bd.time, "monotonic", lambda: now[0])
+
+    def runner(args, config, max_batch, runs, prompts, rid, time_left):
+        rep.append_row(args.out, {"config": config, "batch": 1, "temperature": 0.0,
+                                  "run_id": rid, "decode_ms_per_step": 6.0})
+        now[0] += seconds
+        return False
+
+    monkeypatch.setattr(bd, "run_offline_config", runner)
+    assert bd.main(["cost", "--out", str(tmp_path), "--configs", "dflash",
+                    "--batches", "1,4", "--limit-seconds", "150",
+                    "--config-seconds", "10"]) == rc
+    out = capsys.readouterr().out
+    assert message in out and "dflash: 1/2 measured" in out
+    assert (message == "failed configs") == ("failed configs" in out)
+
+
 def test_report_merges_parts(tmp_path, fake_runs):
     part1, part2, merged = tmp_path / "a", tmp_path / "b", tmp_path / "m"
     bd.main(["cost", "--out", str(part1), "--configs", "none,dflash", "--batches", "1"])
