@@ -892,8 +892,8 @@ def write_serve_dataset(prompts: list[str], path: Path) -> Path:
 
     ShareGPT, not vLLM's ``custom`` JSONL: the custom loader needs pandas, which
     vLLM does not depend on, while ShareGPT's is plain ``json`` and sends the text
-    as it is (no chat template). The second turn only
-    satisfies the loader; ``--sharegpt-output-len`` sets the output length."""
+    as it is (no chat template). The empty second turn only satisfies the loader;
+    ``--sharegpt-output-len`` sets the output length."""
     path.write_text(json.dumps([
         {"id": str(i), "conversations": [{"from": "human", "value": p},
                                          {"from": "gpt", "value": ""}]}
