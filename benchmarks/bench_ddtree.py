@@ -685,9 +685,13 @@ def worker_spec(args, config, max_batch, runs, prompts, rid) -> dict:
     }
 
 
-def _worker_env() -> dict:
+def _worker_env(engine_in_process: bool = True) -> dict:
+    """The environment of an engine process. ``engine_in_process``: offline
+    workers keep the engine core in their own process (unless the caller's
+    environment says otherwise); ``vllm serve`` gets vLLM's default."""
     env = dict(os.environ)
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if engine_in_process:
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -923,7 +927,7 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
     dataset = write_serve_dataset(prompts, logs / "prompts_sharegpt.json")
-    env = _worker_env()
+    env = _worker_env(engine_in_process=False)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(_plugin_site(logs / "plugin_site")), str(ROOT), env.get("PYTHONPATH", "")])
     deadline = time.monotonic() + min(time_left, 1e9)

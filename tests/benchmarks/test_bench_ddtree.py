@@ -810,6 +810,18 @@ def test_serve_row_and_commands(tmp_path):
     assert bench[bench.index("--sharegpt-output-len") + 1] == str(args.max_tokens)
 
 
+def test_engine_env(monkeypatch):
+    """Offline workers keep the engine in their process; vllm serve keeps
+    vLLM's default (the first serve run inherited the offline setting)."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert bd._worker_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    served = bd._worker_env(engine_in_process=False)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in served
+    assert served["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert bd._worker_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
 def test_serve_dataset_reads_back_through_vllm_bench(tmp_path):
     """vLLM's own ShareGPT loader (no pandas needed) returns the held-out prompts
     as they are, in order, with the requested output length."""
