@@ -42,8 +42,9 @@ DDTREE_METHOD = "ddtree"
 ADDITIONAL_CONFIG_KEY = "ddtree"
 AUTO_TREE_BUDGET = "auto"
 # The best budget falls as the batch grows, so the default picks one per batch
-# size: "auto" measured at least DFlash's throughput on the trained pair at batch
-# 1, 8 and 64 and projects to 1.04-1.30x DFlash on Qwen3-8B shapes at batch 1-64
+# size: "auto" measured at least DFlash's throughput offline on the trained pair
+# at batch 1, 8 and 64 (not yet behind vllm serve, where one run measured it
+# below) and projects to 1.05-1.31x DFlash on Qwen3-8B shapes at batch 1-64
 # (docs/ddtree.md).
 DEFAULT_TREE_BUDGET = AUTO_TREE_BUDGET
 # The schedule "tree_budget": "auto" stands for, from step times measured for a
@@ -56,8 +57,8 @@ DEFAULT_TREE_BUDGET = AUTO_TREE_BUDGET
 # DFlash's at batch 8 / 16 / 64, where 16 nodes cost 1.22x / 1.26x at 16 / 64),
 # accepting 1.20x the chain's tokens on the trained pair. Measured with "auto": the
 # pair 1.01-1.18x DFlash at batch 1 / 8 / 64, T = 0 and 1; 8B shapes 1.02x / 1.04x
-# / 1.12x / 1.16x DFlash's step at batch 1 / 4 / 16 / 64, so 1.04-1.30x DFlash's
-# throughput projected. Commands and tables: benchmarks/results/bench_ddtree_*auto*,
+# / 1.12x / 1.16x DFlash's step at batch 1 / 4 / 16 / 64, so 1.05-1.31x DFlash's
+# throughput projected (ratios within each cost command). Commands and tables: benchmarks/results/bench_ddtree_*auto*,
 # benchmarks/results/project_8b.md, docs/ddtree.md.
 AUTO_TREE_BUDGET_PER_BATCH_SIZE: tuple[tuple[int, int, int], ...] = (
     (1, 4, 31),
