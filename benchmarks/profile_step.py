@@ -35,8 +35,11 @@ Outputs in ``--out``:
   recorded, the top ``--top`` kernels by time, and the GPU's SM clock and power
   over the unprofiled whole generation (NVML, every 50 ms, from a thread that
   holds the GIL only between samples);
-* ``profile.md``: the table (rows: categories, columns: configs, us per decode
-  step, with kernel-total and wall ratios to DFlash), printed last;
+* ``profile.md``: the host table (CPU time per decode step in the engine's and
+  the speculator's methods, from ``torch.profiler.record_function`` scopes the
+  worker wraps around them while it profiles: ``HOST_SCOPES``), then the kernel
+  table (rows: categories, columns: configs, us per decode step, with
+  kernel-total and wall ratios to DFlash), printed last;
 * ``profile.log``: the configs' engine logs;
 * ``<config>.trace.json.gz``: the Chrome trace of the profiled generation, only
   with ``--trace`` (large).
@@ -136,6 +139,42 @@ KERNEL_LAUNCH_MARKS = ("LaunchKernel", "LaunchCooperativeKernel")
 HOST_SYNC_NAMES = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize",
                              "cudaEventSynchronize"})
 
+# Host (CPU) scopes of one engine step: methods of vLLM's engine and of the
+# speculators that the worker wraps in torch.profiler.record_function while it
+# profiles (instrument_host_scopes), so a profile also says where the host's time
+# goes when the GPU waits for it (a small model's step). Rows of the host table:
+# (label, indent, module, class, method); a scope's time contains the scopes
+# indented under it. One label may name several classes' methods (the two
+# speculators' propose); a config runs one of them.
+_MR = "vllm.v1.worker.gpu.model_runner"
+HOST_SCOPES = (
+    ("engine step (LLMEngine.step)", 0, "vllm.v1.engine.llm_engine", "LLMEngine",
+     "step"),
+    ("schedule", 1, "vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("execute_model (inputs, target forward launch)", 1, _MR, "GPUModelRunner",
+     "execute_model"),
+    ("prepare_inputs", 2, _MR, "GPUModelRunner", "prepare_inputs"),
+    ("prepare_attn (attention metadata)", 2, _MR, "GPUModelRunner",
+     "prepare_attn"),
+    ("sample_tokens (sampling / walk, drafting)", 1, _MR, "GPUModelRunner",
+     "sample_tokens"),
+    ("sample (rejection sampling / tree walk)", 2, _MR, "GPUModelRunner", "sample"),
+    ("propose (drafter, tree build)", 2,
+     "vllm.v1.worker.gpu.spec_decode.dflash.speculator", "DFlashSpeculator",
+     "propose"),
+    ("propose (drafter, tree build)", 2, "vllm.v1.spec_decode.ddtree",
+     "DDTreeSpeculator", "propose"),
+    ("wait for the step's tokens (AsyncOutput.get_output)", 1,
+     "vllm.v1.worker.gpu.async_utils", "AsyncOutput", "get_output"),
+    ("update_from_output", 1, "vllm.v1.core.sched.scheduler", "Scheduler",
+     "update_from_output"),
+    ("process_outputs (detokenize, request outputs)", 1,
+     "vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
+)
+# Scopes record only while this is set (the profiled generations), so the
+# unprofiled timing runs the methods as they are.
+_HOST_SCOPES_ON = threading.Event()
+
 
 def categorize(name: str) -> str:
     """The category key of one GPU activity (kernel, memcpy or memset) by name;
@@ -211,9 +250,12 @@ def busy_us(intervals: Iterable[tuple[float, float]]) -> float:
 def make_window(events: Sequence[Sequence], *, steps: int, wall_s: float,
                 graph_launches: int = 0, kernel_launches: int = 0,
                 graph_kernels: int = 0, linked_kernels: int = 0,
-                host_syncs: int = 0) -> dict:
+                host_syncs: int = 0, host_sync_us: float = 0.0,
+                host_scopes: Mapping[str, float] | None = None) -> dict:
     """One profiled generation: ``events`` are ``(name, duration_us[, start_us])``;
-    ``steps`` its engine steps (from vLLM's metrics)."""
+    ``steps`` its engine steps (from vLLM's metrics); ``host_scopes`` the CPU
+    time (us) of each host scope, ``host_sync_us`` the CPU time spent in
+    synchronizing CUDA calls."""
     window = aggregate(events)
     spans = [(float(e[2]), float(e[2]) + float(e[1])) for e in events
              if len(e) > 2 and not is_sync(str(e[0]))]
@@ -222,7 +264,8 @@ def make_window(events: Sequence[Sequence], *, steps: int, wall_s: float,
         busy_us=busy_us(spans) if spans else window["total_us"],
         graph_launches=int(graph_launches), kernel_launches=int(kernel_launches),
         graph_kernels=int(graph_kernels), linked_kernels=int(linked_kernels),
-        host_syncs=int(host_syncs),
+        host_syncs=int(host_syncs), host_sync_us=float(host_sync_us),
+        host_scopes={str(k): float(v) for k, v in (host_scopes or {}).items()},
     )
     return window
 
@@ -295,6 +338,8 @@ def decode_breakdown(full: Mapping, prefill: Mapping, *, wall_us: float | None =
         "graph_kernels": per_step("graph_kernels"),
         "linked_kernels": per_step("linked_kernels"),
         "host_syncs": per_step("host_syncs"),
+        "host_sync_us": per_step("host_sync_us"),
+        "host_scopes_us": host_scope_breakdown(full, prefill, steps),
         "top_kernels": kernels[:top],
     }
     base = wall_us if wall_us else wall_profiled
@@ -303,6 +348,13 @@ def decode_breakdown(full: Mapping, prefill: Mapping, *, wall_us: float | None =
         out["graph_launches"], out["graph_kernels"], out["linked_kernels"],
         out["kernels"], out["kernel_launches"])
     return out
+
+
+def host_scope_breakdown(full: Mapping, prefill: Mapping, steps: int) -> dict:
+    """Host time per decode step of every scope either window recorded (us)."""
+    f, p = full.get("host_scopes") or {}, prefill.get("host_scopes") or {}
+    return {name: (f.get(name, 0.0) - p.get(name, 0.0)) / steps
+            for name in sorted(set(f) | set(p))}
 
 
 # ---------------------------------------------------------------------------
@@ -531,8 +583,38 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
                 f"{100 * c['power_limited_share']:.0f}% "
                 f"({100 * c['thermal_limited_share']:.0f}%)" for c in clocks],
         ]
+    host = host_table(configs, decode)
+    if host:
+        lines += [host, ""]
     lines.append(rep.markdown_table(["us / decode step"] + configs, rows))
     return "\n".join(lines) + "\n"
+
+
+def host_table(configs: Sequence[str], decode: Sequence[Mapping]) -> str | None:
+    """The host (CPU) scopes per decode step, or None where no config recorded
+    any (results of an older profile_step)."""
+    scopes = [d.get("host_scopes_us") or {} for d in decode]
+    if not any(scopes):
+        return None
+    rows, seen = [], set()
+    for label, indent, *_ in HOST_SCOPES:
+        if label in seen:
+            continue
+        seen.add(label)
+        rows.append(["&nbsp;&nbsp;" * indent + label] + [
+            _us(s[label]) if label in s else "-" for s in scopes])
+    rows += [
+        ["CUDA synchronize calls (host waits for the GPU)"] + [
+            _us(d.get("host_sync_us")) for d in decode],
+        ["wall / decode step, profiled"] + [
+            _us(d["wall_us_profiled"]) for d in decode],
+        ["GPU busy (union of kernels)"] + [_us(d["busy_us"]) for d in decode],
+    ]
+    text = rep.markdown_table(["host us / decode step"] + configs, rows)
+    return ("Host (CPU) time per decode step in vLLM's engine and the "
+            "speculator, from record_function scopes around their methods "
+            "(profiled run; a scope's time contains the scopes indented under "
+            "it):\n\n" + text)
 
 
 # ---------------------------------------------------------------------------
@@ -911,6 +993,7 @@ def window_from_profiler(prof, *, steps: int, wall_s: float) -> dict:
                            "activity profiling available?)")
     events, correlations = [], []
     graph_ids, launch_ids, graph_launches, launches, syncs = set(), set(), 0, 0, 0
+    sync_us, scopes = 0.0, {}
     for e in results.events():
         hidden = getattr(e, "is_hidden_event", None)
         if hidden is not None and hidden():
@@ -921,6 +1004,8 @@ def window_from_profiler(prof, *, steps: int, wall_s: float) -> dict:
                 continue
             events.append((name, e.duration_ns() / 1e3, e.start_ns() / 1e3))
             correlations.append(e.correlation_id())
+        elif e.is_user_annotation():  # a host scope (record_function)
+            scopes[name] = scopes.get(name, 0.0) + e.duration_ns() / 1e3
         elif GRAPH_LAUNCH_MARK in name:
             graph_launches += 1
             graph_ids.add(e.correlation_id())
@@ -929,12 +1014,51 @@ def window_from_profiler(prof, *, steps: int, wall_s: float) -> dict:
             launch_ids.add(e.correlation_id())
         elif name in HOST_SYNC_NAMES:
             syncs += 1
+            sync_us += e.duration_ns() / 1e3
     return make_window(
         events, steps=steps, wall_s=wall_s, graph_launches=graph_launches,
         kernel_launches=launches,
         graph_kernels=sum(1 for c in correlations if c in graph_ids),
         linked_kernels=sum(1 for c in correlations if c in launch_ids),
-        host_syncs=syncs)
+        host_syncs=syncs, host_sync_us=sync_us, host_scopes=scopes)
+
+
+def instrument_host_scopes(scopes: Sequence[tuple] = HOST_SCOPES,
+                           on: threading.Event = _HOST_SCOPES_ON) -> list[str]:
+    """Wrap each scope's method (where its class defines it) in
+    ``torch.profiler.record_function(label)``, recording while ``on`` is set;
+    returns ``module.Class.method`` of the scopes this vLLM lacks (their rows
+    stay empty). Only in the profile worker: the engine is never changed."""
+    import functools
+    import importlib
+
+    from torch.profiler import record_function
+
+    def wrap(label: str, fn):
+        @functools.wraps(fn)
+        def scoped(*args, **kwargs):
+            if not on.is_set():
+                return fn(*args, **kwargs)
+            with record_function(label):
+                return fn(*args, **kwargs)
+
+        scoped.__profile_step_scope__ = label
+        return scoped
+
+    missing = []
+    for label, _indent, module, cls_name, method in scopes:
+        where = f"{module}.{cls_name}.{method}"
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, AttributeError):
+            missing.append(where)
+            continue
+        fn = cls.__dict__.get(method)
+        if fn is None or not callable(fn):
+            missing.append(where)
+        elif getattr(fn, "__profile_step_scope__", None) is None:
+            setattr(cls, method, wrap(label, fn))
+    return missing
 
 
 def run_worker(spec: dict) -> None:
@@ -948,6 +1072,10 @@ def run_worker(spec: dict) -> None:
 
     require_gpu()
     vllm_ddtree.register()
+    missing_scopes = instrument_host_scopes()
+    if missing_scopes:
+        print("profile_step worker: host scopes not in this vLLM (rows left "
+              "empty): " + ", ".join(missing_scopes), flush=True)
     if spec["init_profiler_early"]:
         from torch.profiler._utils import _init_for_cuda_graphs
 
@@ -971,6 +1099,7 @@ def run_worker(spec: dict) -> None:
         before = rep.metric_totals(llm.get_metrics())
         torch.cuda.synchronize()
         if prof is not None:
+            _HOST_SCOPES_ON.set()
             prof.start()
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params(max_tokens), use_tqdm=False)
@@ -978,6 +1107,7 @@ def run_worker(spec: dict) -> None:
         wall = time.perf_counter() - t0
         if prof is not None:
             prof.stop()
+            _HOST_SCOPES_ON.clear()
         delta = rep.metric_delta(before, rep.metric_totals(llm.get_metrics()))
         return wall, delta, sum(len(o.outputs[0].token_ids) for o in outputs)
 
@@ -1026,7 +1156,8 @@ def run_worker(spec: dict) -> None:
         "info": {"gpu": spec["gpu"], "torch": torch.__version__,
                  "vllm": vllm.__version__, "engine": engine,
                  "trace": spec["trace"], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                 "init_profiler_early": spec["init_profiler_early"]},
+                 "init_profiler_early": spec["init_profiler_early"],
+                 "host_scopes_missing": missing_scopes},
     }
     Path(spec["out_json"]).write_text(json.dumps(result, indent=1))
     print(f"profile_step worker: wrote {spec['out_json']}", flush=True)

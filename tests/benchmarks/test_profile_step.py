@@ -347,6 +347,22 @@ def test_decode_breakdown_needs_decode_steps():
         ps.decode_breakdown(full, prefill)
 
 
+def test_decode_breakdown_of_host_scopes():
+    """Host scopes per decode step: (whole - prefill-only) / steps, a scope only
+    one window saw counting as 0 in the other."""
+    prefill = ps.make_window([(GEMM, 1.0)], steps=2, wall_s=0.01,
+                             host_sync_us=10.0,
+                             host_scopes={"schedule": 100.0, "gone": 5.0})
+    full = ps.make_window([(GEMM, 1.0)] * 5, steps=6, wall_s=0.02,
+                          host_sync_us=50.0,
+                          host_scopes={"schedule": 300.0, "propose": 80.0})
+    d = ps.decode_breakdown(full, prefill)
+    assert d["host_scopes_us"] == {"schedule": pytest.approx(50.0),
+                                   "propose": pytest.approx(20.0),
+                                   "gone": pytest.approx(-1.25)}
+    assert d["host_sync_us"] == pytest.approx(10.0)
+
+
 def test_graph_status():
     # (graph launches, graph kernels, kernels linked to eager launches,
     #  kernels, eager launches)
@@ -400,7 +416,12 @@ def test_window_from_profiler_reads_kineto_events():
                          annotation=True),
         _FakeKinetoEvent("Stream Sync", gpu, 90_000, 0),
         _FakeKinetoEvent("aten::mm", cpu, corr=3),
-        _FakeKinetoEvent("cudaStreamSynchronize", cpu, corr=9),
+        _FakeKinetoEvent("cudaStreamSynchronize", cpu, 3_000, corr=9),
+        # Host scopes (record_function on the CPU): summed per name.
+        _FakeKinetoEvent("schedule", cpu, 40_000, annotation=True),
+        _FakeKinetoEvent("schedule", cpu, 20_000, annotation=True),
+        _FakeKinetoEvent("propose (drafter, tree build)", cpu, 7_000,
+                         annotation=True),
     ]
     prof = types.SimpleNamespace(profiler=types.SimpleNamespace(
         kineto_results=types.SimpleNamespace(events=lambda: events)))
@@ -410,6 +431,10 @@ def test_window_from_profiler_reads_kineto_events():
     assert w["kernel_launches"] == 1 and w["host_syncs"] == 1
     assert w["linked_kernels"] == 1
     assert w["categories"]["tree_ops"] == 1.0
+    # The GPU-side annotation is neither a kernel nor a host scope.
+    assert w["host_scopes"] == {"schedule": 60.0,
+                                "propose (drafter, tree build)": 7.0}
+    assert w["host_sync_us"] == 3.0
     with pytest.raises(RuntimeError, match="no kineto results"):
         ps.window_from_profiler(types.SimpleNamespace(profiler=None), steps=1,
                                 wall_s=1)
@@ -427,6 +452,78 @@ def test_window_from_a_real_cpu_profile():
     prof.stop()
     w = ps.window_from_profiler(prof, steps=1, wall_s=0.1)
     assert w["count"] == 0 and w["graph_launches"] == 0
+
+
+class _Engine:
+    """Stands in for a vLLM class whose methods get host scopes."""
+
+    def step(self, x):
+        return self.inner(x) + 1
+
+    def inner(self, x):
+        return 2 * x
+
+
+class _Child(_Engine):
+    pass  # inherits step: no scope of its own
+
+
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
+def test_instrument_host_scopes(monkeypatch):
+    """Scopes wrap the methods a class defines, record only while switched on,
+    show up in a real CPU profile as host scopes, and say which are missing."""
+    import threading
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for name in ("step", "inner"):  # undo the patches after the test
+        monkeypatch.setattr(_Engine, name, _Engine.__dict__[name])
+    mod = __name__
+    scopes = (("engine step", 0, mod, "_Engine", "step"),
+              ("inner part", 1, mod, "_Engine", "inner"),
+              ("child step", 0, mod, "_Child", "step"),
+              ("no such class", 0, mod, "_Nope", "step"),
+              ("no such module", 0, "benchmarks.no_such_module", "X", "f"))
+    on = threading.Event()
+    missing = ps.instrument_host_scopes(scopes, on)
+    assert missing == [f"{mod}._Child.step", f"{mod}._Nope.step",
+                       "benchmarks.no_such_module.X.f"]
+    # Twice is harmless: already wrapped methods are left alone.
+    assert ps.instrument_host_scopes(scopes[:2], on) == []
+    assert _Engine.step.__wrapped__ is not None
+    assert _Engine.step.__wrapped__.__name__ == "step"
+    assert getattr(_Engine.step.__wrapped__, "__profile_step_scope__", None) is None
+    engine = _Engine()
+
+    def profiled(switch: bool) -> dict:
+        if switch:
+            on.set()
+        prof = profile(activities=[ProfilerActivity.CPU])
+        prof.start()
+        for _ in range(3):
+            assert engine.step(torch.ones(4)).sum().item() == 12.0
+        prof.stop()
+        on.clear()
+        return ps.window_from_profiler(prof, steps=3, wall_s=0.1)["host_scopes"]
+
+    recorded = profiled(True)
+    assert set(recorded) == {"engine step", "inner part"}
+    assert recorded["engine step"] >= recorded["inner part"] > 0
+    assert profiled(False) == {}  # switched off: the methods run bare
+
+
+def test_host_scopes_name_existing_methods_of_this_vllm():
+    """Every HOST_SCOPES entry names a method its class defines (guards a vLLM
+    upgrade that renames one: its row would stay empty)."""
+    import importlib
+
+    import conftest  # noqa: F401  (this tree's vllm/ modules, for DDTree's)
+
+    for label, indent, module, cls_name, method in ps.HOST_SCOPES:
+        cls = getattr(importlib.import_module(module), cls_name)
+        assert callable(cls.__dict__.get(method)), (label, module, cls_name)
+        assert indent in (0, 1, 2)
 
 
 # ---------------------------------------------------------------------------
@@ -479,6 +576,28 @@ def test_markdown_report_flags_missing_graph_kernels():
     text = ps.markdown_report([_result("ddtree-32")])
     assert "| x DFlash (kernel total) | - |" in text  # no DFlash column
     assert "No profiled config" in ps.markdown_report([])
+
+
+def test_markdown_report_host_table():
+    ddtree, dflash = _result("ddtree-15", 90.0, 20.0), _result("dflash")
+    # Older results have no host scopes: no host table.
+    assert "Host (CPU) time" not in ps.markdown_report([ddtree, dflash])
+    step, propose = ps.HOST_SCOPES[0][0], "propose (drafter, tree build)"
+    ddtree["decode"].update(host_scopes_us={step: 5000.0, propose: 900.0},
+                            host_sync_us=120.0)
+    dflash["decode"].update(host_scopes_us={step: 4000.0}, host_sync_us=100.0)
+    text = ps.markdown_report([ddtree, dflash])
+    lines = text.splitlines()
+    assert "| host us / decode step | dflash | ddtree-15 |" in lines
+    assert f"| {step} | 4000.0 | 5000.0 |" in lines
+    # indented child rows; one row for the label two classes share
+    assert f"| &nbsp;&nbsp;&nbsp;&nbsp;{propose} | - | 900.0 |" in lines
+    assert sum(propose in line for line in lines) == 1
+    assert "| CUDA synchronize calls (host waits for the GPU) | 100.0 | 120.0 |" \
+        in lines
+    # the kernel table stays last
+    assert lines[-1].startswith("| accept len")
+    assert text.index("host us / decode step") < text.index("| us / decode step")
 
 
 def test_summarize_clock_samples():
