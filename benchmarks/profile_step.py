@@ -878,10 +878,16 @@ def _child_env() -> dict:
     return env
 
 
+class ConfigCut(Exception):
+    """A config's worker was stopped because --limit-seconds ran out."""
+
+
 def run_config(args, config: str, gpu: str, time_left: float) -> bool:
     """One config in a fresh process; True if it exited 0 and wrote its JSON.
-    On failure the end of its log is printed."""
+    On failure the end of its log is printed; raises ``ConfigCut`` when the
+    worker was killed at the end of ``time_left``."""
     log_path = args.out / LOG_FILE
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="profile_step_") as tmp:
         spec_path = Path(tmp) / f"{config}.spec.json"
         spec_path.write_text(json.dumps(worker_spec(args, config, gpu)))
@@ -896,6 +902,12 @@ def run_config(args, config: str, gpu: str, time_left: float) -> bool:
                 log, time_left, _child_env(),
             )
     ok = ok and result_path(args.out, config).is_file()
+    if not ok and time_left <= 1.0 + (time.monotonic() - start):
+        # Killed when --limit-seconds ran out (bd._run_logged): a cut, not a
+        # failure; the worker writes its JSON at the end, so nothing is kept.
+        print(f"    {config}: --limit-seconds ran out before it finished (not "
+              "kept); rerun with --resume-from this --out", flush=True)
+        raise ConfigCut(config)
     if not ok:
         with log_path.open() as log:
             log.seek(offset)
@@ -908,7 +920,7 @@ def run_config(args, config: str, gpu: str, time_left: float) -> bool:
 def run_profiles(args, gpu: str) -> int:
     setup = setup_of(args)
     done = prepare_out(args, setup)
-    clock, failed = bd.Clock(args.limit_seconds, args.config_seconds), []
+    clock, failed, cut = bd.Clock(args.limit_seconds, args.config_seconds), [], []
     for i, config in enumerate(args.configs, 1):
         tag = f"[{i}/{len(args.configs)}] {config}"
         if config in done:
@@ -924,7 +936,11 @@ def run_profiles(args, gpu: str) -> int:
         print(f"{tag}: starting (batch {args.batch}, {args.max_tokens} tokens)",
               flush=True)
         start = time.monotonic()
-        ok = run_config(args, config, gpu, clock.remaining())
+        try:
+            ok = run_config(args, config, gpu, clock.remaining())
+        except ConfigCut:
+            cut.append(config)
+            break  # no time is left for the next config either
         clock.record(time.monotonic() - start)
         if not ok:
             failed.append(config)
@@ -934,6 +950,9 @@ def run_profiles(args, gpu: str) -> int:
               f"steps, kernels {d['kernel_us']:.0f} us/step, wall "
               f"{_us(d.get('wall_us'))} us/step, graph kernels "
               f"{d['graph_kernels_status']}", flush=True)
+    if cut:
+        print(f"profile_step: --limit-seconds ran out while profiling {cut}; "
+              f"rerun with --resume-from {args.out} to profile it")
     if failed:
         print(f"profile_step: failed configs (see {args.out / LOG_FILE}): {failed}")
     write_report(args.out, load_results([args.out]), args.configs)

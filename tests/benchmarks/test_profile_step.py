@@ -758,6 +758,35 @@ def test_failed_config_prints_its_log(tmp_path, monkeypatch, capsys):
     assert "===== dflash" in (tmp_path / ps.LOG_FILE).read_text()
 
 
+def test_config_cut_by_the_time_limit_is_not_a_failure(tmp_path, monkeypatch,
+                                                      capsys):
+    """A worker killed when --limit-seconds runs out: reported as cut (rerun
+    hint, exit 0), the configs after it not started; a worker failing before
+    the limit is still a failure."""
+    import time as time_mod
+
+    monkeypatch.setattr(ps, "require_gpu", lambda: "FakeGPU")
+    monkeypatch.setattr(ps, "worker_spec", lambda args, config, gpu: {})
+
+    def killed_at_the_limit(cmd, log, time_left, env):
+        time_mod.sleep(min(time_left, 5.0))
+        return False
+
+    monkeypatch.setattr(ps.bd, "_run_logged", killed_at_the_limit)
+    argv = ["--out", str(tmp_path / "a"), "--configs", "dflash,ddtree-15",
+            "--limit-seconds", "1.5", "--config-seconds", "1"]
+    assert ps.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "dflash: --limit-seconds ran out before it finished" in printed
+    assert "ran out while profiling ['dflash']" in printed
+    assert "failed" not in printed and "ddtree-15: starting" not in printed
+
+    monkeypatch.setattr(ps.bd, "_run_logged", lambda *a: False)  # fails at once
+    argv[1] = str(tmp_path / "b")
+    assert ps.main(argv) == 1
+    assert "failed configs" in capsys.readouterr().out
+
+
 @pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(),
                     reason="needs a CUDA GPU")
