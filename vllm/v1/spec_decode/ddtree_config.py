@@ -43,8 +43,9 @@ ADDITIONAL_CONFIG_KEY = "ddtree"
 AUTO_TREE_BUDGET = "auto"
 # The best budget falls as the batch grows, so the default picks one per batch
 # size: "auto" measured at least DFlash's throughput offline on the trained pair
-# at batch 1, 8 and 64 (not yet behind vllm serve, where one run measured it
-# below) and projects to 1.05-1.31x DFlash on Qwen3-8B shapes at batch 1-64
+# at batch 1, 8 and 64 with waves of requests (with requests arriving as others
+# finish, as behind vllm serve: 0.91-0.96x at batch 8, T=0, a host-bound pair)
+# and projects to 1.05-1.31x DFlash on Qwen3-8B shapes at batch 1-64
 # (docs/ddtree.md).
 DEFAULT_TREE_BUDGET = AUTO_TREE_BUDGET
 # The schedule "tree_budget": "auto" stands for, from step times measured for a
