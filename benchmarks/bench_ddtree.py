@@ -832,6 +832,11 @@ def serve_row(result: dict) -> dict:
         "tok_s": result.get("output_throughput"),
         "mean_tpot_ms": result.get("mean_tpot_ms"),
         "mean_ttft_ms": result.get("mean_ttft_ms"),
+        "median_ttft_ms": result.get("median_ttft_ms"),
+        # Inter-token latency: one streamed chunk per engine step, so the median
+        # is the server's typical step and the tail its mixed prefill steps.
+        "median_itl_ms": result.get("median_itl_ms"),
+        "p99_itl_ms": result.get("p99_itl_ms"),
         "completed": result.get("completed"),
         "failed": result.get("failed"),
         "num_drafts": drafts,

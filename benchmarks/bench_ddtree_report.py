@@ -286,6 +286,9 @@ def with_ratios(rows: Sequence[Mapping]) -> list[dict]:
         row["step_vs_none"] = _ratio(
             r.get("decode_ms_per_step"), none and none.get("decode_ms_per_step")
         )
+        row["itl_vs_dflash"] = _ratio(
+            r.get("median_itl_ms"), dflash and dflash.get("median_itl_ms")
+        )
         baselines = [b for b in (dflash, none) if b is not None]
         row["same_run"] = all(b.get("run_id") == r.get("run_id") for b in baselines)
         out.append(row)
@@ -393,6 +396,24 @@ def depth_table(rows: Sequence[Mapping]) -> str:
     return markdown_table(header, body)
 
 
+def latency_table(rows: Sequence[Mapping]) -> str | None:
+    """Serve rows' latencies from ``vllm bench serve`` (None without any)."""
+    served = [r for r in rows if r.get("median_itl_ms") is not None]
+    if not served:
+        return None
+    header = ["batch", "T", "config", "median ITL ms", "p99 ITL ms",
+              "mean TPOT ms", "median TTFT ms", "median ITL / DFlash"]
+    body = [
+        [r["batch"], fmt(float(r["temperature"]), 1),
+         r["config"] + ("" if r.get("same_run", True) else " *"),
+         fmt(r.get("median_itl_ms")), fmt(r.get("p99_itl_ms")),
+         fmt(r.get("mean_tpot_ms")), fmt(r.get("median_ttft_ms")),
+         fmt(r.get("itl_vs_dflash"), 3)]
+        for r in served
+    ]
+    return markdown_table(header, body)
+
+
 RATIO_NOTE = (
     "Ratios compare rows of the same batch and temperature; `*` marks a row "
     "whose DFlash or no-spec baseline was measured by another GPU command."
@@ -418,6 +439,11 @@ def markdown_report(rows: Sequence[Mapping], mode: str, setup: Mapping | None) -
     checks = target_checks(rows, mode)
     if checks:
         parts += ["Targets:", ""] + [f"- {c}" for c in checks] + [""]
+    latency = latency_table(rows)
+    if latency:
+        parts += ["Latency behind the server (`vllm bench serve`; one streamed chunk "
+                  "per engine step, so the median inter-token latency is the typical "
+                  "step):", "", latency, ""]
     if any(r.get("per_depth") for r in rows):
         parts += ["Per-depth acceptance (drafts whose accepted path reached depth d):",
                   "", depth_table(rows), ""]

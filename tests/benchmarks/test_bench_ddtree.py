@@ -777,6 +777,19 @@ def test_markdown_report():
     assert "| 1 | 0.0 | dflash | 400.0 | - | 5.00 | 1.000 | 4.000 |" in text
     assert "| 1 | 0.0 | dflash | 0.90 | 0.80 | - |" in text
     assert "GPU: NVIDIA H200" in text
+    assert "Latency behind the server" not in text  # offline rows have none
+
+
+def test_markdown_report_serve_latency():
+    rows = [_row("dflash", 8, tok_s=5000.0, median_itl_ms=4.0, p99_itl_ms=13.0,
+                 mean_tpot_ms=1.5, median_ttft_ms=27.0),
+            _row("ddtree-auto", 8, run="r2", tok_s=4500.0, median_itl_ms=5.0,
+                 p99_itl_ms=18.0, mean_tpot_ms=1.6, median_ttft_ms=32.0)]
+    text = rep.markdown_report(rows, "serve", {"mode": "serve"})
+    assert "Latency behind the server" in text
+    assert "| 8 | 0.0 | dflash | 4.00 | 13.00 | 1.50 | 27.00 | 1.000 |" in text
+    # a baseline from another command is marked, as in the main table
+    assert "| 8 | 0.0 | ddtree-auto * | 5.00 | 18.00 | 1.60 | 32.00 | 1.250 |" in text
 
 
 # ---------------------------------------------------------------------------
@@ -788,12 +801,15 @@ def test_serve_row_and_commands(tmp_path):
     row = bd.serve_row({
         "duration": 10.0, "total_output_tokens": 2000, "output_throughput": 200.0,
         "mean_tpot_ms": 4.0, "completed": 8, "failed": 0,
+        "median_itl_ms": 5.5, "p99_itl_ms": 17.0, "median_ttft_ms": 30.0,
         "spec_decode_num_drafts": 100, "spec_decode_accepted_tokens": 300,
         "spec_decode_draft_tokens": 12800, "spec_decode_acceptance_length": 4.0,
         "spec_decode_per_position_acceptance_rates": [0.9] * 128,
     })
     assert row["tok_s"] == 200.0 and row["acceptance_length"] == 4.0
     assert len(row["per_depth"]) == 15
+    assert (row["median_itl_ms"], row["p99_itl_ms"], row["median_ttft_ms"]) == (
+        5.5, 17.0, 30.0)
     assert bd.serve_row({"output_throughput": 50.0})["acceptance_length"] is None
     args = bd.parse_args(["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)])
     cmd = bd.serve_command(args, "ddtree-64", 32, 8000)
