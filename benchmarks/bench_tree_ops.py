@@ -14,6 +14,11 @@ cache (36 layers x 8 KV heads x 128 dims, bf16, vLLM 0.26 FLASH_ATTN layout):
 * compact: ``TreeKVCompactor`` moving a 15-deep accepted path in all 36 layers;
 * total: the three in one CUDA graph (temperature 0).
 
+``--logits crowded`` gives the drafter rows a trained model's shape over a BPE
+vocabulary instead of plain random logits: the best tokens crowd into the lowest
+ids (frequent tokens get low ids), which sends most positions down the top-token
+search's exact path (random logits almost never take it).
+
 Each op is captured in a CUDA graph and replayed after warmup; times come from CUDA
 events, in microseconds per call. Configurations whose target logits exceed
 ``--max-logits-gb`` skip the sampling columns (the walk kernel is still timed).
@@ -54,6 +59,9 @@ def parse_args():
     p.add_argument(
         "--budgets", type=int, nargs="+", default=[16, 64, 128, 256, 512, 1024]
     )
+    p.add_argument("--logits", choices=["randn", "crowded"], default="randn",
+                   help="drafter logits: random, or crowded into the lowest ids "
+                   "like a trained model's over a BPE vocabulary")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--max-logits-gb", type=float, default=12.0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -115,12 +123,22 @@ def accepted_path(num_reqs: int, budget: int):
     return accepted.cuda(), num_accepted.cuda()
 
 
+def crowded_logits(logits: torch.Tensor, scale: float = 8.0,
+                   decay: float = 400.0) -> torch.Tensor:
+    """Random logits plus ``scale * exp(-id / decay)``: each position's best
+    tokens crowd into the first few hundred ids, as a trained model's do over a
+    BPE vocabulary, whose frequent tokens were merged (numbered) first."""
+    ids = torch.arange(logits.shape[-1], device=logits.device, dtype=logits.dtype)
+    return logits + scale * torch.exp(-ids / decay)
+
+
 def run_point(num_reqs: int, budget: int, args) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    draft_logits = torch.randn(
-        num_reqs, DEPTH, VOCAB, device="cuda", generator=gen
-    ).to(torch.bfloat16)
-    row = {"num_reqs": num_reqs, "budget": budget}
+    draft_logits = torch.randn(num_reqs, DEPTH, VOCAB, device="cuda", generator=gen)
+    if args.logits == "crowded":
+        draft_logits = crowded_logits(draft_logits)
+    draft_logits = draft_logits.to(torch.bfloat16)
+    row = {"num_reqs": num_reqs, "budget": budget, "logits": args.logits}
     row["build_us"] = time_graph(lambda: build_ddtree(draft_logits, budget), args.iters)
     # The builder's top-token search against torch.topk (unsorted) on the same
     # logits: what the search replaced.
@@ -214,7 +232,7 @@ def main():
         "torch": torch.__version__,
         "python": platform.python_version(),
         "command": "python " + " ".join(sys.argv),
-        "vocab": VOCAB, "depth": DEPTH,
+        "vocab": VOCAB, "depth": DEPTH, "logits": args.logits,
         "kv": f"{NUM_LAYERS} layers x {NUM_KV_HEADS} heads x {HEAD_SIZE}, bf16",
     }
     args.out.mkdir(parents=True, exist_ok=True)

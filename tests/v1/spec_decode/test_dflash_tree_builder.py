@@ -277,24 +277,45 @@ TOP_CASES_CPU = [
     ((1, 2, 1000), 8, 8, "tied"),
     ((1, 2, 5000), 64, None, "randn_bf16"),
     ((1, 1, 151936), 2, None, "randn"),
+    ((2, 2, 5000), 16, None, "crowded"),
+    ((1, 2, 5000), 31, None, "crowded"),
 ]
 TOP_CASES_GPU = [
     ((r, d, 151936), k, cap, kind)
     for (r, d) in [(1, 15), (4, 15)]
     for k in [1, 16, 128, 1024]
     for cap, kind in [(None, "randn"), (None, "randn_bf16"), (None, "tied")]
-] + [((2, 15, 151936), 128, 128, "randn"), ((1, 15, 151936), 1024, 1024, "tied")]
+] + [((2, 15, 151936), 128, 128, "randn"), ((1, 15, 151936), 1024, 1024, "tied")] + [
+    ((4, 15, 151936), k, None, "crowded") for k in (15, 31, 127)
+]
 
 
-def _top_case_logits(shape, kind, seed=0):
+def _crowded_logits(shape, k, seed=0):
+    """A trained model's rows over a BPE vocabulary: the best tokens crowd into
+    the lowest ids (frequent tokens are merged first), so one vocab chunk holds
+    more of them than the chunk search reports and the exact path runs. The
+    crowded tokens rise with their id over several powers of two (every byte
+    of the radix select matters), in runs of three equal values (the cut falls
+    among ties), so the best ones are not the first ids above a wrong cut."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = _random_logits(*shape, seed=seed, device="cpu")
+    n = 4 * k
+    rising = torch.sort(torch.rand(n, generator=gen) * 14.0 + 3.0).values
+    logits[..., :n] = rising[torch.arange(n) // 3 * 3]
+    return logits
+
+
+def _top_case_logits(shape, kind, seed=0, k=1):
     if kind == "tied":
         return _tied_logits(shape[0] * shape[1], shape[2]).reshape(shape)
+    if kind == "crowded":
+        return _crowded_logits(shape, k, seed=seed)
     logits = _random_logits(*shape, seed=seed, device="cpu")
     return logits.to(torch.bfloat16) if kind == "randn_bf16" else logits
 
 
 def _check_ranked_top(shape, k, cap, kind):
-    logits = _top_case_logits(shape, kind)
+    logits = _top_case_logits(shape, kind, k=k)
     lp, ids, lse = _ranked_top_tokens(logits.to(DEVICE), k, cap)
     want_lp, want_ids, want_lse = _ranked_reference(logits, k)
     assert torch.equal(ids.cpu(), want_ids)
