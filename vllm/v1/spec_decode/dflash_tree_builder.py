@@ -568,7 +568,9 @@ def _sort_top_kernel(
             tie_rank = seen_ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
             take = (vals > cut) | (tie & (tie_rank < num_ties))
             pos = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(cand_ptr + pos, _sort_key(x, offs.to(tl.int64)), mask=take)
+            # Exactly num_top are taken; the bound only guards the buffer.
+            tl.store(cand_ptr + pos, _sort_key(x, offs.to(tl.int64)),
+                     mask=take & (pos < CAP))
             seen_ties += tl.sum(tie.to(tl.int32), axis=0)
             taken += tl.sum(take.to(tl.int32), axis=0)
         num_cand = taken
