@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How often a trained drafter sends the builder's top-token search down its exact
+path, on the CPU.
+
+``_ranked_top_tokens`` (vllm/v1/spec_decode/dflash_tree_builder.py) buffers the
+tokens at or above a threshold taken from each vocabulary chunk's few largest
+values; when more than ``cap`` tokens reach it, because a position's best tokens
+crowd into few chunks, the position takes the exact path (a full-row select).
+Random logits spread the best tokens over the vocabulary and almost never do;
+a trained model over a BPE vocabulary gives frequent tokens low ids. This script
+runs the trained pair's drafter (``benchmarks/models/pycode``, PyTorch on the
+CPU, the training code's own forward) on held-out prompts, applies the search's
+threshold rule with its sizes (``top_search_plan``) to every draft position's
+logits (float16, as vLLM computes them), and reports the share of positions that
+take the exact path per budget, and where the best tokens sit.
+
+    python benchmarks/top_token_crowding.py --out benchmarks/results/top_token_crowding
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import conftest  # noqa: E402,F401  (this working tree's vllm/ modules first)
+
+from vllm.v1.spec_decode.dflash_tree_builder import top_search_plan  # noqa: E402
+
+PAIR = ROOT / "benchmarks" / "models" / "pycode"
+
+
+def candidate_counts(logits: torch.Tensor, num_top: int) -> torch.Tensor:
+    """Per row of ``logits [rows, vocab]``: how many tokens reach the chunk
+    search's threshold, the ``num_top``-th largest of the values the chunks
+    report (each chunk its ``per_chunk`` largest distinct values)."""
+    rows, vocab = logits.shape
+    plan = top_search_plan(vocab, num_top)
+    padded = torch.nn.functional.pad(
+        logits.float(), (0, plan.num_chunks * plan.chunk - vocab),
+        value=float("-inf"))
+    chunks = padded.view(rows, plan.num_chunks, plan.chunk)
+    # Distinct values: sort each chunk, blank repeats, take the largest.
+    ordered = chunks.sort(dim=-1, descending=True).values
+    repeat = torch.zeros_like(ordered, dtype=torch.bool)
+    repeat[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
+    ordered = ordered.masked_fill(repeat, float("-inf")).sort(
+        dim=-1, descending=True).values
+    reported = ordered[..., : plan.per_chunk].flatten(1)
+    # Fewer than num_top reported values: -inf, every token is a candidate.
+    threshold = reported.sort(dim=-1, descending=True).values[
+        :, num_top - 1 : num_top]
+    return (logits.float() >= threshold).sum(dim=-1)
+
+
+def takes_exact_path(logits: torch.Tensor, num_top: int) -> torch.Tensor:
+    """Rows of ``logits`` whose search runs the exact path (more than cap)."""
+    vocab = logits.shape[-1]
+    plan = top_search_plan(vocab, num_top)
+    if vocab <= plan.cap:
+        return torch.zeros(logits.shape[0], dtype=torch.bool)  # whole-row sort
+    return candidate_counts(logits, num_top) > plan.cap
+
+
+def drafter_logits(pair: Path, num_prompts: int, max_len: int, stride: int):
+    """[positions, vocab] float16 logits of the drafter's 15 draft positions at
+    every ``stride``-th anchor of the first ``num_prompts`` held-out prompts."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from benchmarks.train_pair.dflash import (
+        draft_logits,
+        load_drafter,
+        target_features,
+    )
+
+    tok = AutoTokenizer.from_pretrained(pair / "target")
+    target = Qwen3ForCausalLM.from_pretrained(pair / "target", dtype=torch.float32)
+    target.eval()
+    drafter = load_drafter(pair / "drafter").eval()
+    block = drafter.shape.block_size
+    prompts = json.loads((pair / "eval_prompts.json").read_text())["prompts"]
+    rows = []
+    with torch.no_grad():
+        for p in prompts[:num_prompts]:
+            ids = tok(p["text"], return_tensors="pt").input_ids[:, :max_len]
+            if ids.shape[1] < 2 * block:
+                continue
+            anchors = torch.arange(stride, ids.shape[1] - block, stride)[None]
+            feats = target_features(target, ids, drafter.shape.target_layer_ids)
+            logits, _ = draft_logits(drafter, target.model.embed_tokens,
+                                     target.lm_head.weight, ids, feats, anchors)
+            rows.append(logits[0, :, 1:].flatten(0, 1).half())
+    return torch.cat(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--pair", type=Path, default=PAIR)
+    p.add_argument("--budgets", type=int, nargs="+", default=[15, 31, 63, 127])
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--max-len", type=int, default=200)
+    p.add_argument("--stride", type=int, default=8)
+    args = p.parse_args(argv)
+    start = time.monotonic()
+    logits = drafter_logits(args.pair, args.num_prompts, args.max_len, args.stride)
+    vocab = logits.shape[-1]
+    rows = []
+    for budget in args.budgets:
+        num_top = min(budget, vocab)
+        exact = takes_exact_path(logits, num_top)
+        rows.append({"budget": budget, "cap": top_search_plan(vocab, num_top).cap,
+                     "exact_path_share": round(float(exact.float().mean()), 4)})
+    top = logits.float().topk(15, dim=-1).indices
+    result = {
+        "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+        "pair": str(args.pair), "positions": int(logits.shape[0]), "vocab": vocab,
+        "top15_ids_below_512": round(float((top < 512).float().mean()), 4),
+        "rows": rows, "seconds": round(time.monotonic() - start, 1),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "top_token_crowding.json").write_text(json.dumps(result, indent=1))
+    lines = [
+        f"`{result['command']}`: {result['positions']} draft positions of "
+        f"{args.pair.name}'s drafter, vocabulary {vocab}; "
+        f"{100 * result['top15_ids_below_512']:.1f} % of their top-15 ids are < 512.",
+        "", "| budget | cap | positions on the exact path |", "|---|---|---|"]
+    lines += [f"| {r['budget']} | {r['cap']} | {100 * r['exact_path_share']:.1f} % |"
+              for r in rows]
+    text = "\n".join(lines) + "\n"
+    (args.out / "top_token_crowding.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
