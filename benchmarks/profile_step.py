@@ -144,9 +144,13 @@ HOST_SYNC_NAMES = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize",
 # profiles (instrument_host_scopes), so a profile also says where the host's time
 # goes when the GPU waits for it (a small model's step). Rows of the host table:
 # (label, indent, module, class, method); a scope's time contains the scopes
-# indented under it. One label may name several classes' methods (the two
-# speculators' propose); a config runs one of them.
+# indented under it. One label may name several classes' methods (DFlash's and
+# DDTree's counterparts; a config runs one of them, or a subclass's calls its
+# parent's, which then records nothing of its own).
 _MR = "vllm.v1.worker.gpu.model_runner"
+_ATTN = "attention metadata (model state prepare_attn)"
+_WALK = "rejection sampler / tree walk"
+_PROPOSE = "propose (drafter, tree build)"
 HOST_SCOPES = (
     ("engine step (LLMEngine.step)", 0, "vllm.v1.engine.llm_engine", "LLMEngine",
      "step"),
@@ -154,16 +158,25 @@ HOST_SCOPES = (
     ("execute_model (inputs, target forward launch)", 1, _MR, "GPUModelRunner",
      "execute_model"),
     ("prepare_inputs", 2, _MR, "GPUModelRunner", "prepare_inputs"),
-    ("prepare_attn (attention metadata)", 2, _MR, "GPUModelRunner",
+    ("block tables, slot mappings (runner prepare_attn)", 2, _MR,
+     "GPUModelRunner", "prepare_attn"),
+    (_ATTN, 2, "vllm.v1.worker.gpu.model_states.default", "DefaultModelState",
+     "prepare_attn"),
+    (_ATTN, 2, "vllm.v1.spec_decode.ddtree_verify", "DDTreeModelState",
      "prepare_attn"),
     ("sample_tokens (sampling / walk, drafting)", 1, _MR, "GPUModelRunner",
      "sample_tokens"),
-    ("sample (rejection sampling / tree walk)", 2, _MR, "GPUModelRunner", "sample"),
-    ("propose (drafter, tree build)", 2,
+    ("sample (logits to tokens)", 2, _MR, "GPUModelRunner", "sample"),
+    (_WALK, 3, "vllm.v1.worker.gpu.spec_decode.rejection_sampler",
+     "RejectionSampler", "__call__"),
+    (_WALK, 3, "vllm.v1.spec_decode.ddtree_verify", "DDTreeRejectionSampler",
+     "__call__"),
+    ("postprocess_sampled (request state, KV compaction)", 2, _MR,
+     "GPUModelRunner", "postprocess_sampled"),
+    (_PROPOSE, 2,
      "vllm.v1.worker.gpu.spec_decode.dflash.speculator", "DFlashSpeculator",
      "propose"),
-    ("propose (drafter, tree build)", 2, "vllm.v1.spec_decode.ddtree",
-     "DDTreeSpeculator", "propose"),
+    (_PROPOSE, 2, "vllm.v1.spec_decode.ddtree", "DDTreeSpeculator", "propose"),
     ("wait for the step's tokens (AsyncOutput.get_output)", 1,
      "vllm.v1.worker.gpu.async_utils", "AsyncOutput", "get_output"),
     ("update_from_output", 1, "vllm.v1.core.sched.scheduler", "Scheduler",
@@ -1053,13 +1066,19 @@ def instrument_host_scopes(scopes: Sequence[tuple] = HOST_SCOPES,
 
     from torch.profiler import record_function
 
+    active: set[str] = set()  # labels recording now (the engine's one thread)
+
     def wrap(label: str, fn):
         @functools.wraps(fn)
         def scoped(*args, **kwargs):
-            if not on.is_set():
+            if not on.is_set() or label in active:  # nested: the outer counts
                 return fn(*args, **kwargs)
-            with record_function(label):
-                return fn(*args, **kwargs)
+            active.add(label)
+            try:
+                with record_function(label):
+                    return fn(*args, **kwargs)
+            finally:
+                active.discard(label)
 
         scoped.__profile_step_scope__ = label
         return scoped

@@ -468,6 +468,11 @@ class _Child(_Engine):
     pass  # inherits step: no scope of its own
 
 
+class _Override(_Engine):
+    def step(self, x):  # same label as the parent's: recorded once
+        return super().step(x)
+
+
 @pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
 def test_instrument_host_scopes(monkeypatch):
     """Scopes wrap the methods a class defines, record only while switched on,
@@ -479,9 +484,11 @@ def test_instrument_host_scopes(monkeypatch):
 
     for name in ("step", "inner"):  # undo the patches after the test
         monkeypatch.setattr(_Engine, name, _Engine.__dict__[name])
+    monkeypatch.setattr(_Override, "step", _Override.__dict__["step"])
     mod = __name__
     scopes = (("engine step", 0, mod, "_Engine", "step"),
               ("inner part", 1, mod, "_Engine", "inner"),
+              ("engine step", 0, mod, "_Override", "step"),
               ("child step", 0, mod, "_Child", "step"),
               ("no such class", 0, mod, "_Nope", "step"),
               ("no such module", 0, "benchmarks.no_such_module", "X", "f"))
@@ -496,21 +503,27 @@ def test_instrument_host_scopes(monkeypatch):
     assert getattr(_Engine.step.__wrapped__, "__profile_step_scope__", None) is None
     engine = _Engine()
 
-    def profiled(switch: bool) -> dict:
+    def profiled(switch: bool, obj=engine) -> tuple[dict, int]:
+        """(host scopes, how many "engine step" ranges were recorded)."""
         if switch:
             on.set()
         prof = profile(activities=[ProfilerActivity.CPU])
         prof.start()
         for _ in range(3):
-            assert engine.step(torch.ones(4)).sum().item() == 12.0
+            assert obj.step(torch.ones(4)).sum().item() == 12.0
         prof.stop()
         on.clear()
-        return ps.window_from_profiler(prof, steps=3, wall_s=0.1)["host_scopes"]
+        ranges = sum(e.name == "engine step" for e in prof.events())
+        window = ps.window_from_profiler(prof, steps=3, wall_s=0.1)
+        return window["host_scopes"], ranges
 
-    recorded = profiled(True)
-    assert set(recorded) == {"engine step", "inner part"}
+    recorded, ranges = profiled(True)
+    assert set(recorded) == {"engine step", "inner part"} and ranges == 3
     assert recorded["engine step"] >= recorded["inner part"] > 0
-    assert profiled(False) == {}  # switched off: the methods run bare
+    assert profiled(False) == ({}, 0)  # switched off: the methods run bare
+    # An override calling its parent under the same label: one range per call.
+    recorded, ranges = profiled(True, _Override())
+    assert set(recorded) == {"engine step", "inner part"} and ranges == 3
 
 
 def test_host_scopes_name_existing_methods_of_this_vllm():
@@ -520,10 +533,12 @@ def test_host_scopes_name_existing_methods_of_this_vllm():
 
     import conftest  # noqa: F401  (this tree's vllm/ modules, for DDTree's)
 
+    previous = -1
     for label, indent, module, cls_name, method in ps.HOST_SCOPES:
         cls = getattr(importlib.import_module(module), cls_name)
         assert callable(cls.__dict__.get(method)), (label, module, cls_name)
-        assert indent in (0, 1, 2)
+        assert 0 <= indent <= previous + 1, label  # rows form a tree
+        previous = indent
 
 
 # ---------------------------------------------------------------------------
