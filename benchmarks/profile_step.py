@@ -151,6 +151,7 @@ _MR = "vllm.v1.worker.gpu.model_runner"
 _ATTN = "attention metadata (model state prepare_attn)"
 _WALK = "rejection sampler / tree walk"
 _PROPOSE = "propose (drafter, tree build)"
+_EAGER_ATTN = "attention layers run outside full graphs (in execute_model / propose)"
 HOST_SCOPES = (
     ("engine step (LLMEngine.step)", 0, "vllm.v1.engine.llm_engine", "LLMEngine",
      "step"),
@@ -183,6 +184,13 @@ HOST_SCOPES = (
      "update_from_output"),
     ("process_outputs (detokenize, request outputs)", 1,
      "vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
+    # Attention layers that run outside a full CUDA graph (piecewise or eager
+    # steps, target or drafter): a replayed graph calls no Python, so the calls
+    # per step say how many layers ran eagerly.
+    (_EAGER_ATTN, 1, "vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl",
+     "forward"),
+    (_EAGER_ATTN, 1, "vllm.v1.attention.backends.tree_attn", "TreeAttentionImpl",
+     "forward"),
 )
 # Scopes record only while this is set (the profiled generations), so the
 # unprofiled timing runs the methods as they are.
@@ -264,11 +272,12 @@ def make_window(events: Sequence[Sequence], *, steps: int, wall_s: float,
                 graph_launches: int = 0, kernel_launches: int = 0,
                 graph_kernels: int = 0, linked_kernels: int = 0,
                 host_syncs: int = 0, host_sync_us: float = 0.0,
-                host_scopes: Mapping[str, float] | None = None) -> dict:
+                host_scopes: Mapping[str, float] | None = None,
+                host_scope_calls: Mapping[str, int] | None = None) -> dict:
     """One profiled generation: ``events`` are ``(name, duration_us[, start_us])``;
     ``steps`` its engine steps (from vLLM's metrics); ``host_scopes`` the CPU
-    time (us) of each host scope, ``host_sync_us`` the CPU time spent in
-    synchronizing CUDA calls."""
+    time (us) of each host scope and ``host_scope_calls`` its calls,
+    ``host_sync_us`` the CPU time spent in synchronizing CUDA calls."""
     window = aggregate(events)
     spans = [(float(e[2]), float(e[2]) + float(e[1])) for e in events
              if len(e) > 2 and not is_sync(str(e[0]))]
@@ -279,6 +288,8 @@ def make_window(events: Sequence[Sequence], *, steps: int, wall_s: float,
         graph_kernels=int(graph_kernels), linked_kernels=int(linked_kernels),
         host_syncs=int(host_syncs), host_sync_us=float(host_sync_us),
         host_scopes={str(k): float(v) for k, v in (host_scopes or {}).items()},
+        host_scope_calls={str(k): int(v)
+                          for k, v in (host_scope_calls or {}).items()},
     )
     return window
 
@@ -353,6 +364,8 @@ def decode_breakdown(full: Mapping, prefill: Mapping, *, wall_us: float | None =
         "host_syncs": per_step("host_syncs"),
         "host_sync_us": per_step("host_sync_us"),
         "host_scopes_us": host_scope_breakdown(full, prefill, steps),
+        "host_scope_calls": host_scope_breakdown(full, prefill, steps,
+                                                 "host_scope_calls"),
         "top_kernels": kernels[:top],
     }
     base = wall_us if wall_us else wall_profiled
@@ -363,9 +376,11 @@ def decode_breakdown(full: Mapping, prefill: Mapping, *, wall_us: float | None =
     return out
 
 
-def host_scope_breakdown(full: Mapping, prefill: Mapping, steps: int) -> dict:
-    """Host time per decode step of every scope either window recorded (us)."""
-    f, p = full.get("host_scopes") or {}, prefill.get("host_scopes") or {}
+def host_scope_breakdown(full: Mapping, prefill: Mapping, steps: int,
+                         key: str = "host_scopes") -> dict:
+    """Per decode step, every scope either window recorded: its host time (us),
+    or with ``key="host_scope_calls"`` its calls."""
+    f, p = full.get(key) or {}, prefill.get(key) or {}
     return {name: (f.get(name, 0.0) - p.get(name, 0.0)) / steps
             for name in sorted(set(f) | set(p))}
 
@@ -607,6 +622,7 @@ def host_table(configs: Sequence[str], decode: Sequence[Mapping]) -> str | None:
     """The host (CPU) scopes per decode step, or None where no config recorded
     any (results of an older profile_step)."""
     scopes = [d.get("host_scopes_us") or {} for d in decode]
+    calls = [d.get("host_scope_calls") or {} for d in decode]
     if not any(scopes):
         return None
     rows, seen = [], set()
@@ -615,7 +631,7 @@ def host_table(configs: Sequence[str], decode: Sequence[Mapping]) -> str | None:
             continue
         seen.add(label)
         rows.append(["&nbsp;&nbsp;" * indent + label] + [
-            _us(s[label]) if label in s else "-" for s in scopes])
+            _scope_cell(s, c, label) for s, c in zip(scopes, calls)])
     rows += [
         ["CUDA synchronize calls (host waits for the GPU)"] + [
             _us(d.get("host_sync_us")) for d in decode],
@@ -623,11 +639,18 @@ def host_table(configs: Sequence[str], decode: Sequence[Mapping]) -> str | None:
             _us(d["wall_us_profiled"]) for d in decode],
         ["GPU busy (union of kernels)"] + [_us(d["busy_us"]) for d in decode],
     ]
-    text = rep.markdown_table(["host us / decode step"] + configs, rows)
+    text = rep.markdown_table(["host us / decode step (calls)"] + configs, rows)
     return ("Host (CPU) time per decode step in vLLM's engine and the "
             "speculator, from record_function scopes around their methods "
             "(profiled run; a scope's time contains the scopes indented under "
-            "it):\n\n" + text)
+            "it; calls per step in parentheses):\n\n" + text)
+
+
+def _scope_cell(us: Mapping, calls: Mapping, label: str) -> str:
+    if label not in us:
+        return "-"
+    n = calls.get(label)
+    return _us(us[label]) + ("" if n is None else f" ({n:.1f})")
 
 
 # ---------------------------------------------------------------------------
@@ -1025,7 +1048,7 @@ def window_from_profiler(prof, *, steps: int, wall_s: float) -> dict:
                            "activity profiling available?)")
     events, correlations = [], []
     graph_ids, launch_ids, graph_launches, launches, syncs = set(), set(), 0, 0, 0
-    sync_us, scopes = 0.0, {}
+    sync_us, scopes, scope_calls = 0.0, {}, {}
     for e in results.events():
         hidden = getattr(e, "is_hidden_event", None)
         if hidden is not None and hidden():
@@ -1038,6 +1061,7 @@ def window_from_profiler(prof, *, steps: int, wall_s: float) -> dict:
             correlations.append(e.correlation_id())
         elif e.is_user_annotation():  # a host scope (record_function)
             scopes[name] = scopes.get(name, 0.0) + e.duration_ns() / 1e3
+            scope_calls[name] = scope_calls.get(name, 0) + 1
         elif GRAPH_LAUNCH_MARK in name:
             graph_launches += 1
             graph_ids.add(e.correlation_id())
@@ -1052,7 +1076,8 @@ def window_from_profiler(prof, *, steps: int, wall_s: float) -> dict:
         kernel_launches=launches,
         graph_kernels=sum(1 for c in correlations if c in graph_ids),
         linked_kernels=sum(1 for c in correlations if c in launch_ids),
-        host_syncs=syncs, host_sync_us=sync_us, host_scopes=scopes)
+        host_syncs=syncs, host_sync_us=sync_us, host_scopes=scopes,
+        host_scope_calls=scope_calls)
 
 
 def instrument_host_scopes(scopes: Sequence[tuple] = HOST_SCOPES,

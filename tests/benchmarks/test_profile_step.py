@@ -355,8 +355,11 @@ def test_decode_breakdown_of_host_scopes():
                              host_scopes={"schedule": 100.0, "gone": 5.0})
     full = ps.make_window([(GEMM, 1.0)] * 5, steps=6, wall_s=0.02,
                           host_sync_us=50.0,
-                          host_scopes={"schedule": 300.0, "propose": 80.0})
+                          host_scopes={"schedule": 300.0, "propose": 80.0},
+                          host_scope_calls={"schedule": 6, "propose": 4})
     d = ps.decode_breakdown(full, prefill)
+    assert d["host_scope_calls"] == {"schedule": pytest.approx(1.5),
+                                     "propose": pytest.approx(1.0)}
     assert d["host_scopes_us"] == {"schedule": pytest.approx(50.0),
                                    "propose": pytest.approx(20.0),
                                    "gone": pytest.approx(-1.25)}
@@ -434,6 +437,8 @@ def test_window_from_profiler_reads_kineto_events():
     # The GPU-side annotation is neither a kernel nor a host scope.
     assert w["host_scopes"] == {"schedule": 60.0,
                                 "propose (drafter, tree build)": 7.0}
+    assert w["host_scope_calls"] == {"schedule": 2,
+                                     "propose (drafter, tree build)": 1}
     assert w["host_sync_us"] == 3.0
     with pytest.raises(RuntimeError, match="no kineto results"):
         ps.window_from_profiler(types.SimpleNamespace(profiler=None), steps=1,
@@ -603,10 +608,13 @@ def test_markdown_report_host_table():
     dflash["decode"].update(host_scopes_us={step: 4000.0}, host_sync_us=100.0)
     text = ps.markdown_report([ddtree, dflash])
     lines = text.splitlines()
-    assert "| host us / decode step | dflash | ddtree-15 |" in lines
-    assert f"| {step} | 4000.0 | 5000.0 |" in lines
+    assert "| host us / decode step (calls) | dflash | ddtree-15 |" in lines
+    assert f"| {step} | 4000.0 | 5000.0 |" in lines  # no calls recorded
+    ddtree["decode"]["host_scope_calls"] = {step: 1.0, propose: 1.0}
+    lines = ps.markdown_report([ddtree, dflash]).splitlines()
+    assert f"| {step} | 4000.0 | 5000.0 (1.0) |" in lines
     # indented child rows; one row for the label two classes share
-    assert f"| &nbsp;&nbsp;&nbsp;&nbsp;{propose} | - | 900.0 |" in lines
+    assert f"| &nbsp;&nbsp;&nbsp;&nbsp;{propose} | - | 900.0 (1.0) |" in lines
     assert sum(propose in line for line in lines) == 1
     assert "| CUDA synchronize calls (host waits for the GPU) | 100.0 | 120.0 |" \
         in lines
