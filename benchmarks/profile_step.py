@@ -376,6 +376,20 @@ def decode_breakdown(full: Mapping, prefill: Mapping, *, wall_us: float | None =
     return out
 
 
+def repeated_timing(repeats: Sequence[Mapping]) -> dict:
+    """The first timing, with ``decode_ms_per_step`` the median over all repeats
+    and ``decode_ms_per_step_runs`` each repeat's (one repeat: as it is)."""
+    timing = dict(repeats[0])
+    if len(repeats) > 1:
+        runs = [r["decode_ms_per_step"] for r in repeats]
+        valid = sorted(v for v in runs if v is not None)
+        timing["decode_ms_per_step_runs"] = runs
+        timing["decode_ms_per_step"] = (
+            None if not valid else
+            (valid[(len(valid) - 1) // 2] + valid[len(valid) // 2]) / 2)
+    return timing
+
+
 def host_scope_breakdown(full: Mapping, prefill: Mapping, steps: int,
                          key: str = "host_scopes") -> dict:
     """Per decode step, every scope either window recorded: its host time (us),
@@ -581,6 +595,14 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
         ["wall / decode step, unprofiled"] + [_us(d.get("wall_us")) for d in decode],
         ["x DFlash (wall)"] + [
             _ratio(d.get("wall_us"), base and base.get("wall_us")) for d in decode],
+    ]
+    runs = [(r.get("unprofiled") or {}).get("decode_ms_per_step_runs")
+            for r in results]
+    if any(runs):
+        rows.append(["wall / decode step, unprofiled: runs (min - max)"] + [
+            "-" if not x or None in x else
+            f"{len(x)}: {1000 * min(x):.1f} - {1000 * max(x):.1f}" for x in runs])
+    rows += [
         ["wall / decode step, profiled"] + [
             _us(d["wall_us_profiled"]) for d in decode],
         ["GPU-busy fraction"] + [
@@ -703,6 +725,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "at the price of a longer start-up)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timing-repeats", type=int, default=1,
+                   help="time the unprofiled whole generation this many times in "
+                        "the config's process; the wall per decode step is their "
+                        "median, their range is reported (a host-bound step "
+                        "moves from run to run)")
     p.add_argument("--top", type=int, default=25,
                    help="kernels listed per config in its JSON")
     p.add_argument("--trace", action="store_true",
@@ -765,6 +792,8 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         )
     if args.top < 1:
         raise ValueError("--top must be >= 1")
+    if args.timing_repeats < 1:
+        raise ValueError("--timing-repeats must be >= 1")
     bd.check_run_options(args)
     return args
 
@@ -899,6 +928,7 @@ def worker_spec(args, config: str, gpu: str) -> dict:
         "output_lengths": output_lengths(args.max_tokens, args.requests, args.batch),
         "ignore_eos": args.pair is None,
         "top": args.top,
+        "timing_repeats": args.timing_repeats,
         "trace": trace,
         "init_profiler_early": args.init_profiler_early,
         "out_json": str(result_path(args.out, config)),
@@ -1190,6 +1220,12 @@ def run_worker(spec: dict) -> None:
         clocks = sampler.summary()
         print("profile_step worker: GPU clocks " + json.dumps(clocks), flush=True)
     timing = rep.timing_stats(delta, pre_delta, wall, pre_wall, tokens)
+    repeats = [timing]
+    for _ in range(spec.get("timing_repeats", 1) - 1):
+        r_wall, r_delta, r_tokens = generate(max_tokens)
+        repeats.append(rep.timing_stats(r_delta, pre_delta, r_wall, pre_wall,
+                                        r_tokens))
+    timing = repeated_timing(repeats)
     print("profile_step worker: unprofiled " + json.dumps(timing), flush=True)
     generate(1, profiler())  # the profiler's own start-up, outside the windows
     windows = {}

@@ -47,6 +47,7 @@ def test_defaults(tmp_path):
     (["--max-tokens", "1"], "--max-tokens must be >= 2"),
     (["--input-len", "4090"], "exceed --max-model-len 4096"),
     (["--top", "0"], "--top must be >= 1"),
+    (["--timing-repeats", "0"], "--timing-repeats must be >= 1"),
     (["--limit-seconds", "-1"], "--limit-seconds must be >= 0"),
     (["--gpu-memory-utilization", "1.5"], r"must be in \(0, 1\]"),
     (["--target", "/nonexistent"], "--target /nonexistent: no config.json"),
@@ -596,6 +597,25 @@ def test_markdown_report_flags_missing_graph_kernels():
     text = ps.markdown_report([_result("ddtree-32")])
     assert "| x DFlash (kernel total) | - |" in text  # no DFlash column
     assert "No profiled config" in ps.markdown_report([])
+
+
+def test_repeated_timing_takes_the_median():
+    runs = [{"decode_ms_per_step": v, "tok_s": 1.0} for v in (5.0, 3.0, 4.0, 9.0)]
+    timing = ps.repeated_timing(runs)
+    assert timing["decode_ms_per_step"] == 4.5  # median of 3, 4, 5, 9
+    assert timing["decode_ms_per_step_runs"] == [5.0, 3.0, 4.0, 9.0]
+    assert timing["tok_s"] == 1.0  # the rest: the first run's
+    assert ps.repeated_timing(runs[:1]) == runs[0]  # one run: unchanged
+    assert ps.repeated_timing(runs[:3])["decode_ms_per_step"] == 4.0
+
+
+def test_markdown_report_shows_the_repeats_range():
+    a, b = _result("dflash"), _result("ddtree-15")
+    assert "runs (min - max)" not in ps.markdown_report([a, b])
+    a["unprofiled"] = {"decode_ms_per_step_runs": [4.0, 3.5, 5.25]}
+    lines = ps.markdown_report([a, b]).splitlines()
+    assert ("| wall / decode step, unprofiled: runs (min - max) | 3: 3500.0 - "
+            "5250.0 | - |") in lines
 
 
 def test_markdown_report_host_table():
