@@ -55,6 +55,7 @@ step").
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -382,11 +383,9 @@ def repeated_timing(repeats: Sequence[Mapping]) -> dict:
     timing = dict(repeats[0])
     if len(repeats) > 1:
         runs = [r["decode_ms_per_step"] for r in repeats]
-        valid = sorted(v for v in runs if v is not None)
+        valid = [v for v in runs if v is not None]
         timing["decode_ms_per_step_runs"] = runs
-        timing["decode_ms_per_step"] = (
-            None if not valid else
-            (valid[(len(valid) - 1) // 2] + valid[len(valid) // 2]) / 2)
+        timing["decode_ms_per_step"] = statistics.median(valid) if valid else None
     return timing
 
 

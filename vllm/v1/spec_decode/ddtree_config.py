@@ -59,8 +59,9 @@ DEFAULT_TREE_BUDGET = AUTO_TREE_BUDGET
 # accepting 1.20x the chain's tokens on the trained pair. Measured with "auto": the
 # pair 1.01-1.18x DFlash at batch 1 / 8 / 64, T = 0 and 1; 8B shapes 1.02x / 1.04x
 # / 1.12x / 1.16x DFlash's step at batch 1 / 4 / 16 / 64, so 1.05-1.31x DFlash's
-# throughput projected (ratios within each cost command). Commands and tables: benchmarks/results/bench_ddtree_*auto*,
-# benchmarks/results/project_8b.md, docs/ddtree.md.
+# throughput projected (ratios within each cost command). Commands and tables:
+# benchmarks/results/bench_ddtree_*auto*, benchmarks/results/project_8b.md,
+# docs/ddtree.md.
 AUTO_TREE_BUDGET_PER_BATCH_SIZE: tuple[tuple[int, int, int], ...] = (
     (1, 4, 31),
     (5, 1024, 15),  # vLLM carries the last budget past the end
