@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Time the DDTree core ops on the GPU: tree build, tree walk, KV compaction.
 
-For every (num_reqs, budget), with vocab 151936, drafter depth 15 and a Qwen3-8B KV
-cache (36 layers x 8 KV heads x 128 dims, bf16, vLLM 0.26 FLASH_ATTN layout):
+For every (num_reqs, budget), with vocab 151936 (``--vocab``), drafter depth 15 and
+a Qwen3-8B KV cache (36 layers x 8 KV heads x 128 dims, bf16, vLLM 0.26 FLASH_ATTN
+layout):
 
 * build: ``build_ddtree`` on bf16 drafter logits ``[num_reqs, 15, vocab]``; and,
   side by side, its top-token search (``top_tokens``: log-normalisers and ranked top
@@ -17,7 +18,7 @@ cache (36 layers x 8 KV heads x 128 dims, bf16, vLLM 0.26 FLASH_ATTN layout):
 ``--logits crowded`` gives the drafter rows a trained model's shape over a BPE
 vocabulary instead of plain random logits: the best tokens crowd into the lowest
 ids (frequent tokens get low ids), which sends most positions down the top-token
-search's exact path (random logits almost never take it).
+search's spill path (random logits almost never take it).
 
 Each op is captured in a CUDA graph and replayed after warmup; times come from CUDA
 events, in microseconds per call. Configurations whose target logits exceed
@@ -49,7 +50,8 @@ from vllm.v1.spec_decode.dflash_tree_builder import (  # noqa: E402
     build_ddtree,
 )
 
-VOCAB, DEPTH = 151936, 15
+DEPTH = 15
+QWEN3_VOCAB = 151936
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 36, 8, 128, 16
 
 
@@ -62,6 +64,8 @@ def parse_args():
     p.add_argument("--logits", choices=["randn", "crowded"], default="randn",
                    help="drafter logits: random, or crowded into the lowest ids "
                    "like a trained model's over a BPE vocabulary")
+    p.add_argument("--vocab", type=int, default=QWEN3_VOCAB,
+                   help="vocabulary size (Qwen3's by default; the trained pair's is 4096)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--max-logits-gb", type=float, default=12.0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -133,8 +137,9 @@ def crowded_logits(logits: torch.Tensor, scale: float = 8.0,
 
 
 def run_point(num_reqs: int, budget: int, args) -> dict:
+    vocab = args.vocab
     gen = torch.Generator(device="cuda").manual_seed(0)
-    draft_logits = torch.randn(num_reqs, DEPTH, VOCAB, device="cuda", generator=gen)
+    draft_logits = torch.randn(num_reqs, DEPTH, vocab, device="cuda", generator=gen)
     if args.logits == "crowded":
         draft_logits = crowded_logits(draft_logits)
     draft_logits = draft_logits.to(torch.bfloat16)
@@ -142,7 +147,7 @@ def run_point(num_reqs: int, budget: int, args) -> dict:
     row["build_us"] = time_graph(lambda: build_ddtree(draft_logits, budget), args.iters)
     # The builder's top-token search against torch.topk (unsorted) on the same
     # logits: what the search replaced.
-    k = min(budget, VOCAB)
+    k = min(budget, vocab)
     row["top_tokens_us"] = time_graph(
         lambda: _ranked_top_tokens(draft_logits, k), args.iters
     )
@@ -155,7 +160,7 @@ def run_point(num_reqs: int, budget: int, args) -> dict:
     cu = torch.arange(
         0, num_logits + 1, budget + 1, dtype=torch.int32, device="cuda"
     )
-    node_sampled = torch.randint(0, VOCAB, (num_logits,), device="cuda")
+    node_sampled = torch.randint(0, vocab, (num_logits,), device="cuda")
     row["walk_only_us"] = time_graph(
         lambda: walk_trees(node_sampled, tree.token_ids, tree.parent_ids, cu, DEPTH),
         args.iters,
@@ -169,9 +174,9 @@ def run_point(num_reqs: int, budget: int, args) -> dict:
     )
     row["compact_us"] = time_graph(compact, args.iters)
 
-    logits_gb = num_logits * VOCAB * 4 / 1e9
+    logits_gb = num_logits * vocab * 4 / 1e9
     if logits_gb <= args.max_logits_gb:
-        logits = torch.randn(num_logits, VOCAB, device="cuda", generator=gen)
+        logits = torch.randn(num_logits, vocab, device="cuda", generator=gen)
         pos = torch.arange(num_logits, device="cuda") % (budget + 1)
         idx_mapping = torch.arange(num_logits, device="cuda", dtype=torch.int32) // (
             budget + 1
@@ -232,7 +237,7 @@ def main():
         "torch": torch.__version__,
         "python": platform.python_version(),
         "command": "python " + " ".join(sys.argv),
-        "vocab": VOCAB, "depth": DEPTH, "logits": args.logits,
+        "vocab": args.vocab, "depth": DEPTH, "logits": args.logits,
         "kv": f"{NUM_LAYERS} layers x {NUM_KV_HEADS} heads x {HEAD_SIZE}, bf16",
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -4,15 +4,18 @@ path, on the CPU.
 
 ``_ranked_top_tokens`` (vllm/v1/spec_decode/dflash_tree_builder.py) buffers the
 tokens at or above a threshold taken from each vocabulary chunk's few largest
-values; when more than ``cap`` tokens reach it, because a position's best tokens
-crowd into few chunks, the position takes the exact path (a full-row select).
-Random logits spread the best tokens over the vocabulary and almost never do;
-a trained model over a BPE vocabulary gives frequent tokens low ids. This script
-runs the trained pair's drafter (``benchmarks/models/pycode``, PyTorch on the
-CPU, the training code's own forward) on held-out prompts, applies the search's
+values and sorts ``cap`` of them; when more than ``cap`` tokens reach it,
+because a position's best tokens crowd into few chunks, the position sorts its
+whole ``spill`` buffer instead (the spill path), and past ``spill`` it takes the
+exact path (a full-row radix select, slow). Random logits spread the best
+tokens over the vocabulary and almost never leave the fast path; a trained
+model over a BPE vocabulary gives frequent tokens low ids. This script runs the
+trained pair's drafter (``benchmarks/models/pycode``, PyTorch on the CPU, the
+training code's own forward) on held-out prompts, applies the search's
 threshold rule with its sizes (``top_search_plan``) to every draft position's
-logits (float16, as vLLM computes them), and reports the share of positions that
-take the exact path per budget, and where the best tokens sit.
+logits (float16, as vLLM computes them), and reports per budget the share of
+positions on each path, the most candidates a position had, and where the best
+tokens sit.
 
     python benchmarks/top_token_crowding.py --out benchmarks/results/top_token_crowding
 """
@@ -57,13 +60,17 @@ def candidate_counts(logits: torch.Tensor, num_top: int) -> torch.Tensor:
     return (logits.float() >= threshold).sum(dim=-1)
 
 
-def takes_exact_path(logits: torch.Tensor, num_top: int) -> torch.Tensor:
-    """Rows of ``logits`` whose search runs the exact path (more than cap)."""
+def search_paths(logits: torch.Tensor, num_top: int) -> dict[str, torch.Tensor]:
+    """Per row of ``logits``: which path its search takes past the fast one,
+    ``spill`` (more than cap candidates) or ``exact`` (more than spill)."""
     vocab = logits.shape[-1]
     plan = top_search_plan(vocab, num_top)
-    if vocab <= plan.cap:
-        return torch.zeros(logits.shape[0], dtype=torch.bool)  # whole-row sort
-    return candidate_counts(logits, num_top) > plan.cap
+    if vocab <= plan.cap:  # whole-row sort
+        none = torch.zeros(logits.shape[0], dtype=torch.bool)
+        return {"spill": none, "exact": none}
+    count = candidate_counts(logits, num_top)
+    return {"spill": (count > plan.cap) & (count <= plan.spill),
+            "exact": count > plan.spill}
 
 
 def drafter_logits(pair: Path, num_prompts: int, max_len: int, stride: int):
@@ -112,9 +119,14 @@ def main(argv=None) -> int:
     rows = []
     for budget in args.budgets:
         num_top = min(budget, vocab)
-        exact = takes_exact_path(logits, num_top)
-        rows.append({"budget": budget, "cap": top_search_plan(vocab, num_top).cap,
-                     "exact_path_share": round(float(exact.float().mean()), 4)})
+        plan = top_search_plan(vocab, num_top)
+        paths = search_paths(logits, num_top)
+        rows.append({
+            "budget": budget, "cap": plan.cap, "spill": plan.spill,
+            "spill_path_share": round(float(paths["spill"].float().mean()), 4),
+            "exact_path_share": round(float(paths["exact"].float().mean()), 4),
+            "max_candidates": int(candidate_counts(logits, num_top).max()),
+        })
     top = logits.float().topk(15, dim=-1).indices
     result = {
         "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
@@ -128,8 +140,11 @@ def main(argv=None) -> int:
         f"`{result['command']}`: {result['positions']} draft positions of "
         f"{args.pair.name}'s drafter, vocabulary {vocab}; "
         f"{100 * result['top15_ids_below_512']:.1f} % of their top-15 ids are < 512.",
-        "", "| budget | cap | positions on the exact path |", "|---|---|---|"]
-    lines += [f"| {r['budget']} | {r['cap']} | {100 * r['exact_path_share']:.1f} % |"
+        "", "| budget | cap | spill | positions on the spill path | on the exact "
+        "path | most candidates of a position |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['budget']} | {r['cap']} | {r['spill']} | "
+              f"{100 * r['spill_path_share']:.1f} % | "
+              f"{100 * r['exact_path_share']:.1f} % | {r['max_candidates']} |"
               for r in rows]
     text = "\n".join(lines) + "\n"
     (args.out / "top_token_crowding.md").write_text(text)

@@ -1,31 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 """benchmarks/top_token_crowding.py: its threshold rule counts the candidates the
 builder's kernels count (run in Triton's interpreter), so its shares say which
-positions take the exact path."""
+positions take the spill and exact paths."""
 
 import pytest
 import torch
 
 from benchmarks import top_token_crowding as ttc
+from tests.v1.spec_decode.top_search_spy import ranked_top_with_counts
 from vllm.v1.spec_decode import dflash_tree_builder as builder
 
 
 def _kernel_counts(monkeypatch, logits, k):
-    """The candidate counts the search's kernels hand to ``_sort_top_kernel``."""
-    seen = {}
-    kernel = builder._sort_top_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen["count"] = args[2].clone()  # (logits, stride, count, ...)
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(builder, "_sort_top_kernel", Spy())
-    builder._ranked_top_tokens(logits[None], k)
-    return seen["count"]
+    """The candidate counts the search's kernels hand to ``_sort_top_kernel``
+    (they do not depend on spill; a small one keeps the interpreter quick)."""
+    spill = 2 * builder.top_search_plan(logits.shape[-1], k).cap
+    _, count = ranked_top_with_counts(monkeypatch, logits[None], k, spill=spill)
+    return count
 
 
 @pytest.mark.parametrize("kind", ["randn", "crowded"])
@@ -38,11 +29,14 @@ def test_counts_match_the_kernels(monkeypatch, kind, k):
     logits = logits.half().float()
     want = _kernel_counts(monkeypatch, logits, k)
     assert torch.equal(ttc.candidate_counts(logits, k), want.to(torch.int64))
-    cap = builder.top_search_plan(5000, k).cap
-    assert torch.equal(ttc.takes_exact_path(logits, k), want > cap)
+    plan = builder.top_search_plan(5000, k)
+    paths = ttc.search_paths(logits, k)
+    assert torch.equal(paths["spill"], (want > plan.cap) & (want <= plan.spill))
+    assert torch.equal(paths["exact"], want > plan.spill)
     if kind == "crowded":
-        assert bool((want > cap).any())  # the case does exercise the path
+        assert bool(paths["spill"].any())  # the case does exercise the path
 
 
 def test_small_vocabulary_sorts_whole_rows():
-    assert not ttc.takes_exact_path(torch.randn(3, 20), 15).any()
+    paths = ttc.search_paths(torch.randn(3, 20), 15)
+    assert not (paths["spill"].any() or paths["exact"].any())

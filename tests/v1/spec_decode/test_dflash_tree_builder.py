@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from tests.v1.ddtree_reference import build_ddtree_reference, tree_from_parents
+from tests.v1.spec_decode.top_search_spy import ranked_top_with_counts
+from vllm.v1.spec_decode import dflash_tree_builder as builder
 from vllm.v1.spec_decode.dflash_tree_builder import (
     DDTree,
     _ranked_top_tokens,
@@ -267,26 +269,41 @@ def _tied_logits(num_rows, vocab, dtype=torch.float32):
     return x
 
 
-# (shape, k, cap, dtype): whole-row sort (vocab <= cap), chunked threshold
-# search, and the exact bisection path (more tokens at the threshold than cap).
+# (shape, k, cap, spill, kind, path): each case runs ``path`` on at least one
+# position (other positions may take others). "row": whole-row sort (vocab <=
+# cap); "sort": at most cap tokens reach the chunk threshold; "spill": more, but
+# at most spill (crowded rows); "exact": more than spill, the radix select over
+# the row. The interpreter sorts 2048 keys in ~15 s, so the CPU cases lower spill.
 TOP_CASES_CPU = [
-    ((2, 3, 7), 3, None, "randn"),
-    ((2, 3, 1000), 32, None, "randn"),
-    ((1, 2, 40), 12, None, "tied"),
-    ((1, 2, 1000), 16, 16, "randn"),
-    ((1, 2, 1000), 8, 8, "tied"),
-    ((1, 2, 5000), 64, None, "randn_bf16"),
-    ((1, 1, 151936), 2, None, "randn"),
-    ((2, 2, 5000), 16, None, "crowded"),
-    ((1, 2, 5000), 31, None, "crowded"),
+    ((2, 3, 7), 3, None, None, "randn", "row"),
+    ((2, 3, 1000), 32, None, 64, "randn", "sort"),
+    ((1, 2, 40), 12, None, 64, "tied", "spill"),
+    ((1, 2, 1000), 16, 16, 64, "randn", "spill"),
+    ((1, 2, 1000), 16, 16, 16, "randn", "exact"),
+    ((1, 2, 1000), 8, 8, 64, "tied", "exact"),
+    ((1, 2, 5000), 64, None, 128, "randn_bf16", "sort"),
+    ((1, 1, 151936), 2, None, None, "randn", "sort"),
+    ((2, 2, 5000), 16, None, 128, "crowded", "spill"),
+    ((2, 2, 5000), 16, None, 32, "crowded", "exact"),
+    ((1, 2, 5000), 31, None, 128, "crowded", "spill"),
 ]
 TOP_CASES_GPU = [
-    ((r, d, 151936), k, cap, kind)
+    ((r, d, 151936), k, cap, None, kind, "sort")
     for (r, d) in [(1, 15), (4, 15)]
     for k in [1, 16, 128, 1024]
-    for cap, kind in [(None, "randn"), (None, "randn_bf16"), (None, "tied")]
-] + [((2, 15, 151936), 128, 128, "randn"), ((1, 15, 151936), 1024, 1024, "tied")] + [
-    ((4, 15, 151936), k, None, "crowded") for k in (15, 31, 127)
+    for cap, kind in [(None, "randn"), (None, "randn_bf16")]
+] + [
+    ((r, d, 151936), k, None, None, "tied", "exact")
+    for (r, d) in [(1, 15), (4, 15)]
+    for k in [1, 16, 128, 1024]
+] + [
+    ((2, 15, 151936), 128, 128, None, "randn", "spill"),
+    ((2, 15, 151936), 128, 128, 128, "randn", "exact"),
+    ((1, 15, 151936), 1024, 1024, None, "tied", "exact"),
+] + [
+    ((4, 15, 151936), k, None, spill, "crowded", path)
+    for k in (15, 31, 127)
+    for spill, path in [(None, "spill"), (2 * 2 ** (k - 1).bit_length(), "exact")]
 ]
 
 
@@ -314,31 +331,47 @@ def _top_case_logits(shape, kind, seed=0, k=1):
     return logits.to(torch.bfloat16) if kind == "randn_bf16" else logits
 
 
-def _check_ranked_top(shape, k, cap, kind):
+def _search_paths(monkeypatch, logits, k, cap, spill):
+    """Run the search; return its outputs and the paths its positions took."""
+    out, count = ranked_top_with_counts(monkeypatch, logits, k, cap, spill)
+    if count is None:
+        return out, {"row"}
+    plan = builder.top_search_plan(logits.shape[-1], k, cap, spill)
+    paths = {"sort": count <= plan.cap, "exact": count > plan.spill}
+    paths["spill"] = ~(paths["sort"] | paths["exact"])
+    return out, {name for name, rows in paths.items() if rows.any()}
+
+
+def _check_ranked_top(monkeypatch, shape, k, cap, spill, kind, path):
     logits = _top_case_logits(shape, kind, k=k)
-    lp, ids, lse = _ranked_top_tokens(logits.to(DEVICE), k, cap)
+    (lp, ids, lse), paths = _search_paths(monkeypatch, logits.to(DEVICE), k, cap, spill)
+    assert path in paths, paths
     want_lp, want_ids, want_lse = _ranked_reference(logits, k)
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lp.cpu(), want_lp, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape,k,cap,kind", TOP_CASES_CPU)
-def test_ranked_top_tokens(shape, k, cap, kind):
+@pytest.mark.parametrize("shape,k,cap,spill,kind,path", TOP_CASES_CPU)
+def test_ranked_top_tokens(monkeypatch, shape, k, cap, spill, kind, path):
     """Each position's top tokens equal a stable descending sort's, ties at the
     cut going to the lowest ids, on every path of the search."""
-    _check_ranked_top(shape, k, cap, kind)
+    _check_ranked_top(monkeypatch, shape, k, cap, spill, kind, path)
 
 
 @requires_gpu
-@pytest.mark.parametrize("shape,k,cap,kind", TOP_CASES_GPU)
-def test_ranked_top_tokens_full_size(shape, k, cap, kind):
-    _check_ranked_top(shape, k, cap, kind)
+@pytest.mark.parametrize("shape,k,cap,spill,kind,path", TOP_CASES_GPU)
+def test_ranked_top_tokens_full_size(monkeypatch, shape, k, cap, spill, kind, path):
+    _check_ranked_top(monkeypatch, shape, k, cap, spill, kind, path)
 
 
 def test_ranked_top_tokens_rejects_a_small_cap():
     with pytest.raises(ValueError, match="cap"):
         _ranked_top_tokens(torch.zeros(1, 1, 100, device=DEVICE), 16, 8)
+    with pytest.raises(ValueError, match="spill must be a power of 2 >= cap=32"):
+        _ranked_top_tokens(torch.zeros(1, 1, 100, device=DEVICE), 16, 32, 16)
+    with pytest.raises(ValueError, match="spill"):
+        _ranked_top_tokens(torch.zeros(1, 1, 100, device=DEVICE), 16, 32, 48)
 
 
 def test_ranked_top_tokens_random_cases():
@@ -361,9 +394,10 @@ def test_ranked_top_tokens_random_cases():
         elif kind == "neginf":
             x[..., ::3] = float("-inf")
         cap = pick([None, 1 << (k - 1).bit_length(), 2 << (k - 1).bit_length()])
-        lp, ids, lse = _ranked_top_tokens(x.to(DEVICE), k, cap)
+        spill = builder.top_search_plan(vocab, k, cap).cap * pick([1, 2])
+        lp, ids, lse = _ranked_top_tokens(x.to(DEVICE), k, cap, spill)
         want_lp, want_ids, want_lse = _ranked_reference(x, k)
-        case = (vocab, k, cap, kind)
+        case = (vocab, k, cap, spill, kind)
         assert torch.equal(ids.cpu(), want_ids), case
         torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lp.cpu(), want_lp, rtol=1e-5, atol=1e-5)

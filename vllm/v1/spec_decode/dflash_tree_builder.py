@@ -82,6 +82,11 @@ MAX_DEPTH = 16
 # Top-token search: vocab chunk per program, and most values a chunk reports.
 _TOP_CHUNK = 2048
 _TOP_MAX_PER_CHUNK = 64
+# Candidate keys kept per position when more than ``cap`` reach the threshold.
+# Crowded rows (a trained drafter's best tokens at low BPE ids) bring a few
+# hundred: at most 362 on the trained pair's drafter (vocabulary 4096, budgets
+# 15-127) and 558 on bench_tree_ops' crowded rows (151936 ids, 128 tokens).
+_TOP_MIN_SPILL = 2048
 _INT32_MIN = -(2**31)
 # Bits of a candidate's tie-break field: depth (5) | parent rank (10) | token rank (10).
 _RANK_BITS = 10
@@ -124,20 +129,23 @@ def build_ddtree_with_lse(
     budget: int,
     survivor_cap: int | None = None,
     top_cap: int | None = None,
+    top_spill: int | None = None,
     out: DDTree | None = None,
 ) -> tuple[DDTree, torch.Tensor]:
     """:func:`build_ddtree`, also returning the ``[num_reqs, depth]`` float32
     log-normaliser of every position, so references can use identical log-probs.
 
-    ``survivor_cap`` and ``top_cap`` (tests only) lower the fast paths' capacities
-    so that the fallbacks (sort every candidate of a depth; exact top-token search
-    by bisection) are exercised."""
+    ``survivor_cap``, ``top_cap`` and ``top_spill`` (tests only) lower the fast
+    paths' capacities so that the fallbacks (sort every candidate of a depth;
+    the top-token search's spill sort and exact radix select) are exercised."""
     _check_build_args(draft_logits, budget)
     num_reqs, depth, vocab = draft_logits.shape
     device = draft_logits.device
     num_top = min(budget, vocab)
 
-    tok_lp, tok_id, lse = _ranked_top_tokens(draft_logits, num_top, top_cap)
+    tok_lp, tok_id, lse = _ranked_top_tokens(
+        draft_logits, num_top, top_cap, top_spill
+    )
     pairs = _candidate_pairs(budget, device)
 
     num_words = num_mask_words(budget)
@@ -270,29 +278,39 @@ def _key_tie(key):
 class TopSearchPlan(NamedTuple):
     """The top-token search's sizes for one vocabulary and ``num_top``."""
 
-    cap: int  # candidate keys buffered per position
+    cap: int  # candidate keys sorted per position on the fast path
+    spill: int  # candidate keys buffered per position (>= cap)
     chunk: int  # vocabulary entries per chunk program
     num_chunks: int
     per_chunk: int  # largest distinct values each chunk reports
 
 
-def top_search_plan(vocab: int, num_top: int, cap: int | None = None) -> TopSearchPlan:
-    """Sizes of ``_ranked_top_tokens``' search (``cap`` as there)."""
+def top_search_plan(
+    vocab: int, num_top: int, cap: int | None = None, spill: int | None = None
+) -> TopSearchPlan:
+    """Sizes of ``_ranked_top_tokens``' search (``cap`` and ``spill`` as there)."""
     if cap is None:
         cap = max(2 * triton.next_power_of_2(num_top), 16)
     if cap < num_top or cap & (cap - 1):
         raise ValueError(f"cap must be a power of 2 >= {num_top}, got {cap}")
+    if spill is None:
+        spill = max(2 * cap, _TOP_MIN_SPILL)
+    if spill < cap or spill & (spill - 1):
+        raise ValueError(f"spill must be a power of 2 >= cap={cap}, got {spill}")
     chunk = min(_TOP_CHUNK, max(16, triton.next_power_of_2(triton.cdiv(vocab, 8))))
     num_chunks = triton.cdiv(vocab, chunk)
     per_chunk = min(
         _TOP_MAX_PER_CHUNK,
         triton.next_power_of_2(triton.cdiv(2 * num_top, num_chunks)),
     )
-    return TopSearchPlan(cap, chunk, num_chunks, per_chunk)
+    return TopSearchPlan(cap, spill, chunk, num_chunks, per_chunk)
 
 
 def _ranked_top_tokens(
-    draft_logits: torch.Tensor, num_top: int, cap: int | None = None
+    draft_logits: torch.Tensor,
+    num_top: int,
+    cap: int | None = None,
+    spill: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each position's ``num_top`` best tokens in rank order (logit descending, id
     ascending) as float32 log-probs and ids, and the position's log-normaliser.
@@ -308,19 +326,22 @@ def _ranked_top_tokens(
        when no chunk holds more than ``per_chunk`` of the true top tokens it is
        the exact cut;
     3. per vocab chunk: tokens at or above the threshold are appended (atomic
-       counter) to a buffer of ``cap`` keys per position;
-    4. per position: the buffered keys are sorted. If more than ``cap`` tokens
-       reached the threshold (many tokens tied at the cut, or top tokens
-       crowded into few chunks), the program finds the exact cut over the row
-       instead: a radix select (four passes, one byte of the cut each), then
-       one pass for the tokens above it and the ties at it. Slower, but
-       exact. Trained models take it often: a BPE vocabulary gives frequent
-       tokens low ids, so a position's best tokens crowd into the first
-       chunks (the trained pair's drafter: 68 % of positions at 15 tokens,
-       ``benchmarks/top_token_crowding.py``).
+       counter) to a buffer of ``spill`` keys per position;
+    4. per position: the buffered keys are sorted, ``cap`` of them when at
+       most ``cap`` reached the threshold, else all ``spill``. More than
+       ``cap`` reach it when a position's best tokens crowd into few chunks,
+       as a trained model's do: a BPE vocabulary gives frequent tokens low
+       ids (the trained pair's drafter: 68 % of positions at 15 tokens, with
+       at most a few hundred candidates, ``benchmarks/top_token_crowding.py``).
+       If even ``spill`` overflow (many tokens tied at the cut), the program
+       finds the exact cut over the row instead: a radix select (four passes,
+       one byte of the cut each), then one pass for the tokens above it and
+       the ties at it. Slow (one program streams the row five times), but
+       exact.
 
     ``cap`` (tests only) defaults to twice ``num_top`` rounded up to a power of
-    2; at least ``num_top``.
+    2, at least ``num_top``; ``spill`` (tests only) to ``max(2 * cap, 2048)``,
+    at least ``cap`` (``spill == cap``: no spill sort).
     """
     num_reqs, depth, vocab = draft_logits.shape
     rows = num_reqs * depth
@@ -328,7 +349,9 @@ def _ranked_top_tokens(
     logits = draft_logits.reshape(rows, vocab)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    cap, chunk, num_chunks, per_chunk = top_search_plan(vocab, num_top, cap)
+    cap, spill, chunk, num_chunks, per_chunk = top_search_plan(
+        vocab, num_top, cap, spill
+    )
     tok_lp = torch.empty(num_reqs, depth, num_top, dtype=torch.float32, device=device)
     tok_id = torch.empty(num_reqs, depth, num_top, dtype=torch.int64, device=device)
     lse = torch.empty(num_reqs, depth, dtype=torch.float32, device=device)
@@ -359,14 +382,14 @@ def _ranked_top_tokens(
         BLOCK_TOPS=triton.next_power_of_2(num_chunks * per_chunk),
         INT32_MIN=_INT32_MIN,
     )
-    cand = torch.empty(rows, cap, dtype=torch.int64, device=device)
+    cand = torch.empty(rows, spill, dtype=torch.int64, device=device)
     _gather_top_kernel[(rows, num_chunks)](
         logits, logits.stride(0), threshold, count, cand, vocab,
-        CAP=cap, CHUNK=chunk, INT32_MIN=_INT32_MIN,
+        SPILL=spill, CHUNK=chunk, INT32_MIN=_INT32_MIN,
     )
     _sort_top_kernel[(rows,)](
         logits, logits.stride(0), count, cand, lse, tok_lp, tok_id,
-        vocab, num_top, CAP=cap, CHUNK=chunk, INVALID=_INVALID_KEY,
+        vocab, num_top, CAP=cap, SPILL=spill, CHUNK=chunk, INVALID=_INVALID_KEY,
         INT32_MIN=_INT32_MIN, num_warps=4 if cap <= 256 else 8,
     )
     return tok_lp, tok_id, lse
@@ -501,9 +524,9 @@ def _gather_top_kernel(
     logits_stride,
     threshold_ptr,  # [num_rows] orderable int32
     count_ptr,  # [num_rows] tokens at or above the threshold (atomic)
-    cand_ptr,  # [num_rows, CAP] out: their keys, first CAP of them
+    cand_ptr,  # [num_rows, SPILL] out: their keys, first SPILL of them
     vocab,
-    CAP: tl.constexpr,
+    SPILL: tl.constexpr,
     CHUNK: tl.constexpr,
     INT32_MIN: tl.constexpr,
 ):
@@ -518,9 +541,9 @@ def _gather_top_kernel(
         base = tl.atomic_add(count_ptr + row, num_sel)
         pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
         tl.store(
-            cand_ptr + row * CAP + pos,
+            cand_ptr + row * SPILL + pos,
             _sort_key(x, offs.to(tl.int64)),
-            mask=sel & (pos < CAP),
+            mask=sel & (pos < SPILL),
         )
 
 
@@ -529,22 +552,25 @@ def _sort_top_kernel(
     logits_ptr,  # [num_rows, vocab]
     logits_stride,
     count_ptr,  # [num_rows] tokens that reached the threshold
-    cand_ptr,  # [num_rows, CAP] keys (rewritten on the exact path)
+    cand_ptr,  # [num_rows, SPILL] keys (rewritten on the exact path)
     lse_ptr,  # [num_rows]
     tok_lp_ptr,  # [num_rows, num_top] out
     tok_id_ptr,  # [num_rows, num_top] out
     vocab,
     num_top,
     CAP: tl.constexpr,
+    SPILL: tl.constexpr,
     CHUNK: tl.constexpr,
     INVALID: tl.constexpr,
     INT32_MIN: tl.constexpr,
 ):
+    tl.static_assert(SPILL >= CAP)
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * logits_stride
-    cand_ptr += row * CAP
+    cand_ptr += row * SPILL
+    lse = tl.load(lse_ptr + row)
     num_cand = tl.load(count_ptr + row)
-    if num_cand > CAP:
+    if num_cand > SPILL:
         # Exact path: the cut value v = the num_top-th largest of the row
         # (the largest v with count(>= v) >= num_top), by a radix select: four
         # passes over the row, each fixing one byte of v (as an unsigned
@@ -591,10 +617,23 @@ def _sort_top_kernel(
             taken += tl.sum(take.to(tl.int32), axis=0)
         num_cand = taken
     tl.debug_barrier()
-    offs = tl.arange(0, CAP)
+    # Sort as few keys as hold every candidate (the spill sort is the slower).
+    if num_cand > CAP:
+        _store_ranked_buffer(cand_ptr, num_cand, lse, tok_lp_ptr, tok_id_ptr, row,
+                             num_top, SPILL, INVALID)
+    else:
+        _store_ranked_buffer(cand_ptr, num_cand, lse, tok_lp_ptr, tok_id_ptr, row,
+                             num_top, CAP, INVALID)
+
+
+@triton.jit
+def _store_ranked_buffer(cand_ptr, num_cand, lse, tok_lp_ptr, tok_id_ptr, row,
+                         num_top, BLOCK: tl.constexpr, INVALID: tl.constexpr):
+    """Sort the first ``num_cand <= BLOCK`` buffered keys and store the best."""
+    offs = tl.arange(0, BLOCK)
     key = tl.load(cand_ptr + offs, mask=offs < num_cand, other=INVALID)
-    _store_ranked(tl.sort(key, descending=True), tl.load(lse_ptr + row),
-                  tok_lp_ptr, tok_id_ptr, row, num_top, offs)
+    _store_ranked(tl.sort(key, descending=True), lse, tok_lp_ptr, tok_id_ptr, row,
+                  num_top, offs)
 
 
 @triton.jit
