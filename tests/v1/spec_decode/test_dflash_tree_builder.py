@@ -278,12 +278,13 @@ TOP_CASES_CPU = [
     ((2, 3, 7), 3, None, None, "randn", "row"),
     ((2, 3, 1000), 32, None, 64, "randn", "sort"),
     ((1, 2, 40), 12, None, 64, "tied", "spill"),
-    ((1, 2, 1000), 16, 16, 64, "randn", "spill"),
+    ((1, 2, 40), 4, None, 256, "tied", "spill"),  # all 40 tokens; sorts 64 of 256
+    ((1, 2, 1000), 16, 16, 256, "randn", "spill"),  # sorts 64 of 256
     ((1, 2, 1000), 16, 16, 16, "randn", "exact"),
     ((1, 2, 1000), 8, 8, 64, "tied", "exact"),
     ((1, 2, 5000), 64, None, 128, "randn_bf16", "sort"),
     ((1, 1, 151936), 2, None, None, "randn", "sort"),
-    ((2, 2, 5000), 16, None, 128, "crowded", "spill"),
+    ((2, 2, 5000), 16, None, 512, "crowded", "spill"),  # sorts 128 of 512
     ((2, 2, 5000), 16, None, 32, "crowded", "exact"),
     ((1, 2, 5000), 31, None, 128, "crowded", "spill"),
 ]
