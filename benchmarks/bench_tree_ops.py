@@ -65,7 +65,8 @@ def parse_args():
                    help="drafter logits: random, or crowded into the lowest ids "
                    "like a trained model's over a BPE vocabulary")
     p.add_argument("--vocab", type=int, default=QWEN3_VOCAB,
-                   help="vocabulary size (Qwen3's by default; the trained pair's is 4096)")
+                   help="vocabulary size (Qwen3's by default; the trained pair's "
+                   "is 4096)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--max-logits-gb", type=float, default=12.0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")

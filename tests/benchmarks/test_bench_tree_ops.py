@@ -9,7 +9,8 @@ from benchmarks import bench_tree_ops as bto
 
 def test_crowded_logits_crowd_the_best_tokens_into_low_ids():
     gen = torch.Generator().manual_seed(0)
-    logits = bto.crowded_logits(torch.randn(4, bto.DEPTH, bto.QWEN3_VOCAB, generator=gen))
+    shape = (4, bto.DEPTH, bto.QWEN3_VOCAB)
+    logits = bto.crowded_logits(torch.randn(shape, generator=gen))
     top = logits.topk(31, dim=-1).indices
     assert (top < 2048).all()  # all in the search's first 2048-token chunk
     # The chunk search reports one value per chunk at this vocabulary, so its
