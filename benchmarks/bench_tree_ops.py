@@ -162,8 +162,14 @@ def run_point(num_reqs: int, budget: int, args) -> dict:
         0, num_logits + 1, budget + 1, dtype=torch.int32, device="cuda"
     )
     node_sampled = torch.randint(0, vocab, (num_logits,), device="cuda")
+    # The step's input ids, which DDTree's sampler checks node tokens against.
+    fed = torch.cat(
+        [node_sampled.new_zeros(num_reqs, 1), tree.token_ids.clamp(min=0)], dim=1
+    ).flatten()
     row["walk_only_us"] = time_graph(
-        lambda: walk_trees(node_sampled, tree.token_ids, tree.parent_ids, cu, DEPTH),
+        lambda: walk_trees(
+            node_sampled, tree.token_ids, tree.parent_ids, cu, DEPTH, fed
+        ),
         args.iters,
     )
 
@@ -187,7 +193,7 @@ def run_point(num_reqs: int, budget: int, args) -> dict:
         def walk(temperature):
             return lambda: tree_rejection_sample(
                 logits, tree.token_ids, tree.parent_ids, cu, pos, idx_mapping,
-                temperature, seeds, DEPTH,
+                temperature, seeds, DEPTH, fed_token_ids=fed,
             )
 
         t0 = torch.zeros(num_reqs, device="cuda")
@@ -199,7 +205,7 @@ def run_point(num_reqs: int, budget: int, args) -> dict:
             t = build_ddtree(draft_logits, budget)
             out = tree_rejection_sample(
                 logits, t.token_ids, t.parent_ids, cu, pos, idx_mapping, t0, seeds,
-                DEPTH,
+                DEPTH, fed_token_ids=fed,
             )
             compactor(kv.slot_mapping, kv.query_start_loc, out.accepted_nodes,
                       out.num_accepted)

@@ -42,8 +42,10 @@ PROBE = textwrap.dedent("""
     build_ddtree(torch.zeros(2, 15, 100, dtype=torch.bfloat16), 64)  # whole rows
     for budget in (16, 128):
         tree = build_ddtree(torch.zeros(2, 15, 151936, dtype=torch.bfloat16), budget)
+    # As DDTree's sampler runs it: node tokens checked against the fed ids.
     walk_trees(torch.zeros(2 * 129, dtype=torch.int64), tree.token_ids,
-               tree.parent_ids, torch.zeros(3, dtype=torch.int32), 15)
+               tree.parent_ids, torch.zeros(3, dtype=torch.int32), 15,
+               torch.zeros(2 * 129, dtype=torch.int32))
     caches = [torch.zeros(8, 16, 8, 256, dtype=torch.bfloat16).transpose(1, 2)
               .unflatten(-1, (2, 128)).permute(3, 0, 1, 2, 4) for _ in range(2)]
     TreeKVCompactor(caches)(torch.zeros(258, dtype=torch.int64),
@@ -53,8 +55,9 @@ PROBE = textwrap.dedent("""
 
     i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32)
     i64 = lambda *shape: torch.zeros(*shape, dtype=torch.int64)
-    write_tree_verify_inputs(i64(258), i32(4, 129, 5), i32(4), i32(4, 128),
-                             i32(4, 129, 5), i32(2), i32(3), i32(3), 4)
+    write_tree_verify_inputs(i64(258), i32(4, 129, 5), i32(4), i64(4, 128),
+                             i32(4, 128), i32(4, 129, 5), i32(2), i32(3), i32(3),
+                             4)
     prepare_draft_inputs(i32(256), i64(256), i32(5), i32(4), i64(256), i64(256),
                          i64(256), i64(256), i64(60), i64(258), i32(3), i32(3),
                          i32(2), i32(2), i64(4, 1), i32(4), i32(2, 15), i32(2),

@@ -167,6 +167,54 @@ def test_walk_matches_reference(num_reqs, budget, depth, vocab):
     assert ref.num_accepted.max() > 0
 
 
+def _fed_tokens(tokens: torch.Tensor, cu: torch.Tensor, num_nodes, gen, flips):
+    """[num_logits] input ids as the target was fed them: a random root token,
+    then the tree's tokens (padding as 0), with ``flips`` random nodes fed
+    another token than the tree holds."""
+    fed = torch.zeros(int(cu[-1]), dtype=torch.int64)
+    for r, b in enumerate(num_nodes):
+        fed[int(cu[r]) + 1 : int(cu[r]) + 1 + b] = tokens[r, :b].clamp(min=0)
+    nodes = [int(cu[r]) + 1 + i for r, b in enumerate(num_nodes) for i in range(b)]
+    for j in torch.randperm(len(nodes), generator=gen)[:flips].tolist():
+        fed[nodes[j]] += 1
+    return fed
+
+
+@pytest.mark.parametrize("num_reqs,budget,depth,vocab", [(7, 24, 6, 11), (4, 9, 3, 5)])
+def test_walk_checks_fed_tokens(num_reqs, budget, depth, vocab):
+    """With the fed input ids, a node whose token differs from what the target
+    was fed at its row is never entered: kernel equals reference, and the
+    mismatches cut paths that the tree tokens alone would accept."""
+    gen = torch.Generator().manual_seed(budget)
+    tree = build_ddtree_reference(
+        torch.randn(num_reqs, depth, vocab, generator=gen) * 2, budget
+    )
+    num_nodes = [budget] * num_reqs
+    cu, _, _ = _layout(num_nodes)
+    node_sampled = torch.randint(0, vocab, (int(cu[-1]),), generator=gen)
+    _steer(node_sampled, tree.token_ids, tree.parent_ids, cu, num_nodes, gen)
+    fed = _fed_tokens(tree.token_ids, cu, num_nodes, gen, flips=num_reqs * 3)
+    ref = walk_trees_reference(
+        node_sampled, tree.token_ids, tree.parent_ids, cu, depth, fed
+    )
+    out = walk_trees(
+        *_to(DEVICE, node_sampled, tree.token_ids, tree.parent_ids, cu), depth,
+        fed.to(DEVICE),
+    )
+    _assert_same(out, ref)
+    unchecked = walk_trees_reference(
+        node_sampled, tree.token_ids, tree.parent_ids, cu, depth
+    )
+    assert ref.num_accepted.sum() < unchecked.num_accepted.sum()
+    # Fed exactly as the trees say: the check changes nothing.
+    same = _fed_tokens(tree.token_ids, cu, num_nodes, gen, flips=0)
+    out = walk_trees(
+        *_to(DEVICE, node_sampled, tree.token_ids, tree.parent_ids, cu), depth,
+        same.to(DEVICE),
+    )
+    _assert_same(out, unchecked)
+
+
 def test_walk_padding_and_max_depth():
     # Node 3 is a padding node (token -1); the chain 1 -> 2 is cut at max_depth 1.
     tokens = torch.tensor([[4, 5, -1]])

@@ -60,11 +60,30 @@ def _trees(max_num_reqs, depth, budget, gen, vocab=50):
     return build_ddtree_reference(logits, budget)
 
 
-def _run_verify_writer(num_reqs, budget, depth, seed, pad=0):
+def _reset_slots(trees, slots, gen):
+    """Slots as a request that joined without a drafted tree finds them
+    (``DraftTrees.reset_``): tokens -1 over whatever depths and masks the slot
+    held before (zeros if never used, a previous request's tree, or garbage)."""
+    for i, s in enumerate(slots):
+        trees.token_ids[s] = -1
+        if i % 2:
+            trees.depths[s] = 0
+            trees.attn_mask[s] = 0
+        else:
+            trees.depths[s] = torch.randint(0, 16, trees.depths[s].shape,
+                                            generator=gen, dtype=torch.int32)
+            trees.attn_mask[s] = torch.randint(
+                -(2**31), 2**31 - 1, trees.attn_mask[s].shape, generator=gen,
+                dtype=torch.int32)
+
+
+def _run_verify_writer(num_reqs, budget, depth, seed, pad=0, num_reset=0):
     gen = torch.Generator().manual_seed(seed)
     max_num_reqs = num_reqs + pad + 3
     trees = _trees(max_num_reqs, depth, budget, gen)
     reqs = _batch(num_reqs, max_num_reqs, budget, gen)
+    tree_slots = [s for s, _, b, _ in reqs if b]
+    _reset_slots(trees, tree_slots[:num_reset], gen)
     qsl, cu = _layout(reqs)
     positions = torch.cat([torch.arange(p0, p0 + q) for _, q, _, p0 in reqs])
     idx = torch.tensor([s for s, *_ in reqs], dtype=torch.int32)
@@ -76,8 +95,9 @@ def _run_verify_writer(num_reqs, budget, depth, seed, pad=0):
         mask = torch.full((max_num_reqs, budget + 1, num_words), -5,
                           dtype=torch.int32, device=dev)
         is_tree = torch.full((max_num_reqs,), 7, dtype=torch.int32, device=dev)
-        fn(pos, mask, is_tree, trees.depths.to(dev), trees.attn_mask.to(dev),
-           idx.to(dev), qsl.to(dev), cu.to(dev), num_reqs + pad)
+        fn(pos, mask, is_tree, trees.token_ids.to(dev), trees.depths.to(dev),
+           trees.attn_mask.to(dev), idx.to(dev), qsl.to(dev), cu.to(dev),
+           num_reqs + pad)
         outputs.append([t.cpu() for t in (pos, mask, is_tree)])
     for got, want in zip(*outputs):
         assert torch.equal(got, want)
@@ -89,14 +109,47 @@ def _run_verify_writer(num_reqs, budget, depth, seed, pad=0):
     [(1, 1, 1, 0), (3, 5, 3, 2), (7, 33, 15, 1), (5, 64, 16, 0)],
 )
 @pytest.mark.parametrize("seed", [0, 1])
-def test_verify_writer_matches_reference(num_reqs, budget, depth, pad, seed):
-    _run_verify_writer(num_reqs, budget, depth, seed, pad)
+@pytest.mark.parametrize("num_reset", [0, 2])
+def test_verify_writer_matches_reference(num_reqs, budget, depth, pad, seed,
+                                         num_reset):
+    _run_verify_writer(num_reqs, budget, depth, seed, pad, num_reset)
 
 
 @gpu_only
 @pytest.mark.parametrize("num_reqs, budget", [(64, 128), (7, 1024), (257, 8)])
 def test_verify_writer_full_size(num_reqs, budget):
-    _run_verify_writer(num_reqs, budget, 15, seed=num_reqs, pad=3)
+    _run_verify_writer(num_reqs, budget, 15, seed=num_reqs, pad=3, num_reset=5)
+
+
+def _root_only_rows(b: int, num_words: int) -> torch.Tensor:
+    """Mask rows of a tree of b padding nodes: {root}, then {root, self}."""
+    rows = torch.zeros(b + 1, num_words, dtype=torch.int64)
+    rows[:, 0] = 1
+    for j in range(1, b + 1):
+        rows[j, j // 32] |= 1 << (j % 32)
+    return rows.to(torch.int32)
+
+
+@pytest.mark.parametrize("budget", [6, 40])
+def test_reset_slot_verifies_as_root_only(budget):
+    """A request padded with placeholder drafts in a slot with no tree (never
+    used, or left by the previous request): every node sits at the root's
+    position, the root attends to itself only and each placeholder to the root
+    and itself, whatever the slot held."""
+    num_checked = 0
+    for seed in range(4):
+        reqs, _, (pos, mask, _) = _run_verify_writer(
+            5, budget, 4, seed=seed, num_reset=5)
+        start = 0
+        for r, (_, q, b, p0) in enumerate(reqs):
+            if b:
+                assert pos[start : start + q].tolist() == [p0] * q
+                want = _root_only_rows(b, mask.shape[2])
+                assert torch.equal(mask[r, : b + 1], want)
+                num_checked += b + 1
+            start += q
+    print(f"root-only rows checked: {num_checked}")
+    assert num_checked >= 40
 
 
 def test_verify_writer_semantics():

@@ -89,6 +89,10 @@ class TreeRejectionSampler:
     request r of ``input_batch``, and its first b tokens are the draft tokens
     scheduled for it. Outputs use vLLM's chain layout, so vLLM's post-update code
     consumes them unchanged; ``accepted_nodes`` feeds ``TreeKVCompactor``.
+    A node is accepted only if its tree token is also the token the target was
+    fed at its row (``input_batch.input_ids``): a tree that does not match the
+    step's input (e.g. a slot whose request joined without a drafted tree, fed
+    MRv2's placeholder zeros) can cost acceptance, never correctness.
 
     Penalties and bad-words masking in ``Sampler.apply_sampling_params`` read the
     preceding tokens in chain order, which is wrong for tree nodes; DDTree's config
@@ -133,6 +137,7 @@ class TreeRejectionSampler:
             self.sampler.sampling_states.seeds.gpu,
             self.max_depth,
             use_fp64=self.sampler.use_fp64_gumbel,
+            fed_token_ids=input_ids,
         )
         use_processed = self.sampler.logprobs_mode in (
             "processed_logprobs",
@@ -208,6 +213,8 @@ def tree_rejection_sample(
     seeds: torch.Tensor,
     max_depth: int,
     use_fp64: bool = False,
+    # [num_logits] token fed to the target at each logit row, if known
+    fed_token_ids: torch.Tensor | None = None,
 ) -> TreeSampleOutput:
     """Sample every tree token, then walk each tree to its accepted path.
 
@@ -229,7 +236,12 @@ def tree_rejection_sample(
         use_fp64=use_fp64,
     )
     return walk_trees(
-        node_sampled, tree_token_ids, tree_parent_ids, cu_num_logits, max_depth
+        node_sampled,
+        tree_token_ids,
+        tree_parent_ids,
+        cu_num_logits,
+        max_depth,
+        fed_token_ids,
     )
 
 
@@ -243,14 +255,19 @@ def walk_trees(
     # [num_reqs + 1]
     cu_num_logits: torch.Tensor,
     max_depth: int,
+    # [num_logits]
+    fed_token_ids: torch.Tensor | None = None,
 ) -> TreeSampleOutput:
     """Walk each request's tree along the target's samples ``node_sampled``.
 
     Request r's tree tokens are rows ``cu_num_logits[r] .. cu_num_logits[r+1]-1``
     of ``node_sampled``: the root, then nodes 1..b. Node i's token and parent
     (0 = root) are ``tree_token_ids[r, i-1]`` and ``tree_parent_ids[r, i-1]``;
-    nodes beyond b are ignored, padding nodes (token -1) never match. Paths longer
-    than ``max_depth`` are cut at ``max_depth`` accepted nodes.
+    nodes beyond b are ignored, padding nodes (token -1) never match. With
+    ``fed_token_ids`` (the target's input at each logit row), a node whose tree
+    token differs from the token fed at its row never matches either, so only
+    what the target actually scored can be accepted. Paths longer than
+    ``max_depth`` are cut at ``max_depth`` accepted nodes.
     """
     num_reqs, budget = tree_token_ids.shape
     device = node_sampled.device
@@ -271,8 +288,10 @@ def walk_trees(
         tree_parent_ids,
         tree_parent_ids.stride(0),
         cu_num_logits,
+        node_sampled if fed_token_ids is None else fed_token_ids,
         budget,
         max_depth,
+        CHECK_FED=fed_token_ids is not None,
         NODE_BLOCK=triton.next_power_of_2(budget),
         OUT_BLOCK=triton.next_power_of_2(budget + 1),
         PATH_BLOCK=triton.next_power_of_2(max_depth + 1),
@@ -351,9 +370,11 @@ def walk_trees_reference(
     tree_parent_ids: torch.Tensor,
     cu_num_logits: torch.Tensor,
     max_depth: int,
+    fed_token_ids: torch.Tensor | None = None,
 ) -> TreeSampleOutput:
     """Slow Python walk with ``walk_trees``'s contract, for tests."""
     # sync-ok: reference only, never on the step path.
+    fed = None if fed_token_ids is None else fed_token_ids.cpu().tolist()  # sync-ok
     node_sampled = node_sampled.cpu().tolist()  # sync-ok
     tokens = tree_token_ids.cpu().tolist()  # sync-ok
     parents = tree_parent_ids.cpu().tolist()  # sync-ok
@@ -369,7 +390,8 @@ def walk_trees_reference(
             continue
         children: dict[tuple[int, int], int] = {}
         for i in range(1, num_nodes + 1):
-            if tokens[r][i - 1] >= 0:
+            token = tokens[r][i - 1]
+            if token >= 0 and (fed is None or fed[start + i] == token):
                 children[(parents[r][i - 1], tokens[r][i - 1])] = i
         cur, y = 0, node_sampled[start]
         path_tokens = [y]
@@ -406,8 +428,11 @@ def _tree_walk_kernel(
     parent_ids_stride,
     # [num_reqs + 1]
     cu_num_logits_ptr,
+    # [num_logits]
+    fed_token_ids_ptr,
     budget,
     max_depth,
+    CHECK_FED: tl.constexpr,
     NODE_BLOCK: tl.constexpr,
     OUT_BLOCK: tl.constexpr,
     PATH_BLOCK: tl.constexpr,
@@ -433,6 +458,11 @@ def _tree_walk_kernel(
         other=-1,
     ).to(tl.int64)
     live = node_mask & (tokens >= 0)
+    if CHECK_FED:
+        fed = tl.load(
+            fed_token_ids_ptr + start + 1 + node_offs, mask=node_mask, other=-1
+        ).to(tl.int64)
+        live = live & (fed == tokens)
     # A node can be entered iff the target's sample at its parent is its token.
     parent_sampled = tl.load(
         node_sampled_ptr + start + parents, mask=live, other=-1

@@ -47,7 +47,14 @@ from vllm.v1.worker.utils import AttentionGroup
 
 
 class DraftTrees:
-    """Trees of up to ``max_num_reqs`` requests in :class:`DDTree` layout."""
+    """Trees of up to ``max_num_reqs`` request slots in :class:`DDTree` layout.
+
+    Per-request state with MRv2's ``RequestState`` life cycle: read through
+    ``idx_mapping``, written by the speculator for the requests it drafted for,
+    and reset when a request is added to a slot (:meth:`reset_`), so that a slot
+    never shows a tree that was not drafted for its request. A reset slot holds
+    padding nodes only (token -1), which verify as a root-only tree.
+    """
 
     def __init__(self, max_num_reqs: int, budget: int, device: torch.device):
         trees = DDTree.empty(max_num_reqs, budget, device)
@@ -59,6 +66,10 @@ class DraftTrees:
         self.depths = trees.depths.zero_()
         # [max_num_reqs, budget + 1, num_words] int32 ancestor-or-self masks.
         self.attn_mask = trees.attn_mask.zero_()
+
+    def reset_(self, req_index: int) -> None:
+        """No tree drafted for the request in slot ``req_index`` yet."""
+        self.token_ids[req_index].fill_(-1)
 
     def scatter_(
         self,

@@ -10,7 +10,10 @@ Two writers, each a small Triton kernel with a slow torch reference beside it:
   positions. This writer then, in place, sets node i's position to ``p0 +
   depth_i`` (RoPE sees the tree position; the KV slot keeps the flattened index)
   and copies the request's ancestor masks into TREE_ATTN's batch-ordered buffers.
-  ``p0`` is read from the positions MRv2 computed from its GPU request state, so
+  Padding nodes (token -1: the drafter had fewer prefixes, or no tree was
+  drafted for the request since it joined) verify at the root's position with
+  mask ``{root, self}``, and the root row is always ``{root}``, so a request
+  padded with placeholder drafts verifies as a root-only tree. ``p0`` is read from the positions MRv2 computed from its GPU request state, so
   it is right under async scheduling.
 
 * :func:`prepare_draft_inputs` (drafter side). After the walk, the DFlash
@@ -40,6 +43,8 @@ def write_tree_verify_inputs(
     attn_mask: torch.Tensor,
     # [max_num_reqs] int32, batch order (TREE_ATTN's)
     is_tree: torch.Tensor,
+    # [max_num_reqs, budget] int64, request-state order; -1 on padding nodes
+    tree_token_ids: torch.Tensor,
     # [max_num_reqs, budget] int32, request-state order
     tree_depths: torch.Tensor,
     # [max_num_reqs, budget + 1, num_words] int32, request-state order
@@ -59,12 +64,14 @@ def write_tree_verify_inputs(
     num_reqs = idx_mapping.shape[0]
     budget = tree_depths.shape[1]
     num_words = tree_masks.shape[2]
+    assert tree_token_ids.stride(0) == tree_depths.stride(0)
     _write_tree_verify_inputs_kernel[(max(num_reqs, num_reqs_padded),)](
         positions,
         attn_mask,
         attn_mask.stride(0),
         attn_mask.stride(1),
         is_tree,
+        tree_token_ids,
         tree_depths,
         tree_depths.stride(0),
         tree_masks,
@@ -84,6 +91,7 @@ def write_tree_verify_inputs_reference(
     positions: torch.Tensor,
     attn_mask: torch.Tensor,
     is_tree: torch.Tensor,
+    tree_token_ids: torch.Tensor,
     tree_depths: torch.Tensor,
     tree_masks: torch.Tensor,
     idx_mapping: torch.Tensor,
@@ -93,6 +101,7 @@ def write_tree_verify_inputs_reference(
 ) -> None:
     """Slow torch version of :func:`write_tree_verify_inputs`, for tests."""
     num_reqs = idx_mapping.shape[0]
+    num_words = tree_masks.shape[2]
     qsl, cu = query_start_loc.tolist(), cu_num_logits.tolist()
     is_tree[num_reqs:num_reqs_padded] = 0
     for r in range(num_reqs):
@@ -103,8 +112,19 @@ def write_tree_verify_inputs_reference(
             continue
         req = int(idx_mapping[r])
         root = qsl[r + 1] - num_logits
-        positions[root + 1 : root + 1 + b] = positions[root] + tree_depths[req, :b]
-        attn_mask[r, : b + 1] = tree_masks[req, : b + 1]
+        real = tree_token_ids[req, :b] >= 0
+        depths = torch.where(real, tree_depths[req, :b], 0)
+        positions[root + 1 : root + 1 + b] = positions[root] + depths
+        attn_mask[r, 0] = 0
+        attn_mask[r, 0, 0] = 1
+        for j in range(1, b + 1):
+            if real[j - 1]:
+                attn_mask[r, j] = tree_masks[req, j]
+            else:
+                row = torch.zeros(num_words, dtype=torch.int64)
+                row[0] |= 1
+                row[j // 32] |= 1 << (j % 32)
+                attn_mask[r, j] = row.to(torch.int32)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -117,7 +137,8 @@ def _write_tree_verify_inputs_kernel(
     attn_mask_stride_row,
     # [max_num_reqs]
     is_tree_ptr,
-    # [max_num_reqs, budget]
+    # [max_num_reqs, budget], both with stride tree_depths_stride
+    tree_token_ids_ptr,
     tree_depths_ptr,
     tree_depths_stride,
     # [max_num_reqs, budget + 1, num_words]
@@ -153,14 +174,17 @@ def _write_tree_verify_inputs_kernel(
     root_pos = tl.load(positions_ptr + root)
     node = tl.arange(0, NODE_BLOCK)
     is_node = node < num_nodes
-    depth = tl.load(
-        tree_depths_ptr + req_state_idx * tree_depths_stride + node,
-        mask=is_node,
-        other=0,
-    )
+    node_row = req_state_idx * tree_depths_stride + node
+    token = tl.load(tree_token_ids_ptr + node_row, mask=is_node, other=-1)
+    depth = tl.load(tree_depths_ptr + node_row, mask=is_node, other=0)
+    # Padding nodes sit at the root's position (depth 0).
+    depth = tl.where(token >= 0, depth, 0)
     tl.store(positions_ptr + root + 1 + node, root_pos + depth, mask=is_node)
 
-    # Mask rows 0..num_nodes (root and kept nodes), NUM_WORDS words each.
+    # Mask rows 0..num_nodes (root and kept nodes), NUM_WORDS words each: the
+    # root row is {root}; a real node's row is its tree's; a padding node's row
+    # is {root, self}, whatever the slot holds (a tree never drafted, or one
+    # drafted for the slot's previous request).
     src = tree_masks_ptr + req_state_idx * tree_masks_stride_req
     dst = attn_mask_ptr + batch_idx.to(tl.int64) * attn_mask_stride_req
     num_elems = (num_nodes + 1) * NUM_WORDS
@@ -169,7 +193,16 @@ def _write_tree_verify_inputs_kernel(
         row = (elem // NUM_WORDS).to(tl.int64)
         word = elem % NUM_WORDS
         in_range = elem < num_elems
-        words = tl.load(src + row * tree_masks_stride_row + word, mask=in_range)
+        row_token = tl.load(
+            tree_token_ids_ptr + req_state_idx * tree_depths_stride + row - 1,
+            mask=in_range & (row >= 1),
+            other=-1,
+        )
+        copy = in_range & (row_token >= 0)
+        words = tl.load(src + row * tree_masks_stride_row + word, mask=copy, other=0)
+        own = tl.where(word == row // 32, 1 << (row % 32), 0)
+        root_bit = tl.where(word == 0, 1, 0)
+        words = tl.where(copy, words, (own | root_bit).to(tl.int32))
         tl.store(dst + row * attn_mask_stride_row + word, words, mask=in_range)
 
 

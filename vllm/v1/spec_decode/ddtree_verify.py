@@ -30,6 +30,7 @@ from vllm.v1.attention.backends.tree_attn import (
     kv_cache_as_kv_first,
 )
 from vllm.v1.attention.ops.tree_kv_compaction import TreeKVCompactor
+from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.sample.tree_rejection_sampler import (
     TreeRejectionSampler,
@@ -110,6 +111,12 @@ class DDTreeModelState(DefaultModelState):
         # [num_kv_cache_groups, num_tokens] slot mappings of the current step.
         self._slot_mappings: torch.Tensor | None = None
 
+    def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
+        super().add_request(req_index, new_req_data)
+        # As MRv2 zeroes the slot's draft tokens: until the speculator drafts
+        # for this request, its slot verifies as a root-only tree.
+        self.ddtree_state.trees.reset_(req_index)
+
     def custom_sampler(
         self, sampler: Sampler
     ) -> tuple[Sampler, DDTreeRejectionSampler]:
@@ -137,6 +144,7 @@ class DDTreeModelState(DefaultModelState):
                 input_batch.positions,
                 self.tree_inputs.attn_mask,
                 self.tree_inputs.is_tree,
+                trees.token_ids,
                 trees.depths,
                 trees.attn_mask,
                 input_batch.idx_mapping,

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One DDTree step through the MRv2 hooks, without a model runner.
+"""The DDTree proposer on Model Runner V2: one step through the MRv2 hooks, and
+the per-request state's life cycle, without a model runner.
 
 A real engine config (tiny Qwen3 target, tiny DFlash drafter with block size 4),
 real TREE_ATTN metadata builders and the real DDTree classes; the target's logits,
@@ -8,6 +9,13 @@ in the Triton interpreter.
 
 Batch: request state 2 verifies a full tree, state 0 a tree the scheduler trimmed
 to 4 nodes, state 3 runs a chunk of its prefill (5 tokens, no drafts).
+
+Joining requests (vLLM 0.26's scheduler, "Pad new decode requests" in
+``vllm/v1/core/sched/scheduler.py``): a waiting request with one new token is
+padded with placeholder drafts while others decode; MRv2's
+``RequestState.add_request`` zeroes the slot's draft tokens, so the target is fed
+token 0 at every node. Such a request must verify as a root-only tree, whatever
+tree its slot held before.
 """
 
 import types
@@ -85,7 +93,7 @@ def test_config_carries_ddtree(vllm_config):
 # ---------------------------------------------------------------------------
 
 
-def _input_batch(positions: torch.Tensor) -> InputBatch:
+def _input_batch(positions: torch.Tensor, input_ids=None) -> InputBatch:
     num_reqs = len(BATCH)
     q_lens = np.array([q for _, q, _, _ in BATCH], dtype=np.int32)
     drafts = np.array([b for _, _, b, _ in BATCH], dtype=np.int32)
@@ -128,7 +136,8 @@ def _input_batch(positions: torch.Tensor) -> InputBatch:
         num_computed_prefill_tokens_np=np.array([5, 5, 10], dtype=np.int32),
         is_prefilling_np=np.array([False, False, True]),
         max_seq_len_np=None,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int32, device=DEVICE),
+        input_ids=(torch.zeros(num_tokens, dtype=torch.int32) if input_ids is None
+                   else input_ids.to(torch.int32)).to(DEVICE),
         positions=positions.to(DEVICE),
         is_padding=torch.zeros(num_tokens, dtype=torch.bool, device=DEVICE),
         logits_indices=logits_indices.to(DEVICE),
@@ -164,6 +173,30 @@ def _trees(gen):
     return build_ddtree_reference(logits, BUDGET)
 
 
+def _fed_ids(trees, gen, zero_slots=()) -> torch.Tensor:
+    """The step's input ids as MRv2 writes them: per tree row the root (last
+    sampled token) then the slot's draft tokens (padding nodes as 0; all zeros
+    for a slot MRv2 reset on add), random prompt tokens for a prefill chunk."""
+    ids = []
+    for s, q, b, _ in BATCH:
+        if b:
+            drafts = trees.token_ids[s, :b].clamp(min=0)
+            if s in zero_slots:
+                drafts = torch.zeros_like(drafts)
+            root = torch.randint(0, VOCAB_SIZE, (1,), generator=gen)
+            ids.append(torch.cat([root, drafts]))
+        else:
+            ids.append(torch.randint(0, VOCAB_SIZE, (q,), generator=gen))
+    return torch.cat(ids)
+
+
+def _new_request(slot_prompt_len: int = 5):
+    """The fields of MRv2's NewRequestData that DefaultModelState reads."""
+    return types.SimpleNamespace(
+        prefill_token_ids=list(range(slot_prompt_len)), mm_features=None
+    )
+
+
 def _model_state(vllm_config):
     from vllm.v1.spec_decode.ddtree_verify import DDTreeModelState
 
@@ -193,7 +226,7 @@ def test_verify_inputs_walk_and_compaction(vllm_config, monkeypatch):
         getattr(state.trees, name).copy_(getattr(trees, name))
 
     positions = _flat_positions()
-    batch = _input_batch(positions)
+    batch = _input_batch(positions, _fed_ids(trees, gen))
     block_table = _block_table(gen)
     slot_mapping = _slot_mapping(block_table, positions).to(DEVICE)
     kv_cache_config = types.SimpleNamespace(
@@ -297,6 +330,143 @@ def test_verify_inputs_walk_and_compaction(vllm_config, monkeypatch):
     assert state.verified is None
 
 
+# ---------------------------------------------------------------------------
+# Per-request state: joining requests, reused slots, what the target was fed.
+# ---------------------------------------------------------------------------
+
+
+def _verify(state_ms, vllm_config, batch, logits):
+    """prepare_attn then the walk, as MRv2 runs them in one step."""
+    block_table = _block_table(torch.Generator().manual_seed(7))
+    slot_mapping = _slot_mapping(block_table, batch.positions.cpu())
+    kv_cache_config = types.SimpleNamespace(
+        kv_cache_groups=[types.SimpleNamespace(layer_names=list(LAYERS))]
+    )
+    state_ms.prepare_attn(
+        batch,
+        CUDAGraphMode.NONE,
+        (block_table.to(DEVICE),),
+        slot_mapping[None].to(DEVICE),
+        _attn_groups(vllm_config),
+        kv_cache_config,
+    )
+    sampler = StubSampler(
+        temperature=torch.zeros(NUM_STATES, device=DEVICE),
+        seeds=torch.arange(NUM_STATES, device=DEVICE),
+        prefill_len=torch.tensor([5, 0, 5, 100], dtype=torch.int32, device=DEVICE),
+    )
+    _, rejection_sampler = state_ms.custom_sampler(sampler)
+    return rejection_sampler(logits.to(DEVICE), batch, None)
+
+
+def _steer(logits, cu, r, tokens, path) -> None:
+    """Greedy target choices of batch row r follow ``path`` (1-based nodes)
+    through a tree whose node tokens are ``tokens``."""
+    cur = 0
+    for node in path:
+        row = int(cu[r]) + cur
+        logits[row, int(tokens[node - 1])] = logits[row].max() + 1
+        cur = node
+
+
+@pytest.mark.parametrize("history", ["never_used", "previous_request"])
+@pytest.mark.parametrize("target", ["old_tree_path", "zeros"])
+def test_joining_request_verifies_root_only(vllm_config, history, target):
+    """Batch row 0 (slot 2) joined this step with placeholder drafts: MRv2 fed
+    zeros at its 6 nodes and no tree was drafted for it. Whatever the target
+    samples (the path of the tree the slot's previous request left, or the
+    placeholder token 0 everywhere) it emits exactly one token, the target's
+    choice at the root, and every placeholder is rejected. Row 1 (slot 0), a
+    running request, keeps its tree and accepts its path."""
+    gen = torch.Generator().manual_seed(11)
+    state_ms = _model_state(vllm_config)
+    trees = _trees(gen)
+    if history == "previous_request":
+        for name in ("token_ids", "parent_ids", "depths", "attn_mask"):
+            getattr(state_ms.ddtree_state.trees, name).copy_(getattr(trees, name))
+    else:
+        # Slot 0 runs a drafted tree; slot 2 was never used.
+        for name in ("token_ids", "parent_ids", "depths", "attn_mask"):
+            getattr(state_ms.ddtree_state.trees, name)[0].copy_(
+                getattr(trees, name)[0]
+            )
+    state_ms.add_request(2, _new_request())
+
+    batch = _input_batch(_flat_positions(), _fed_ids(trees, gen, zero_slots={2}))
+    cu = batch.cu_num_logits.cpu()
+    logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
+    old_path = _path_to(trees.parent_ids[2], _deepest(trees.depths[2], 6))
+    if target == "old_tree_path":
+        _steer(logits, cu, 0, trees.token_ids[2], old_path)
+    else:
+        logits[int(cu[0]) : int(cu[1]), 0] = logits.max() + 1
+    path1 = _path_to(trees.parent_ids[0], _deepest(trees.depths[0], 4))
+    _steer(logits, cu, 1, trees.token_ids[0], path1)
+
+    out = _verify(state_ms, vllm_config, batch, logits)
+
+    # Row 0: every node at the root's position, masks {root} / {root, self}.
+    p0 = BATCH[0][3]
+    assert batch.positions[:7].tolist() == [p0] * 7
+    mask = state_ms.tree_inputs.attn_mask[0, :7, 0].cpu()
+    assert mask.tolist() == [1] + [1 | (1 << j) for j in range(1, 7)]
+    assert out.num_accepted[0].item() == 0
+    assert out.num_sampled[0].item() == 1
+    assert out.num_rejected[0].item() == 6
+    assert out.sampled_token_ids[0, 0].item() == logits[0].argmax().item()
+    assert (out.sampled_token_ids[0, 1:] == -1).all()
+    # Row 1 is untouched by slot 2's reset.
+    assert out.num_accepted[1].item() == len(path1) > 0
+    assert out.accepted_nodes[1, : len(path1)].tolist() == path1
+    assert len(old_path) >= 1
+
+
+def test_walk_accepts_only_what_the_target_was_fed(vllm_config):
+    """A slot's stored tree and the step's input ids disagree from one node on
+    (any drift between the two copies): the walk stops before that node even
+    though the target's samples follow the stored tree's path."""
+    gen = torch.Generator().manual_seed(12)
+    state_ms = _model_state(vllm_config)
+    trees = _trees(gen)
+    for name in ("token_ids", "parent_ids", "depths", "attn_mask"):
+        getattr(state_ms.ddtree_state.trees, name).copy_(getattr(trees, name))
+    path = _path_to(trees.parent_ids[2], _deepest(trees.depths[2], 6))
+    assert len(path) >= 2
+    fed = _fed_ids(trees, gen)
+    # Node path[1] was fed another token than the stored tree says.
+    fed[path[1]] = (int(trees.token_ids[2, path[1] - 1]) + 1) % VOCAB_SIZE
+    batch = _input_batch(_flat_positions(), fed)
+    cu = batch.cu_num_logits.cpu()
+    logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
+    _steer(logits, cu, 0, trees.token_ids[2], path)
+
+    out = _verify(state_ms, vllm_config, batch, logits)
+    assert out.num_accepted[0].item() == 1
+    assert out.accepted_nodes[0, 0].item() == path[0]
+    assert out.sampled_token_ids[0, 1].item() == int(trees.token_ids[2, path[1] - 1])
+
+
+def test_add_request_resets_only_its_slot(vllm_config):
+    """``add_request`` clears the slot's tree (as MRv2 zeroes its draft
+    tokens) and no other; the speculator's next scatter fills it again."""
+    gen = torch.Generator().manual_seed(13)
+    state_ms = _model_state(vllm_config)
+    stored = state_ms.ddtree_state.trees
+    trees = _trees(gen)
+    assert (stored.token_ids == -1).all()  # a fresh state holds no tree
+    for name in ("token_ids", "parent_ids", "depths", "attn_mask"):
+        getattr(stored, name).copy_(getattr(trees, name))
+    state_ms.add_request(1, _new_request())
+    for s in range(NUM_STATES):
+        want = torch.full((BUDGET,), -1) if s == 1 else trees.token_ids[s]
+        assert torch.equal(stored.token_ids[s].cpu(), want), s
+    batch_trees = _trees(gen)
+    stored.scatter_(torch.tensor([1], device=DEVICE),
+                    type(trees)(*(t.to(DEVICE) for t in vars(batch_trees).values())),
+                    1)
+    assert torch.equal(stored.token_ids[1].cpu(), batch_trees.token_ids[0])
+
+
 def test_capture_and_draft_free_batches_are_causal(vllm_config):
     state_ms = _model_state(vllm_config)
     state_ms.tree_inputs.is_tree.fill_(1)
@@ -391,7 +561,8 @@ def test_speculator_drafts_trees_from_the_accepted_path(vllm_config):
 
     write_tree_verify_inputs(
         batch.positions, model_state.tree_inputs.attn_mask,
-        model_state.tree_inputs.is_tree, trees.depths.to(DEVICE),
+        model_state.tree_inputs.is_tree, trees.token_ids.to(DEVICE),
+        trees.depths.to(DEVICE),
         trees.attn_mask.to(DEVICE), batch.idx_mapping, batch.query_start_loc,
         batch.cu_num_logits, 3,
     )
