@@ -20,7 +20,10 @@ differing position the reference must rate the other engine's token within
 bug, and fails.
 """
 
+from collections import Counter
 from dataclasses import dataclass, field
+
+import torch
 
 # Top logprobs per position both engines return (SamplingParams(logprobs=...));
 # more than 2, since three tokens can tie.
@@ -85,16 +88,18 @@ def compare_greedy(
             continue
         result.num_requests += 1
         result.num_total += len(want)
-        if len(got) != len(want):
-            result.errors.append(
-                f"request {r}: {len(got)} tokens, reference has {len(want)}"
-            )
-            continue
         diff = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
         if diff is None:
+            if len(got) != len(want):
+                # Same tokens, one stopped earlier: never a tie.
+                result.errors.append(
+                    f"request {r}: {len(got)} tokens, reference has {len(want)}"
+                )
+                continue
             result.num_identical += 1
             result.num_compared += len(want)
             continue
+        # After a tie the two may stop at different lengths (a stop token).
         result.num_compared += diff + 1
         ref_top = _top(want_logprobs[r][diff])
         got_top = _top(got_logprobs[r][diff])
@@ -114,3 +119,101 @@ def compare_greedy(
             continue
         result.ties.append((r, diff, gap))
     return result
+
+
+def compare_seeded(
+    got_tokens: list[list[int] | None],
+    got_logprobs: list[list[TopLogprobs] | None],
+    want_tokens: list[list[int] | None],
+    want_logprobs: list[list[TopLogprobs] | None],
+    tie_tol: float = TIE_TOL,
+) -> Comparison:
+    """Compare seeded samples (temperature 1, no top-k/top-p) of two engines
+    that draw the same Gumbel noise per (seed, position), as MRv2's sampler and
+    the tree walk do.
+
+    With equal noise g, engine A picks a over b only if l_a + g_a >= l_b + g_b
+    under its logits, and engine B picks b only if the opposite holds under its
+    own. Adding the two: ``delta = (want_b - want_a) - (got_b - got_a) >= 0``,
+    in logprobs (log-softmax keeps logit differences). So at the first
+    differing position the logit gap of the two tokens must have moved between
+    the engines, by a numerical amount: ``0 < delta <= tie_tol`` (equal gaps
+    and equal noise give equal tokens). Different noise, or a verifier that does not
+    sample each node from the target, parts the outputs at positions where the
+    gap did not move: ``delta`` near 0 with either sign, and early. The sampled
+    token is always in vLLM's returned logprobs; the other engine's token must
+    be among them too (ask for enough logprobs), else the position cannot be
+    checked and fails.
+    """
+    result = Comparison()
+    if len(got_tokens) != len(want_tokens):
+        result.errors.append(
+            f"{len(got_tokens)} requests, reference has {len(want_tokens)}"
+        )
+        return result
+    for r, (got, want) in enumerate(zip(got_tokens, want_tokens)):
+        if got is None or want is None:
+            if (got is None) != (want is None):
+                result.errors.append(f"request {r}: only one of the two is None")
+            continue
+        result.num_requests += 1
+        result.num_total += len(want)
+        diff = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
+        if diff is None:
+            if len(got) != len(want):
+                result.errors.append(
+                    f"request {r}: {len(got)} tokens, reference has {len(want)}"
+                )
+                continue
+            result.num_identical += 1
+            result.num_compared += len(want)
+            continue
+        result.num_compared += diff + 1
+        a, b = got[diff], want[diff]
+        got_top = _top(got_logprobs[r][diff])
+        ref_top = _top(want_logprobs[r][diff])
+        if not {a, b} <= got_top.keys() or not {a, b} <= ref_top.keys():
+            result.errors.append(
+                f"request {r}, position {diff}: token {a}, reference {b}; one of "
+                "them is missing from the returned logprobs, cannot check"
+            )
+            continue
+        delta = (ref_top[b] - ref_top[a]) - (got_top[b] - got_top[a])
+        if not 0 < delta <= tie_tol:
+            result.errors.append(
+                f"request {r}, position {diff}: token {a}, reference {b}, their "
+                f"logit gap moved by {delta:.4f} between the engines (a tie needs "
+                f"0 < delta <= {tie_tol}): not explained by numerics"
+            )
+            continue
+        result.ties.append((r, diff, delta))
+    return result
+
+
+def chi_square_two_sample(a: list, b: list, min_expected: float = 5.0):
+    """Two-sample chi-square homogeneity test on categorical samples; rare
+    categories (expected count < min_expected in either sample) are pooled.
+    Returns (statistic, degrees of freedom, p-value)."""
+    ca, cb = Counter(a), Counter(b)
+    na, nb = len(a), len(b)
+    cells, other = [], [0, 0]
+    for key in set(ca) | set(cb):
+        xa, xb = ca.get(key, 0), cb.get(key, 0)
+        total = xa + xb
+        if min(total * na, total * nb) / (na + nb) < min_expected:
+            other[0] += xa
+            other[1] += xb
+        else:
+            cells.append((xa, xb))
+    if sum(other):
+        cells.append(tuple(other))
+    stat = 0.0
+    for xa, xb in cells:
+        total = xa + xb
+        for x, n in ((xa, na), (xb, nb)):
+            expected = total * n / (na + nb)
+            stat += (x - expected) ** 2 / expected
+    dof = len(cells) - 1
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                      torch.tensor(stat / 2, dtype=torch.float64)))
+    return stat, dof, p

@@ -12,6 +12,14 @@ id lists) and ``sampling`` (kwargs of ``SamplingParams``) for one generation, or
 same engine. A run may carry ``abort: {"index": i, "after_steps": n}``: request i
 is aborted after n engine steps and left out of the results.
 
+A run with ``requests`` instead of ``prompts`` is a serving scenario, stepped by
+hand (:func:`_run_scenario`): each request has its own ``sampling`` and joins at
+engine step ``at_step`` (0: before the first step), so requests arrive while
+others decode; ``prompt_plus_output_of: [run, index]`` extends the prompt with
+that earlier run's prompt and output (a prefix-cache hit on blocks written by
+earlier steps). Its result adds ``finish_reasons`` and the scheduler paths the
+run took (:class:`_PathCounter`).
+
 OUT_JSON holds ``token_ids``, ``logprobs`` (per request and position the top
 ``[[token_id, logprob], ...]``, or None unless the sampling asks for logprobs) and
 ``seconds`` (single generation) or ``runs: {name: {"token_ids", "logprobs",
@@ -85,12 +93,118 @@ def _generate_with_abort(llm, prompts, sampling, index, after_steps):
     return [t for t, _ in picked], [lp for _, lp in picked]
 
 
+class _PathCounter:
+    """Counts the scheduler paths a run takes, read off each SchedulerOutput:
+    requests that joined with placeholder drafts (the "pad new decode
+    requests" path: a new or resumed request with one token to compute while
+    others decode), preemptions, and steps that chunk-prefill a prompt next to
+    verified trees."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.counts = {"steps": 0, "padded_joins": 0, "preemptions": 0,
+                       "chunked_prefill_with_trees": 0, "tree_steps": 0}
+        self._schedule = scheduler.schedule
+        scheduler.schedule = self._counted_schedule
+
+    def _counted_schedule(self, *args, **kwargs):
+        out = self._schedule(*args, **kwargs)
+        c = self.counts
+        c["steps"] += 1
+        spec = out.scheduled_spec_decode_tokens
+        c["padded_joins"] += sum(r.req_id in spec for r in out.scheduled_new_reqs)
+        c["preemptions"] += len(out.preempted_req_ids or ())
+        c["tree_steps"] += bool(spec)
+        requests = self.scheduler.requests
+        partial = any(
+            req_id in requests
+            and requests[req_id].num_computed_tokens
+            < requests[req_id].num_prompt_tokens
+            for req_id in out.num_scheduled_tokens
+        )
+        c["chunked_prefill_with_trees"] += bool(spec) and partial
+        return out
+
+    def take(self) -> dict:
+        counts = dict(self.counts)
+        for key in self.counts:
+            self.counts[key] = 0
+        return counts
+
+    def close(self) -> None:
+        self.scheduler.schedule = self._schedule
+
+
+def _run_scenario(llm, run, done_runs, counter):
+    """Requests join at their ``at_step``; returns the run's result."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    pending = []
+    for i, req in enumerate(run["requests"]):
+        prompt = list(req.get("prompt", []))
+        if "prompt_plus_output_of" in req:
+            name, j = req["prompt_plus_output_of"]
+            prompt = done_runs[name]["prompts"][j] + done_runs[name]["token_ids"][j]
+            prompt += list(req.get("prompt", []))
+        pending.append((req.get("at_step", 0), i, prompt, req["sampling"]))
+    pending.sort(key=lambda x: (x[0], x[1]))
+    aborts = {a["index"]: a["after_steps"] for a in run.get("aborts", [])}
+    prompts = [None] * len(pending)
+    done: dict[int, tuple] = {}
+    added: dict[int, int] = {}
+    counter.take()
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, i, prompt, sampling = pending.pop(0)
+            prompts[i] = prompt
+            engine.add_request(f"s{i}", {"prompt_token_ids": prompt},
+                               SamplingParams(**sampling))
+            added[i] = step
+        for out in engine.step():
+            i = int(out.request_id.split("-")[0][1:])
+            if out.finished and i not in aborts:
+                c = out.outputs[0]
+                done[i] = (list(c.token_ids), _top_logprobs(c), c.finish_reason,
+                           c.stop_reason, c.text)
+        step += 1
+        for i, after in aborts.items():
+            if i in added and step == added[i] + after:
+                engine.abort_request([f"s{i}"])
+    picked = [done.get(i) for i in range(len(prompts))]
+    return {
+        "prompts": prompts,
+        "token_ids": [p and p[0] for p in picked],
+        "logprobs": [p and p[1] for p in picked],
+        "finish_reasons": [p and p[2] for p in picked],
+        "stop_reasons": [p and p[3] for p in picked],
+        "texts": [p and p[4] for p in picked],
+        "paths": counter.take(),
+        "steps": step,
+    }
+
+
 def _spec_metrics(llm) -> dict:
     metrics = {}
     for m in llm.get_metrics():
         if "spec_decode" in m.name:
             metrics[m.name] = getattr(m, "values", getattr(m, "value", None))
     return metrics
+
+
+def _engine_facts(llm) -> dict:
+    """The settings a serving test must run under, as the engine resolved them."""
+    cfg = llm.llm_engine.vllm_config
+    return {
+        "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
+        "enable_prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
+        "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
+        "block_size": cfg.cache_config.block_size,
+        "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+        "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
+    }
 
 
 def main(config_path: str, out_path: str) -> None:
@@ -104,13 +218,25 @@ def main(config_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     config = json.loads(Path(config_path).read_text())
+    if config.get("verifier") == "biased":
+        from tests.e2e.biased_verifier import install_biased_verifier
+
+        install_biased_verifier()
     llm = LLM(**config["llm"])
     single = "runs" not in config
     runs = [dict(config, name="default")] if single else config["runs"]
-    result: dict = {"runs": {}, "free_blocks": {"start": _free_blocks(llm)}}
+    result: dict = {"runs": {}, "free_blocks": {"start": _free_blocks(llm)},
+                    "engine": _engine_facts(llm)}
+    counter = _PathCounter(llm.llm_engine.engine_core.engine_core.scheduler)
     for run in runs:
-        sampling = SamplingParams(**run["sampling"])
         start = time.perf_counter()
+        if "requests" in run:
+            result["runs"][run["name"]] = _run_scenario(
+                llm, run, result["runs"], counter
+            )
+            result["runs"][run["name"]]["seconds"] = time.perf_counter() - start
+            continue
+        sampling = SamplingParams(**run["sampling"])
         if "abort" in run:
             token_ids, logprobs = _generate_with_abort(
                 llm, run["prompts"], sampling, **run["abort"]
@@ -122,6 +248,7 @@ def main(config_path: str, out_path: str) -> None:
             "logprobs": logprobs,
             "seconds": time.perf_counter() - start,
         }
+    counter.close()
     result["free_blocks"]["end"] = _free_blocks(llm)
     if not config["llm"].get("disable_log_stats", True):
         result["metrics"] = _spec_metrics(llm)

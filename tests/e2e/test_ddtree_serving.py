@@ -1,0 +1,376 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree on the serving paths of vLLM 0.26's scheduler, against no speculation.
+
+Design card section 8: a step must be right on every path the scheduler and
+MRv2 take, not only for prompts submitted together. Every engine here runs the
+trained pair (``benchmarks/models/pycode``: DDTree accepts ~4 tokens per step on
+it, so accepted paths are long and requests end inside them) with vLLM's
+defaults (prefix caching, CUDA graphs, async scheduling, vLLM's capture sizes)
+and the same explicit settings for every configuration: 16 sequences, a
+2048-token step budget (long prompts are chunk-prefilled next to trees; 16
+trees of 129 tokens do not fit, so budget 128 also runs trimmed trees) and a
+fixed KV cache. Configurations: ``ref`` (no speculation) and ``ddtree_<B>`` for
+B in {8, 64, 128} and ``auto``, each running the same scenarios, stepped by hand
+(``tests.e2e.generate``):
+
+* ``continuous``: 40 greedy requests of mixed lengths into 16 slots, so new
+  requests join while others decode;
+* ``joins``: staggered arrivals: earlier prompts again (prefix-cache hits; those
+  of length 1 mod the block size are scheduled with placeholder drafts, the
+  path of vLLM's "pad new decode requests"), earlier prompts plus their outputs
+  (hits on blocks that tree steps wrote), requests ending on a stop token, a
+  stop string, a small ``max_tokens`` or ``max_model_len`` (inside accepted
+  paths), each followed by new requests in the freed slots, a long prompt
+  chunk-prefilled next to trees, and three aborts;
+* ``seeded``: temperature 1 with a seed per request, staggered: the whole output
+  must equal seeded no speculation up to numerical ties
+  (:func:`tests.e2e.compare.compare_seeded`);
+* ``dist`` (``ref``, ``ddtree_128`` and ``biased_128``, a deliberately biased
+  min(1, p/q) verifier, ``tests/e2e/biased_verifier.py``): the first 3 tokens of
+  2 prompts, 1200 unseeded samples each, at T=0.8, top-k 50, top-p 0.9, compared
+  with a two-sample chi-square test;
+* ``preempt_ref`` / ``preempt_128``: a KV cache small enough that vLLM preempts
+  and recomputes (greedy and seeded requests);
+* ``profiled_512``: vLLM's memory profiling (no fixed KV size), budget 512 and
+  vLLM's default ``max_num_seqs``, a full batch of top-k/top-p requests (run
+  alone after the others: profiling needs the GPU to itself).
+
+Each test reports how much it compared and requires a floor. About 8 minutes on
+one H200 with ``DDTREE_E2E_PARALLEL=5``.
+"""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.compare import (
+    NUM_LOGPROBS,
+    chi_square_two_sample,
+    compare_greedy,
+    compare_seeded,
+)
+from tests.e2e.engines import run_engines
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+PAIR = ROOT / "benchmarks" / "models" / "pycode"
+MAX_MODEL_LEN = 2048
+BLOCK = 16
+NUM_SEQS = 16
+BUDGETS = ("8", "64", "128", "auto")
+SEEDED_LOGPROBS = 20
+DIST_SAMPLES = 1200
+DIST = {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "max_tokens": 3}
+# Fraction of the reference's tokens a greedy or seeded comparison must cover
+# (it stops at a request's first numerical tie).
+COMPARED_FLOOR = 0.6
+
+
+def _greedy(max_tokens: int, **extra) -> dict:
+    return {"temperature": 0.0, "max_tokens": max_tokens, "logprobs": NUM_LOGPROBS,
+            **extra}
+
+
+def _tokenize():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(PAIR / "target" / "tokenizer.json"))
+    prompts = json.loads((PAIR / "eval_prompts.json").read_text())["prompts"]
+    ids = [tok.encode(p["text"]).ids for p in prompts]
+    newline = tok.encode("\n").ids[-1]
+    return ids, newline
+
+
+def _prompt(ids, i: int, length: int) -> list[int]:
+    """Prompt i cut or repeated to ``length`` tokens (distinct per i)."""
+    base = ids[i % len(ids)]
+    out = (base * (length // max(len(base), 1) + 1))[:length]
+    return out
+
+
+def _scenarios(ids, newline) -> dict[str, dict]:
+    rng = random.Random(0)
+    # Lengths: a third of 1 mod the block size (cached except the last token
+    # when they come back), the rest anything.
+    lengths = [BLOCK * rng.randint(1, 20) + 1 if i % 3 == 0 else rng.randint(8, 400)
+               for i in range(40)]
+    continuous = [{"prompt": _prompt(ids, i, n),
+                   "sampling": _greedy(rng.choice([24, 48, 96, 160]))}
+                  for i, n in enumerate(lengths)]
+    joins = []
+    # Long-running requests first, then arrivals while they decode.
+    for i in range(6):
+        joins.append({"prompt": _prompt(ids, 60 + i, 100), "sampling": _greedy(200)})
+    for k, i in enumerate(range(0, 24, 3)):  # 1 mod block: the padded path
+        joins.append({"prompt": continuous[i]["prompt"], "at_step": 3 + 2 * k,
+                      "sampling": _greedy(64)})
+    for k, i in enumerate((1, 2, 4, 5)):  # blocks written by tree steps
+        joins.append({"prompt_plus_output_of": ["continuous", i],
+                      "at_step": 5 + 3 * k, "sampling": _greedy(48)})
+    for k in range(4):  # finishing inside accepted paths, then slot reuse
+        at = 4 + 6 * k
+        joins.append({"prompt": _prompt(ids, 70 + k, 60), "at_step": at,
+                      "sampling": _greedy(300, stop_token_ids=[newline])})
+        joins.append({"prompt": _prompt(ids, 80 + k, 60), "at_step": at,
+                      "sampling": _greedy(300, stop=["return", "):"])})
+        joins.append({"prompt": _prompt(ids, 90 + k, 60), "at_step": at,
+                      "sampling": _greedy([5, 7, 13, 29][k])})
+        joins.append({"prompt": _prompt(ids, 100 + k, 50), "at_step": at + 3,
+                      "sampling": _greedy(40)})
+    joins.append({"prompt": _prompt(ids, 110, MAX_MODEL_LEN - 37), "at_step": 8,
+                  "sampling": _greedy(200, ignore_eos=True)})  # max_model_len
+    joins.append({"prompt": _prompt(ids, 111, 1900), "at_step": 10,
+                  "sampling": _greedy(64)})  # chunked next to trees
+    num_before_aborts = len(joins)
+    for k in range(3):
+        joins.append({"prompt": _prompt(ids, 120 + k, 80), "at_step": 6 + k,
+                      "sampling": _greedy(200)})
+    aborts = [{"index": num_before_aborts + k, "after_steps": 3 + 2 * k}
+              for k in range(3)]
+    seeded = [{"prompt": _prompt(ids, 20 + i, rng.randint(10, 300)),
+               "at_step": 2 * i,
+               "sampling": {"temperature": 1.0, "seed": 1000 + i, "max_tokens": 96,
+                            "logprobs": SEEDED_LOGPROBS}}
+              for i in range(24)]
+    return {
+        "continuous": {"name": "continuous", "requests": continuous},
+        "joins": {"name": "joins", "requests": joins, "aborts": aborts},
+        "seeded": {"name": "seeded", "requests": seeded},
+    }
+
+
+def _dist_run(ids, seed_base: int) -> dict:
+    requests = [{"prompt": _prompt(ids, 30 + p, 65),
+                 "sampling": {**DIST, "seed": seed_base + p * DIST_SAMPLES + i}}
+                for p in range(2) for i in range(DIST_SAMPLES)]
+    return {"name": "dist", "requests": requests}
+
+
+def _preempt_run(ids) -> dict:
+    requests = [{"prompt": _prompt(ids, 40 + i, 150 + 10 * i), "at_step": i,
+                 "sampling": _greedy(320)} for i in range(24)]
+    requests += [{"prompt": _prompt(ids, 10 + i, 200), "at_step": 2 * i,
+                  "sampling": {"temperature": 1.0, "seed": 7 + i, "max_tokens": 200,
+                               "logprobs": SEEDED_LOGPROBS}} for i in range(8)]
+    return {"name": "preempt", "requests": requests}
+
+
+def _llm(spec: dict | None, **extra) -> dict:
+    kwargs = {
+        "model": str(PAIR / "target"),
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": NUM_SEQS,
+        "max_num_batched_tokens": 2048,
+        "kv_cache_memory_bytes": 1 << 30,
+        "gpu_memory_utilization": 0.1,
+        "seed": 0,
+        "max_logprobs": SEEDED_LOGPROBS,
+    }
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    kwargs.update(extra)
+    return kwargs
+
+
+def _spec(budget) -> dict:
+    value = budget if budget == "auto" else int(budget)
+    return {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": value}
+
+
+# About 3000 tokens of target + drafter KV: far less than 16 requests need.
+PREEMPT_KV_BYTES = 12 << 20
+
+
+def _configs(ids, newline) -> dict[str, dict]:
+    scenarios = list(_scenarios(ids, newline).values())
+    configs = {"ref": {"llm": _llm(None), "runs": scenarios + [_dist_run(ids, 0)]}}
+    for budget in BUDGETS:
+        runs = list(scenarios)
+        if budget == "128":
+            runs.append(_dist_run(ids, 10**6))
+        configs[f"ddtree_{budget}"] = {"llm": _llm(_spec(budget)), "runs": runs}
+    configs["biased_128"] = {"llm": _llm(_spec("128")), "verifier": "biased",
+                             "runs": [_dist_run(ids, 2 * 10**6)]}
+    for name, spec in (("preempt_ref", None), ("preempt_128", _spec("128"))):
+        configs[name] = {
+            "llm": _llm(spec, kv_cache_memory_bytes=PREEMPT_KV_BYTES),
+            "runs": [_preempt_run(ids)],
+        }
+    return configs
+
+
+def _profiled_config(ids) -> dict:
+    spec = _spec("512")
+    llm = {"model": str(PAIR / "target"), "max_model_len": MAX_MODEL_LEN,
+           "seed": 0, "speculative_config": spec}
+    requests = [{"prompt": _prompt(ids, i, 40 + i),
+                 "sampling": {"temperature": 0.8, "top_k": 20, "top_p": 0.9,
+                              "max_tokens": 48, "seed": i}}
+                for i in range(96)]
+    return {"profiled_512": {"llm": llm,
+                             "runs": [{"name": "full", "requests": requests}]}}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    if not (PAIR / "target" / "model.safetensors").exists():
+        pytest.skip("the trained pair is not in this checkout")
+    ids, newline = _tokenize()
+    tmp = tmp_path_factory.mktemp("ddtree_serving")
+    out = run_engines(_configs(ids, newline), tmp, "ddtree_serving")
+    out.update(run_engines(_profiled_config(ids), tmp, "ddtree_serving"))
+    return out
+
+
+def _get(results, name) -> dict:
+    result = results[name]
+    if "error" in result:
+        pytest.fail(f"configuration {name} failed:\n{result['error']}")
+    return result
+
+
+def _check_greedy(got: dict, want: dict, label: str, skip=()):
+    want_tokens = [None if i in skip else t for i, t in enumerate(want["token_ids"])]
+    got_tokens = [None if i in skip else t for i, t in enumerate(got["token_ids"])]
+    cmp = compare_greedy(got_tokens, got["logprobs"], want_tokens, want["logprobs"])
+    print(f"{label}: {cmp.summary()}")
+    assert not cmp.errors, f"{label}: " + "; ".join(cmp.errors[:5])
+    assert cmp.num_requests == len(want_tokens) - len(skip)
+    assert cmp.num_compared >= COMPARED_FLOOR * cmp.num_total, cmp.summary()
+    # Requests that agree on every token also agree on why they ended.
+    tied = {r for r, *_ in cmp.ties}
+    for r, (g, w) in enumerate(zip(got["finish_reasons"], want["finish_reasons"])):
+        if r not in tied and r not in skip:
+            assert g == w, (label, r, g, w)
+    return cmp
+
+
+def test_engine_runs_vllm_defaults(results):
+    for name in ["ref"] + [f"ddtree_{b}" for b in BUDGETS]:
+        facts = _get(results, name)["engine"]
+        assert facts["async_scheduling"], name
+        assert facts["enable_prefix_caching"], name
+        assert "NONE" not in facts["cudagraph_mode"], name
+        print(name, facts)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_continuous_arrivals(results, budget):
+    ref, got = _get(results, "ref"), _get(results, f"ddtree_{budget}")
+    run = got["runs"]["continuous"]
+    _check_greedy(run, ref["runs"]["continuous"], f"continuous, B={budget}")
+    # 40 requests through 16 slots: later ones joined a running batch.
+    assert run["paths"]["tree_steps"] > 0
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_joins_prefix_hits_stops_chunks_aborts(results, budget):
+    ref, got = _get(results, "ref"), _get(results, f"ddtree_{budget}")
+    run, want = got["runs"]["joins"], ref["runs"]["joins"]
+    aborted = {i for i, t in enumerate(want["token_ids"]) if t is None}
+    assert len(aborted) == 3 and aborted == {
+        i for i, t in enumerate(run["token_ids"]) if t is None}
+    _check_greedy(run, want, f"joins, B={budget}", skip=aborted)
+    paths = run["paths"]
+    print(f"joins, B={budget}: paths {paths}; finish reasons "
+          f"{sorted(set(map(str, run['finish_reasons'])))}")
+    if budget != "auto":
+        # A fixed budget pads joining one-token requests (vLLM 0.26 does not
+        # with a budget per batch size).
+        assert paths["padded_joins"] >= 4, paths
+    assert paths["chunked_prefill_with_trees"] > 0, paths
+    reasons = run["finish_reasons"]
+    assert reasons.count("stop") >= 6 and reasons.count("length") >= 10
+    # The max_model_len request ended exactly there.
+    long_req = next(i for i, p in enumerate(run["prompts"])
+                    if p is not None and len(p) == MAX_MODEL_LEN - 37)
+    assert len(run["prompts"][long_req]) + len(run["token_ids"][long_req]) == (
+        MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_seeded_equals_seeded_no_speculation(results, budget):
+    ref, got = _get(results, "ref"), _get(results, f"ddtree_{budget}")
+    run, want = got["runs"]["seeded"], ref["runs"]["seeded"]
+    cmp = compare_seeded(run["token_ids"], run["logprobs"], want["token_ids"],
+                         want["logprobs"])
+    print(f"seeded, B={budget}: {cmp.summary()}")
+    assert not cmp.errors, "; ".join(cmp.errors[:5])
+    assert cmp.num_compared >= COMPARED_FLOOR * cmp.num_total, cmp.summary()
+
+
+def test_kv_blocks_return_to_start(results):
+    for name in [f"ddtree_{b}" for b in BUDGETS] + ["preempt_128", "profiled_512"]:
+        blocks = _get(results, name)["free_blocks"]
+        print(name, blocks)
+        assert blocks["end"] == blocks["start"], name
+
+
+def test_preemption_and_recompute(results):
+    ref, got = _get(results, "preempt_ref"), _get(results, "preempt_128")
+    run, want = got["runs"]["preempt"], ref["runs"]["preempt"]
+    print(f"preemptions: ddtree {run['paths']['preemptions']}, "
+          f"ref {want['paths']['preemptions']}")
+    assert run["paths"]["preemptions"] >= 3
+    greedy = [i for i, r in enumerate(run["prompts"]) if i < 24]
+    seeded = [i for i in range(len(run["prompts"])) if i >= 24]
+    pick = lambda res, idx: {k: [res[k][i] for i in idx]  # noqa: E731
+                             for k in ("token_ids", "logprobs", "finish_reasons")}
+    _check_greedy(pick(run, greedy), pick(want, greedy), "preempt, greedy")
+    cmp = compare_seeded(*(pick(run, seeded)[k] for k in ("token_ids", "logprobs")),
+                         *(pick(want, seeded)[k] for k in ("token_ids", "logprobs")))
+    print(f"preempt, seeded: {cmp.summary()}")
+    assert not cmp.errors, "; ".join(cmp.errors[:5])
+    assert cmp.num_compared >= COMPARED_FLOOR * cmp.num_total
+
+
+def _dist_samples(result) -> dict[int, list[tuple]]:
+    run = result["runs"]["dist"]
+    out: dict[int, list[tuple]] = {0: [], 1: []}
+    for i, tokens in enumerate(run["token_ids"]):
+        out[i // DIST_SAMPLES].append(tuple(tokens))
+    return out
+
+
+def test_distribution_matches_no_speculation(results):
+    """T=0.8, top-k 50, top-p 0.9: DDTree's first three tokens follow the
+    distribution of no speculation (independent seeds in the two engines), and
+    the same test rejects the biased min(1, p/q) verifier at the same sizes."""
+    ref = _dist_samples(_get(results, "ref"))
+    tree = _dist_samples(_get(results, "ddtree_128"))
+    biased = _dist_samples(_get(results, "biased_128"))
+    total = 0
+    for p in (0, 1):
+        assert len(ref[p]) == len(tree[p]) == len(biased[p]) == DIST_SAMPLES
+        total += len(tree[p])
+        stat, dof, pv = chi_square_two_sample(tree[p], ref[p])
+        bstat, bdof, bpv = chi_square_two_sample(biased[p], ref[p])
+        print(f"prompt {p}: ddtree chi2 {stat:.1f} dof {dof} p {pv:.3g}; "
+              f"biased chi2 {bstat:.1f} dof {bdof} p {bpv:.3g}; "
+              f"{len(set(ref[p]))} distinct 3-token sequences in the reference")
+        assert dof >= 5
+        assert pv > 1e-3
+        assert bpv < 1e-6
+    assert total >= 2000
+    accepted = _get(results, "ddtree_128")["runs"]["dist"]["paths"]
+    print(f"dist, B=128: paths {accepted}")
+    assert accepted["padded_joins"] > 0
+
+
+def test_profiled_start_budget_512_full_batch(results):
+    got = _get(results, "profiled_512")
+    facts = got["engine"]
+    run = got["runs"]["full"]
+    print(f"profiled_512: {facts}, paths {run['paths']}")
+    assert all(t is not None and len(t) == 48 for t in run["token_ids"])
+    # vLLM's default max_num_seqs, fitted to trees of 513 tokens: full batches.
+    assert facts["max_num_seqs"] * 513 <= facts["max_num_batched_tokens"]
+    assert run["paths"]["tree_steps"] > 0
+    assert math.isfinite(run["seconds"])
