@@ -15,19 +15,21 @@ B in {8, 64, 128} and ``auto``, each running the same scenarios, stepped by hand
 
 * ``continuous``: 40 greedy requests of mixed lengths into 16 slots, so new
   requests join while others decode;
-* ``joins``: staggered arrivals: earlier prompts again (prefix-cache hits; those
-  of length 1 mod the block size are scheduled with placeholder drafts, the
-  path of vLLM's "pad new decode requests"), earlier prompts plus their outputs
+* ``joins``: staggered arrivals: earlier prompts again (prefix-cache hits,
+  lengths 1 mod the block size among them), earlier prompts plus their outputs
   (hits on blocks that tree steps wrote), requests ending on a stop token, a
   stop string, a small ``max_tokens`` or ``max_model_len`` (inside accepted
-  paths), each followed by new requests in the freed slots, a long prompt
-  chunk-prefilled next to trees, and three aborts;
+  paths), each followed by new requests in the freed slots, one-token prompts
+  (scheduled with placeholder drafts: vLLM's "pad new decode requests" path;
+  a cache hit does not reach it, since for DFlash-style drafters vLLM
+  recomputes the last cached block), a long prompt chunk-prefilled next to
+  trees, and three aborts;
 * ``seeded``: temperature 1 with a seed per request, staggered: the whole output
   must equal seeded no speculation up to numerical ties
   (:func:`tests.e2e.compare.compare_seeded`);
 * ``dist`` (``ref``, ``ddtree_128`` and ``biased_128``, a deliberately biased
   min(1, p/q) verifier, ``tests/e2e/biased_verifier.py``): the first 3 tokens of
-  2 prompts, 1200 unseeded samples each, at T=0.8, top-k 50, top-p 0.9, compared
+  2 one-token prompts, 1200 samples each (seeds differ between engines), at T=0.8, top-k 50, top-p 0.9, compared
   with a two-sample chi-square test;
 * ``preempt_ref`` / ``preempt_128``: a KV cache small enough that vLLM preempts
   and recomputes (greedy and seeded requests);
@@ -68,6 +70,8 @@ BUDGETS = ("8", "64", "128", "auto")
 SEEDED_LOGPROBS = 20
 DIST_SAMPLES = 1200
 DIST = {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "max_tokens": 3}
+# The pair's target is sure of its next tokens inside a file; at the start of
+# one (a lone first token) it is not, so three tokens spread over many values.
 # Fraction of the reference's tokens a greedy or seeded comparison must cover
 # (it stops at a request's first numerical tie).
 COMPARED_FLOOR = 0.6
@@ -108,9 +112,12 @@ def _scenarios(ids, newline) -> dict[str, dict]:
     # Long-running requests first, then arrivals while they decode.
     for i in range(6):
         joins.append({"prompt": _prompt(ids, 60 + i, 100), "sampling": _greedy(200)})
-    for k, i in enumerate(range(0, 24, 3)):  # 1 mod block: the padded path
+    for k, i in enumerate(range(0, 24, 3)):  # cached prompts, 1 mod block
         joins.append({"prompt": continuous[i]["prompt"], "at_step": 3 + 2 * k,
                       "sampling": _greedy(64)})
+    for k in range(6):  # one token to compute while others decode: padded
+        joins.append({"prompt": [ids[k][0]], "at_step": 4 + 3 * k,
+                      "sampling": _greedy(48)})
     for k, i in enumerate((1, 2, 4, 5)):  # blocks written by tree steps
         joins.append({"prompt_plus_output_of": ["continuous", i],
                       "at_step": 5 + 3 * k, "sampling": _greedy(48)})
@@ -147,7 +154,7 @@ def _scenarios(ids, newline) -> dict[str, dict]:
 
 
 def _dist_run(ids, seed_base: int) -> dict:
-    requests = [{"prompt": _prompt(ids, 30 + p, 65),
+    requests = [{"prompt": ids[30 + p][:1],
                  "sampling": {**DIST, "seed": seed_base + p * DIST_SAMPLES + i}}
                 for p in range(2) for i in range(DIST_SAMPLES)]
     return {"name": "dist", "requests": requests}
@@ -212,7 +219,7 @@ def _profiled_config(ids) -> dict:
            "seed": 0, "speculative_config": spec}
     requests = [{"prompt": _prompt(ids, i, 40 + i),
                  "sampling": {"temperature": 0.8, "top_k": 20, "top_p": 0.9,
-                              "max_tokens": 48, "seed": i}}
+                              "max_tokens": 48, "seed": i, "ignore_eos": True}}
                 for i in range(96)]
     return {"profiled_512": {"llm": llm,
                              "runs": [{"name": "full", "requests": requests}]}}
@@ -287,7 +294,7 @@ def test_joins_prefix_hits_stops_chunks_aborts(results, budget):
         assert paths["padded_joins"] >= 4, paths
     assert paths["chunked_prefill_with_trees"] > 0, paths
     reasons = run["finish_reasons"]
-    assert reasons.count("stop") >= 6 and reasons.count("length") >= 10
+    assert reasons.count("stop") >= 4 and reasons.count("length") >= 10
     # The max_model_len request ended exactly there.
     long_req = next(i for i, p in enumerate(run["prompts"])
                     if p is not None and len(p) == MAX_MODEL_LEN - 37)
