@@ -357,8 +357,10 @@ def test_distribution_matches_no_speculation(results):
     for p in (0, 1):
         assert len(ref[p]) == len(tree[p]) == len(biased[p]) == DIST_SAMPLES
         total += len(tree[p])
-        # The whole 3-token sequences, and the first token alone (where a
-        # biased root acceptance shows most).
+        # The whole 3-token sequences, and the first token alone. A one-token
+        # prompt joins with placeholder drafts (a root-only tree), so its first
+        # token is a plain sample and only the later ones pass a tree walk: the
+        # biased verifier shows in the sequences, not in the first token.
         for label, key in (("3 tokens", tuple), ("first", lambda t: t[0])):
             stat, dof, pv = chi_square_two_sample(
                 [key(t) for t in tree[p]], [key(t) for t in ref[p]])
@@ -369,7 +371,8 @@ def test_distribution_matches_no_speculation(results):
                   f"{len(set(map(key, ref[p])))} distinct in the reference")
             assert dof >= 5
             assert pv > 1e-3
-            assert bpv < 1e-3
+            if label == "3 tokens":
+                assert bpv < 1e-3
     assert total >= 2000
     accepted = _get(results, "ddtree_128")["runs"]["dist"]["paths"]
     print(f"dist, B=128: paths {accepted}")
