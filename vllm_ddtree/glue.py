@@ -107,6 +107,13 @@ def _create_speculative_config(
 
     budget, dflash = ddt.parse_speculative_config(raw)
     ddt.check_engine_args(self, target_model_config)
+    if target_parallel_config.tensor_parallel_size > 1:
+        logger.warning(
+            "DDTree has not been tested with tensor_parallel_size=%d; greedy "
+            "output equal to no speculation is shown for tensor_parallel_size=1 "
+            "only (docs/ddtree.md)",
+            target_parallel_config.tensor_parallel_size,
+        )
     _check_model_runner_env()
     self.speculative_config = dflash
     try:

@@ -260,6 +260,8 @@ def _args(**overrides):
         prefill_context_parallel_size=1,
         enable_lora=False,
         kv_cache_dtype="auto",
+        kv_transfer_config=None,
+        data_parallel_size=1,
     )
     args.update(overrides)
     return types.SimpleNamespace(**args)
@@ -290,6 +292,10 @@ def _target(**overrides):
         (_args(prefill_context_parallel_size=2), _target(),
          "prefill context parallelism"),
         (_args(enable_lora=True), _target(), "LoRA adapters; drop --enable-lora"),
+        (_args(kv_transfer_config={"kv_connector": "LMCacheConnectorV1"}), _target(),
+         "KV connectors .* drop --kv-transfer-config"),
+        (_args(data_parallel_size=2), _target(),
+         "data parallelism .* drop --data-parallel-size"),
         (_args(kv_cache_dtype="fp8"), _target(),
          "kv_cache_dtype='fp8' .* use --kv-cache-dtype auto"),
         (_args(), _target(uses_mrope=True), "multi-dimensional RoPE"),
@@ -673,6 +679,10 @@ def test_plain_dflash_is_untouched(models, cuda_platform):
         (dict(attention_backend="FLASH_ATTN"), "backend is set to FLASH_ATTN"),
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
         (dict(enable_lora=True), "LoRA adapters"),
+        (dict(kv_transfer_config={"kv_connector": "ExampleConnector",
+                                  "kv_role": "kv_both"}),
+         "drop --kv-transfer-config"),
+        (dict(data_parallel_size=2), "drop --data-parallel-size"),
     ],
 )
 def test_engine_config_errors(models, cuda_platform, kwargs, match):

@@ -310,6 +310,13 @@ def check_engine_args(args: Any, target_model_config: Any) -> None:
             args.prefill_context_parallel_size > 1
         ),
         "LoRA adapters; drop --enable-lora": bool(args.enable_lora),
+        "KV connectors (a layer-wise KV save would capture tree KV before the "
+        "accepted path is compacted); drop --kv-transfer-config": (
+            args.kv_transfer_config is not None
+        ),
+        "data parallelism (not tested with DDTree); drop --data-parallel-size": (
+            args.data_parallel_size > 1
+        ),
         f"kv_cache_dtype={args.kv_cache_dtype!r} (TREE_ATTN keeps KV in the "
         "model dtype); use --kv-cache-dtype auto": (
             args.kv_cache_dtype not in TREE_KV_CACHE_DTYPES
