@@ -29,7 +29,8 @@ B in {8, 64, 128} and ``auto``, each running the same scenarios, stepped by hand
   (:func:`tests.e2e.compare.compare_seeded`);
 * ``dist`` (``ref``, ``ddtree_128`` and ``biased_128``, a deliberately biased
   min(1, p/q) verifier, ``tests/e2e/biased_verifier.py``): the first 3 tokens of
-  2 one-token prompts, 1200 samples each (seeds differ between engines), at T=0.8, top-k 50, top-p 0.9, compared
+  2 one-token prompts, 3000 samples each (seeds differ between engines), at
+  T=0.8, top-k 50, top-p 0.9, compared
   with a two-sample chi-square test;
 * ``preempt_ref`` / ``preempt_128``: a KV cache small enough that vLLM preempts
   and recomputes (greedy and seeded requests);
@@ -68,7 +69,7 @@ BLOCK = 16
 NUM_SEQS = 16
 BUDGETS = ("8", "64", "128", "auto")
 SEEDED_LOGPROBS = 20
-DIST_SAMPLES = 1200
+DIST_SAMPLES = 3000
 DIST = {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "max_tokens": 3}
 # The pair's target is sure of its next tokens inside a file; at the start of
 # one (a lone first token) it is not, so three tokens spread over many values.
