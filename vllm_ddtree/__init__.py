@@ -8,16 +8,15 @@ def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group; safe to call repeatedly.
 
     vLLM calls it in every process (API server before argument parsing, engine
-    core, workers). It registers TREE_ATTN as ``AttentionBackendEnum.CUSTOM`` and
-    installs the wrappers of :mod:`vllm_ddtree.glue`, which enable
-    ``--speculative-config '{"method": "ddtree", ...}'``.
+    core, workers). It installs the wrappers of :mod:`vllm_ddtree.glue`, each when
+    its vLLM module is imported, which enable
+    ``--speculative-config '{"method": "ddtree", ...}'``; engines that do not ask
+    for DDTree run as if the plugin were absent (TREE_ATTN is registered only for
+    DDTree engines). Loading imports none of vLLM's or DDTree's heavy modules.
     """
     _use_source_checkout()
-    from vllm.v1.attention.backends.tree_attn import register_tree_attn_backend
-
     from vllm_ddtree import glue
 
-    register_tree_attn_backend()
     glue.apply()
 
 

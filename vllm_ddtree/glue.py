@@ -10,7 +10,7 @@ Engine side (the process that parses arguments and builds the ``VllmConfig``):
 
 1. ``EngineArgs.create_speculative_config``: ``{"method": "ddtree", ...}`` is
    checked and mapped onto a DFlash ``SpeculativeConfig`` with ``tree_budget``
-   draft slots; the DDTree settings go to ``additional_config["ddtree"]`` and the
+   draft slots; the DDTree settings go to ``additional_config["vllm_ddtree"]`` and the
    target's attention backend becomes TREE_ATTN (``AttentionBackendEnum.CUSTOM``).
 2. ``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``: batch and
    token limits that fit ``max_num_seqs`` trees of ``tree_budget + 1`` tokens,
@@ -23,8 +23,14 @@ Engine side (the process that parses arguments and builds the ``VllmConfig``):
 Engine-core and worker side:
 
 5. ``Scheduler.__init__``: lookahead KV slots = the drafter's block.
-6. ``vllm.v1.worker.gpu.spec_decode.init_speculator``: ``DDTreeSpeculator``.
-7. ``vllm.v1.worker.gpu.model_states.init_model_state``: ``DDTreeModelState``.
+6. ``GPUModelRunner.__init__`` (MRv2): registers TREE_ATTN in the worker before
+   the model is built; ``init_speculator`` (as the runner imported it):
+   ``DDTreeSpeculator``.
+7. ``init_model_state`` (as the runner imported it): ``DDTreeModelState``.
+
+TREE_ATTN is registered as ``AttentionBackendEnum.CUSTOM`` only in the processes
+of a DDTree engine (points 1 and 6), so another backend in that slot is an error
+for DDTree engines only. Each point is patched when its vLLM module is imported.
 
 Everything the wrappers put into the config is a plain int, string or enum, so
 spawned engine-core and worker processes unpickle it before this plugin loads.
@@ -32,8 +38,9 @@ spawned engine-core and worker processes unpickle it before this plugin loads.
 
 import copy
 import functools
+import importlib.abc
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from vllm.logger import init_logger
@@ -41,33 +48,114 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 _PATCHED = "__ddtree_patched__"
-_MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
+# The key of VllmConfig.additional_config that carries the DDTree settings
+# (ddtree_config.ADDITIONAL_CONFIG_KEY; spelled out here so that checking an
+# engine that does not use DDTree imports none of DDTree's modules).
+_CONFIG_KEY = "vllm_ddtree"
+TREE_ATTN_BACKEND_PATH = "vllm.v1.attention.backends.tree_attn.TreeAttentionBackend"
 
 
 def apply() -> None:
-    """Install every wrapper; safe to call any number of times."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.input_processor import InputProcessor
-    from vllm.v1.worker.gpu import model_states, spec_decode
+    """Install every wrapper; safe to call any number of times.
 
-    _wrap(EngineArgs, "create_speculative_config", _create_speculative_config)
+    Each vLLM module is patched when it is imported (at once if it already is),
+    so loading the plugin imports nothing of vLLM's and none of DDTree's heavy
+    modules: a process that never builds the scheduler or a GPU model runner
+    never loads them for the plugin's sake."""
+    for module, patch in _PATCHES.items():
+        _when_imported(module, patch)
+
+
+def _patch_engine_args(module) -> None:
+    args = module.EngineArgs
+    _wrap(args, "create_speculative_config", _create_speculative_config)
     _wrap(
-        EngineArgs,
+        args,
         "_set_default_max_num_seqs_and_batched_tokens_args",
         _set_batch_defaults,
     )
-    _wrap(EngineArgs, "create_engine_config", _create_engine_config)
-    _wrap(InputProcessor, "_validate_params", _validate_params)
-    _wrap(Scheduler, "__init__", _scheduler_init)
-    # The model runner imports these two by name; wrap them where they are
-    # defined and, if the runner is already imported, where it bound them.
-    _wrap(spec_decode, "init_speculator", _init_speculator)
-    _wrap(model_states, "init_model_state", _init_model_state)
-    model_runner = sys.modules.get(_MODEL_RUNNER)
-    if model_runner is not None:
-        _wrap(model_runner, "init_speculator", _init_speculator)
-        _wrap(model_runner, "init_model_state", _init_model_state)
+    _wrap(args, "create_engine_config", _create_engine_config)
+
+
+def _patch_input_processor(module) -> None:
+    _wrap(module.InputProcessor, "_validate_params", _validate_params)
+
+
+def _patch_scheduler(module) -> None:
+    _wrap(module.Scheduler, "__init__", _scheduler_init)
+
+
+def _patch_model_runner(module) -> None:
+    # The runner calls these two by the names it imported.
+    _wrap(module, "init_speculator", _init_speculator)
+    _wrap(module, "init_model_state", _init_model_state)
+    _wrap(module.GPUModelRunner, "__init__", _model_runner_init)
+
+
+_PATCHES: dict[str, Callable[[Any], None]] = {
+    "vllm.engine.arg_utils": _patch_engine_args,
+    "vllm.v1.engine.input_processor": _patch_input_processor,
+    "vllm.v1.core.sched.scheduler": _patch_scheduler,
+    "vllm.v1.worker.gpu.model_runner": _patch_model_runner,
+}
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs a module's own loader, then ``patch(module)``; anything else is
+    the wrapped loader's."""
+
+    def __init__(self, loader, patch: Callable[[Any], None]):
+        self._loader = loader
+        self._patch = patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        self._patch(module)
+
+    def __getattr__(self, name: str):
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a watched module it asks the other finders and
+    hands back their spec with a :class:`_PatchingLoader`."""
+
+    def __init__(self):
+        self.patches: dict[str, Callable[[Any], None]] = {}
+
+    def find_spec(self, name, path, target=None):
+        patch = self.patches.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+def _post_import_finder() -> _PostImportFinder:
+    for finder in sys.meta_path:
+        if isinstance(finder, _PostImportFinder):
+            return finder
+    finder = _PostImportFinder()
+    sys.meta_path.insert(0, finder)
+    return finder
+
+
+def _when_imported(name: str, patch: Callable[[Any], None]) -> None:
+    module = sys.modules.get(name)
+    if module is not None:
+        patch(module)
+    else:
+        _post_import_finder().patches[name] = patch
 
 
 def _wrap(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
@@ -85,9 +173,37 @@ def _wrap(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
 
 
 def _ddtree_of(vllm_config: Any):
+    """The engine's DDTreeConfig, or None; imports DDTree's config module only
+    for an engine that carries DDTree settings."""
+    additional = getattr(vllm_config, "additional_config", None)
+    if not isinstance(additional, Mapping) or _CONFIG_KEY not in additional:
+        return None
     from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 
     return DDTreeConfig.from_vllm_config(vllm_config)
+
+
+def register_tree_attn_backend() -> None:
+    """Register TREE_ATTN as ``AttentionBackendEnum.CUSTOM`` (vLLM 0.26's slot
+    for an out-of-tree backend), for a DDTree engine only; safe to call again.
+    Another backend in that slot is an error for DDTree, never for other
+    engines."""
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
+
+    custom = AttentionBackendEnum.CUSTOM
+    if custom.is_overridden() and custom.get_path() != TREE_ATTN_BACKEND_PATH:
+        raise ValueError(
+            "method 'ddtree' verifies trees with TREE_ATTN, which vLLM 0.26 loads "
+            "as AttentionBackendEnum.CUSTOM, but CUSTOM is already registered to "
+            f"{custom.get_path()}; run DDTree where nothing else registers the "
+            "CUSTOM backend (e.g. VLLM_PLUGINS=ddtree to load only this plugin), "
+            f"or use that backend without DDTree ({TREE_ATTN_BACKEND_PATH} "
+            "cannot share the slot)"
+        )
+    register_backend(custom, TREE_ATTN_BACKEND_PATH)
 
 
 # ---------------------------------------------------------------------------
@@ -139,6 +255,7 @@ def _create_speculative_config(
         ddt.ADDITIONAL_CONFIG_KEY: cfg.to_dict(),
     }
     _use_tree_attention(self)
+    register_tree_attn_backend()
     logger.info(
         "DDTree: tree_budget=%d%s, drafter %s drafts %d positions per step",
         cfg.tree_budget,
@@ -205,14 +322,17 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
         DDTreeConfig,
         batch_limits,
         cudagraph_capture_sizes,
+        is_ddtree_method,
     )
 
     seqs_from_user = self.max_num_seqs is not None
     tokens_from_user = self.max_num_batched_tokens is not None
     original(self, usage_context, model_config, parallel_config)
-    raw = (self.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-    if raw is None or self.speculative_config is None:
+    # The user's own speculative config (create_speculative_config keeps it as
+    # given) says whether this is a DDTree engine, not any additional_config key.
+    if not is_ddtree_method(self.speculative_config):
         return
+    raw = self.additional_config[ADDITIONAL_CONFIG_KEY]
     cfg = DDTreeConfig.from_dict(raw)
     seqs, tokens = batch_limits(
         cfg,
@@ -297,6 +417,13 @@ def _scheduler_init(original, self, *args, **kwargs):
         # tokens; DFlash's default (num_speculative_tokens + 1 = B + 1) is too
         # small for B < depth and wastes KV for larger B.
         self.num_lookahead_tokens = cfg.draft_len
+
+
+def _model_runner_init(original, self, vllm_config, *args, **kwargs):
+    if _ddtree_of(vllm_config) is not None:
+        # Before the model (and its attention layers) is built in this worker.
+        register_tree_attn_backend()
+    original(self, vllm_config, *args, **kwargs)
 
 
 def _init_speculator(original, vllm_config, device):

@@ -350,8 +350,9 @@ def test_8b_configs_pass_vllms_checks(tmp_path, cuda_platform, config):
     assert draft.hf_config.num_hidden_layers == 5
     assert vllm_config.model_config.get_vocab_size() == 151936
     if config == "ddtree-128":
-        assert vllm_config.additional_config["ddtree"] == {
-            "tree_budget": 128, "draft_depth": 15, "step_budgets": []}
+        assert vllm_config.additional_config["vllm_ddtree"] == {
+            "method": "ddtree", "tree_budget": 128, "draft_depth": 15,
+            "step_budgets": []}
         assert vllm_config.scheduler_config.max_num_batched_tokens >= 16 * 129
 
 

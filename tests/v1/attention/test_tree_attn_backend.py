@@ -29,15 +29,14 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.attention.backends.tree_attn import (
-    TREE_ATTN_BACKEND_PATH,
     TreeAttentionBackend,
     TreeAttentionImpl,
     TreeAttentionInputs,
     TreeAttentionMetadataBuilder,
     kv_cache_as_kv_first,
-    register_tree_attn_backend,
     split_kv_cache,
 )
+from vllm_ddtree.glue import TREE_ATTN_BACKEND_PATH, register_tree_attn_backend
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 4, 2, 64, 16
@@ -90,7 +89,8 @@ def test_registration_is_idempotent(restore_custom_backend):
 
 def test_registration_refuses_to_replace_another_backend(restore_custom_backend):
     register_backend(AttentionBackendEnum.CUSTOM, "some.other.Backend")
-    with pytest.raises(ValueError, match="already registered to some.other"):
+    with pytest.raises(ValueError, match="CUSTOM is already registered to "
+                       "some.other.Backend; .*VLLM_PLUGINS=ddtree"):
         register_tree_attn_backend()
 
 

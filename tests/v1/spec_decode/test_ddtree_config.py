@@ -406,7 +406,9 @@ def test_cudagraph_sizes():
 
 def test_config_roundtrip():
     vllm_config = types.SimpleNamespace(
-        additional_config={"ddtree": CFG.to_dict()}, speculative_config=object()
+        additional_config={"vllm_ddtree": CFG.to_dict()},
+        speculative_config=types.SimpleNamespace(
+            method="dflash", num_speculative_tokens=CFG.tree_budget),
     )
     assert DDTreeConfig.from_vllm_config(vllm_config) == CFG
     assert CFG.verify_len == 129 and CFG.draft_len == 16
@@ -711,24 +713,23 @@ def test_register_is_idempotent(models):
     import vllm_ddtree
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu import model_states, spec_decode
+    from vllm.v1.worker.gpu import model_runner
 
-    before = [
-        EngineArgs.create_speculative_config,
-        EngineArgs.create_engine_config,
-        Scheduler.__init__,
-        spec_decode.init_speculator,
-        model_states.init_model_state,
-    ]
+    def wrapped():
+        return [
+            EngineArgs.create_speculative_config,
+            EngineArgs.create_engine_config,
+            Scheduler.__init__,
+            model_runner.init_speculator,
+            model_runner.init_model_state,
+            model_runner.GPUModelRunner.__init__,
+        ]
+
+    before = wrapped()
+    assert all(getattr(f, "__ddtree_patched__", False) for f in before)
     vllm_ddtree.register()
     vllm_ddtree.register()
-    after = [
-        EngineArgs.create_speculative_config,
-        EngineArgs.create_engine_config,
-        Scheduler.__init__,
-        spec_decode.init_speculator,
-        model_states.init_model_state,
-    ]
+    after = wrapped()
     assert before == after
     # One layer of wrapping, around vLLM's own function.
     original = EngineArgs.create_speculative_config.__wrapped__
@@ -737,7 +738,9 @@ def test_register_is_idempotent(models):
 
 def _ddtree_vllm_config():
     return types.SimpleNamespace(
-        additional_config={"ddtree": CFG.to_dict()}, speculative_config=object()
+        additional_config={"vllm_ddtree": CFG.to_dict()},
+        speculative_config=types.SimpleNamespace(
+            method="dflash", num_speculative_tokens=CFG.tree_budget),
     )
 
 

@@ -14,7 +14,7 @@ scheduler, the input batch and the CUDA graphs then size every decode step for
 B and the drafter depth D (the drafter's block size minus one, 15 for DFlash's
 blocks of 16, independent of B); :class:`DDTreeConfig` carries them to every
 process. On vLLM 0.26 ``SpeculativeConfig`` forbids unknown keys, so they travel
-in ``VllmConfig.additional_config["ddtree"]`` (plain ints, picklable); upstream
+in ``VllmConfig.additional_config["vllm_ddtree"]`` (plain ints, picklable); upstream
 they would be ``SpeculativeConfig`` fields (see docs/upstream.md).
 
 A budget per batch size is asked for with ``tree_budget_per_batch_size``, a list of
@@ -39,7 +39,11 @@ from typing import Any
 from vllm.v1.spec_decode.dflash_tree_builder import MAX_BUDGET, MAX_DEPTH
 
 DDTREE_METHOD = "ddtree"
-ADDITIONAL_CONFIG_KEY = "ddtree"
+# The plugin's own key of VllmConfig.additional_config, written only for
+# method="ddtree" (the value also names the method, and the engine's speculative
+# config must be the DFlash config built for it): a user's "ddtree" key or
+# another plugin's settings never turn DDTree on.
+ADDITIONAL_CONFIG_KEY = "vllm_ddtree"
 AUTO_TREE_BUDGET = "auto"
 # The best budget falls as the batch grows, so the default picks one per batch
 # size: "auto" measured at least DFlash's throughput offline on the trained pair
@@ -121,6 +125,7 @@ class DDTreeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "method": DDTREE_METHOD,
             "tree_budget": self.tree_budget,
             "draft_depth": self.draft_depth,
             "step_budgets": list(self.step_budgets),
@@ -133,7 +138,13 @@ class DDTreeConfig:
         if not isinstance(additional, Mapping):
             return None
         raw = additional.get(ADDITIONAL_CONFIG_KEY)
-        if raw is None or getattr(vllm_config, "speculative_config", None) is None:
+        spec = getattr(vllm_config, "speculative_config", None)
+        if (
+            not isinstance(raw, Mapping)
+            or raw.get("method") != DDTREE_METHOD
+            or getattr(spec, "method", None) != "dflash"
+            or getattr(spec, "num_speculative_tokens", None) != raw.get("tree_budget")
+        ):
             return None
         return cls.from_dict(raw)
 

@@ -23,9 +23,9 @@ The backend is causal-only: ``supports_non_causal()`` is false and ``build``
 rejects non-causal metadata, so it can never serve the DFlash drafter, whose
 block-diffusion attention is bidirectional; the drafter keeps its own backend.
 
-On vLLM 0.26 a backend is named by an ``AttentionBackendEnum`` member, so TREE_ATTN
-takes ``CUSTOM``: call ``register_tree_attn_backend()`` (idempotent) in every
-process, then select ``AttentionBackendEnum.CUSTOM``.
+On vLLM 0.26 a backend is named by an ``AttentionBackendEnum`` member, so the
+plugin registers TREE_ATTN as ``CUSTOM`` for DDTree engines
+(``vllm_ddtree.glue.register_tree_attn_backend``); upstream it is its own member.
 """
 
 import os
@@ -50,7 +50,6 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
 from vllm.v1.attention.ops.triton_tree_attention import (
@@ -59,23 +58,6 @@ from vllm.v1.attention.ops.triton_tree_attention import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.spec_decode.dflash_tree_builder import num_mask_words
-
-TREE_ATTN_BACKEND_PATH = "vllm.v1.attention.backends.tree_attn.TreeAttentionBackend"
-
-
-def register_tree_attn_backend() -> None:
-    """Register TREE_ATTN as ``AttentionBackendEnum.CUSTOM``; safe to call again.
-
-    Raises ValueError if CUSTOM already names another backend.
-    """
-    custom = AttentionBackendEnum.CUSTOM
-    if custom.is_overridden() and custom.get_path() != TREE_ATTN_BACKEND_PATH:
-        raise ValueError(
-            f"AttentionBackendEnum.CUSTOM is already registered to "
-            f"{custom.get_path()}; cannot register TREE_ATTN"
-        )
-    register_backend(custom, TREE_ATTN_BACKEND_PATH)
-
 
 def split_kv_cache(
     kv_cache: torch.Tensor, head_size: int

@@ -1,0 +1,190 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Installed but unused, the plugin changes nothing and costs little (CPU).
+
+Users install vllm-ddtree where all their vLLM engines run; most never ask for
+``method="ddtree"``. Each check runs vLLM in fresh processes, with the plugin
+(``VLLM_PLUGINS=ddtree``, this checkout's package first on ``PYTHONPATH``) and
+without it (``VLLM_PLUGINS=""``: vLLM loads no general plugin):
+
+* loading the plugin imports none of vLLM's scheduler or GPU-worker modules and
+  none of DDTree's own, and its wrappers still reach modules imported later;
+* for stock engines (no speculation, dflash, eagle3, ngram, draft_model, and an
+  ngram engine carrying ``additional_config`` keys named like DDTree's) what
+  ``EngineArgs`` builds is identical with and without the plugin: speculative
+  config, scheduler limits, capture sizes, lookahead slots, attention backend;
+* another backend registered as ``AttentionBackendEnum.CUSTOM`` (vLLM's slot for
+  out-of-tree backends) keeps it for every stock engine, and only a DDTree
+  engine fails, with a message naming both backends and the fix.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
+
+ROOT = Path(__file__).resolve().parents[2]
+OTHER_BACKEND = "my_pkg.attn.MyBackend"
+
+
+def _env(plugin: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    env["VLLM_PLUGINS"] = "ddtree" if plugin else ""
+    return env
+
+
+def _python(code: str, plugin: bool) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=_env(plugin),
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_loading_imports_little():
+    out = _python(
+        """
+        import json, sys, time
+        import vllm.engine.arg_utils  # vLLM loads general plugins from EngineArgs
+        before = set(sys.modules)
+        start = time.perf_counter()
+        import vllm_ddtree
+        vllm_ddtree.register()
+        seconds = time.perf_counter() - start
+        new = sorted(set(sys.modules) - before)
+        print(json.dumps({"seconds": seconds, "new": new}))
+        """,
+        plugin=False,
+    )
+    result = json.loads(out)
+    new = result["new"]
+    print(f"plugin load: {result['seconds'] * 1e3:.1f} ms, {len(new)} new modules: "
+          f"{new}")
+    heavy = [m for m in new if m.startswith((
+        "vllm.v1.worker", "vllm.v1.core.sched", "vllm.v1.engine",
+        "vllm.v1.spec_decode.d", "vllm.v1.attention.backends.tree_attn",
+        "vllm.v1.attention.ops.", "vllm.v1.sample.tree", "triton"))]
+    assert not heavy, heavy
+    assert len(new) <= 12, new
+
+
+def test_wrappers_reach_modules_imported_later():
+    out = _python(
+        """
+        import json
+        import vllm_ddtree
+        vllm_ddtree.register()
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.engine.input_processor import InputProcessor
+        from vllm.v1.worker.gpu import model_runner
+        from vllm.engine.arg_utils import EngineArgs
+        funcs = [Scheduler.__init__, InputProcessor._validate_params,
+                 model_runner.init_speculator, model_runner.init_model_state,
+                 model_runner.GPUModelRunner.__init__,
+                 EngineArgs.create_speculative_config]
+        print(json.dumps([getattr(f, "__ddtree_patched__", False) for f in funcs]))
+        """,
+        plugin=False,
+    )
+    assert json.loads(out) == [True] * 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("plugin_models")
+    target = make_tiny_qwen3(root / "target")
+    drafter = make_tiny_dflash(root / "drafter", target)
+    # An EAGLE-3 head needs only its config to be configured.
+    eagle = root / "eagle3"
+    eagle.mkdir()
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.update(architectures=["Eagle3LlamaForCausalLM"], model_type="llama",
+               num_hidden_layers=1, layer_types=["full_attention"],
+               draft_vocab_size=cfg["vocab_size"])
+    (eagle / "config.json").write_text(json.dumps(cfg))
+    return {"target": str(target), "drafter": str(drafter), "eagle3": str(eagle)}
+
+
+def _configs(models) -> dict[str, dict]:
+    base = {"model": models["target"], "max_model_len": 1024}
+    specs = {
+        "none": None,
+        "dflash": {"method": "dflash", "model": models["drafter"],
+                   "num_speculative_tokens": 15},
+        "eagle3": {"method": "eagle3", "model": models["eagle3"],
+                   "num_speculative_tokens": 3},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4,
+                  "prompt_lookup_max": 4},
+        "draft_model": {"method": "draft_model", "model": models["target"],
+                        "num_speculative_tokens": 3},
+    }
+    configs = {name: {**base, "speculative_config": spec}
+               for name, spec in specs.items()}
+    lookalike = {"method": "ddtree", "tree_budget": 4, "draft_depth": 15}
+    configs["ngram_with_ddtree_keys"] = {
+        **configs["ngram"],
+        "additional_config": {"ddtree": lookalike, "vllm_ddtree": lookalike},
+    }
+    configs["ddtree"] = {**base, "speculative_config": {
+        "method": "ddtree", "model": models["drafter"], "tree_budget": 32}}
+    return configs
+
+
+def _summaries(models, tmp_path, plugin: bool, custom_backend=None) -> dict:
+    tag = f"{'on' if plugin else 'off'}_{'custom' if custom_backend else 'free'}"
+    src, dst = tmp_path / f"{tag}.in.json", tmp_path / f"{tag}.out.json"
+    src.write_text(json.dumps({"configs": _configs(models),
+                               "custom_backend": custom_backend}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.plugins.engine_summary", str(src), str(dst)],
+        cwd=ROOT, env=_env(plugin), capture_output=True, text=True, timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(dst.read_text())
+
+
+STOCK = ("none", "dflash", "eagle3", "ngram", "draft_model", "ngram_with_ddtree_keys")
+
+
+def _assert_stock_identical(on: dict, off: dict) -> None:
+    for name in STOCK:
+        assert "error" not in off[name], (name, off[name])
+        assert on[name] == off[name], name
+    print(f"identical with and without the plugin: {', '.join(STOCK)}")
+
+
+def test_stock_engines_are_identical_with_and_without_the_plugin(models, tmp_path):
+    off = _summaries(models, tmp_path, plugin=False)
+    on = _summaries(models, tmp_path, plugin=True)
+    _assert_stock_identical(on, off)
+    # The lookalike keys stay the user's and turn nothing on.
+    assert on["ngram_with_ddtree_keys"]["max_num_seqs"] == on["ngram"]["max_num_seqs"]
+    # DDTree: refused by stock vLLM, built by the plugin.
+    assert "ddtree" in off["ddtree"]["error"]
+    ddtree = on["ddtree"]
+    assert ddtree["speculative"]["method"] == "dflash"
+    assert ddtree["speculative"]["num_speculative_tokens"] == 32
+    assert ddtree["attention_backend"] == "AttentionBackendEnum.CUSTOM"
+    assert ddtree["custom_backend"].endswith("tree_attn.TreeAttentionBackend")
+    assert ddtree["lookahead_tokens"] == 16
+    assert ddtree["additional_config"]["vllm_ddtree"]["method"] == "ddtree"
+
+
+def test_another_custom_backend_fails_only_ddtree(models, tmp_path):
+    off = _summaries(models, tmp_path, plugin=False, custom_backend=OTHER_BACKEND)
+    on = _summaries(models, tmp_path, plugin=True, custom_backend=OTHER_BACKEND)
+    _assert_stock_identical(on, off)
+    for name in STOCK:
+        assert on[name]["custom_backend"] == OTHER_BACKEND, name
+    error = on["ddtree"]["error"]
+    print(error)
+    assert error.startswith("ValueError: method 'ddtree' verifies trees with TREE_ATTN")
+    assert OTHER_BACKEND in error and "TreeAttentionBackend" in error
+    assert "VLLM_PLUGINS=ddtree" in error
