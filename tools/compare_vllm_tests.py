@@ -12,6 +12,8 @@ needs the sdist and takes minutes); see docs/ddtree.md.
     python tools/compare_vllm_tests.py --sdist /tmp/sdist/vllm-0.26.0.tar.gz \
         --out /tmp/vllm_tests_cmp [--tests tests/engine/test_arg_utils.py ...]
 
+vLLM's test suite needs a few packages of its own (its conftest imports
+``tblib``; pass ``--install-test-deps`` to pip-install the ones listed below).
 Only the sdist's ``tests/`` folder is unpacked (into ``--out``), so the tests
 import the installed vLLM, never the sdist's uncompiled sources. Exit status 1
 if any test's outcome differs between the two runs.
@@ -35,11 +37,17 @@ DEFAULT_TESTS = (
     "tests/test_config.py",
     "tests/v1/core/test_scheduler.py",
     "tests/v1/core/test_async_scheduler.py",
-    "tests/v1/spec_decode/test_speculative_config.py",
+    "tests/config/test_speculative_draft_hf_overrides.py",
     "tests/v1/spec_decode/test_dynamic_sd.py",
+    "tests/v1/spec_decode/test_dflash_lookahead.py",
     "tests/test_sampling_params.py",
+    "tests/test_attention_backend_registry.py",
     "tests/v1/attention/test_attention_backends_selection.py",
 )
+
+
+# Packages vLLM's test suite imports (beyond pytest) for the files above.
+TEST_DEPS = ("tblib",)
 
 
 def unpack_tests(sdist: Path, out: Path) -> Path:
@@ -77,6 +85,9 @@ def run(tests_root: Path, files: list[str], plugin: bool, out: Path) -> dict:
         )
     print(f"plugin {mode}: {time.perf_counter() - start:.0f} s "
           f"(log {out / f'pytest_{mode}.log'})", flush=True)
+    if not xml.exists():
+        tail = (out / f"pytest_{mode}.log").read_text()[-2000:]
+        raise SystemExit(f"pytest wrote no report (plugin {mode}):\n{tail}")
     return outcomes(xml)
 
 
@@ -98,7 +109,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tests", nargs="*", default=list(DEFAULT_TESTS),
                         help="test files, relative to the sdist's root")
+    parser.add_argument("--install-test-deps", action="store_true",
+                        help=f"pip install {' '.join(TEST_DEPS)} first")
     args = parser.parse_args()
+    if args.install_test_deps:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *TEST_DEPS],
+                       check=True)
     args.out.mkdir(parents=True, exist_ok=True)
     tests_root = unpack_tests(args.sdist, args.out)
     files = [f for f in args.tests if (tests_root / f).exists()]

@@ -188,3 +188,54 @@ def test_another_custom_backend_fails_only_ddtree(models, tmp_path):
     assert error.startswith("ValueError: method 'ddtree' verifies trees with TREE_ATTN")
     assert OTHER_BACKEND in error and "TreeAttentionBackend" in error
     assert "VLLM_PLUGINS=ddtree" in error
+
+
+def test_worker_registers_tree_attn_for_ddtree_only(models, tmp_path):
+    """A spawned worker unpickles the engine's config before anything else:
+    MRv2's ``GPUModelRunner.__init__`` (wrapped once the runner module is
+    imported) registers TREE_ATTN there for a DDTree config, before the model
+    is built, and leaves CUSTOM alone for any other config."""
+    configs = _configs(models)
+    out = _python(
+        f"""
+        import json, pickle, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import conftest
+        from vllm.platforms import current_platform
+        type(current_platform).device_type = "cuda"
+        from vllm.engine.arg_utils import EngineArgs
+        for name in ("dflash", "ddtree"):
+            cfg = EngineArgs(**json.loads({json.dumps(json.dumps(configs))})[name])
+            pickle.dump(cfg.create_engine_config(),
+                        open({str(tmp_path)!r} + f"/{{name}}.pkl", "wb"))
+        print("ok")
+        """,
+        plugin=True,
+    )
+    assert out == "ok"
+    out = _python(
+        f"""
+        import json, pickle, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import conftest
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()  # as a worker does at start
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        from vllm.v1.worker.gpu import model_runner
+        seen = {{}}
+        for name in ("dflash", "ddtree"):
+            cfg = pickle.load(open({str(tmp_path)!r} + f"/{{name}}.pkl", "rb"))
+            try:
+                # Past the wrapper, vLLM's own __init__ needs a GPU.
+                model_runner.GPUModelRunner(cfg, "cpu")
+            except Exception:
+                pass
+            custom = AttentionBackendEnum.CUSTOM
+            seen[name] = custom.get_path() if custom.is_overridden() else None
+        print(json.dumps(seen))
+        """,
+        plugin=True,
+    )
+    seen = json.loads(out)
+    assert seen["dflash"] is None
+    assert seen["ddtree"].endswith("tree_attn.TreeAttentionBackend")
