@@ -198,7 +198,8 @@ PREEMPT_KV_BYTES = 12 << 20
 
 def _configs(ids, newline) -> dict[str, dict]:
     scenarios = list(_scenarios(ids, newline).values())
-    configs = {"ref": {"llm": _llm(None), "runs": scenarios + [_dist_run(ids, 3 * 10**6)]}}
+    configs = {"ref": {"llm": _llm(None),
+                       "runs": scenarios + [_dist_run(ids, 3 * 10**6)]}}
     for budget in BUDGETS:
         runs = list(scenarios)
         if budget == "128":

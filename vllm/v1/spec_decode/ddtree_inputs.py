@@ -13,8 +13,9 @@ Two writers, each a small Triton kernel with a slow torch reference beside it:
   Padding nodes (token -1: the drafter had fewer prefixes, or no tree was
   drafted for the request since it joined) verify at the root's position with
   mask ``{root, self}``, and the root row is always ``{root}``, so a request
-  padded with placeholder drafts verifies as a root-only tree. ``p0`` is read from the positions MRv2 computed from its GPU request state, so
-  it is right under async scheduling.
+  padded with placeholder drafts verifies as a root-only tree. ``p0`` is read
+  from the positions MRv2 computed from its GPU request state, so it is right
+  under async scheduling.
 
 * :func:`prepare_draft_inputs` (drafter side). After the walk, the DFlash
   drafter's next context is the request's committed rows only: any rows before
