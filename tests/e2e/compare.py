@@ -21,6 +21,7 @@ bug, and fails.
 """
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -66,15 +67,16 @@ def _top(position: TopLogprobs) -> dict[int, float]:
     return {int(tok): float(lp) for tok, lp in position}
 
 
-def compare_greedy(
-    got_tokens: list[list[int] | None],
-    got_logprobs: list[list[TopLogprobs] | None],
-    want_tokens: list[list[int] | None],
-    want_logprobs: list[list[TopLogprobs] | None],
-    tie_tol: float = TIE_TOL,
-) -> Comparison:
-    """Compare ``got`` with the reference ``want``, request by request (None
-    entries, e.g. aborted requests, must be None in both)."""
+# Judges the first differing position of one request: (request, position, got
+# token, reference token, got's top logprobs, reference's) -> (error, tie value),
+# exactly one of them None.
+Judge = Callable[[int, int, int, int, dict, dict], tuple[str | None, float | None]]
+
+
+def _compare(got_tokens, got_logprobs, want_tokens, want_logprobs,
+             judge: Judge) -> Comparison:
+    """Request by request (None entries, e.g. aborted requests, must be None in
+    both): identical, or parted at a position ``judge`` accepts as a tie."""
     result = Comparison()
     if len(got_tokens) != len(want_tokens):
         result.errors.append(
@@ -101,24 +103,38 @@ def compare_greedy(
             continue
         # After a tie the two may stop at different lengths (a stop token).
         result.num_compared += diff + 1
-        ref_top = _top(want_logprobs[r][diff])
-        got_top = _top(got_logprobs[r][diff])
-        g, w = got[diff], want[diff]
+        error, tie = judge(r, diff, got[diff], want[diff],
+                           _top(got_logprobs[r][diff]), _top(want_logprobs[r][diff]))
+        if error is not None:
+            result.errors.append(error)
+        else:
+            result.ties.append((r, diff, tie))
+    return result
+
+
+def compare_greedy(
+    got_tokens: list[list[int] | None],
+    got_logprobs: list[list[TopLogprobs] | None],
+    want_tokens: list[list[int] | None],
+    want_logprobs: list[list[TopLogprobs] | None],
+    tie_tol: float = TIE_TOL,
+) -> Comparison:
+    """Compare greedy ``got`` with the reference ``want`` (module docstring)."""
+
+    def judge(r, diff, g, w, got_top, ref_top):
         if g not in ref_top or w not in got_top:
-            result.errors.append(
+            return (
                 f"request {r}, position {diff}: token {g}, reference {w}, not among "
-                f"each other's top {NUM_LOGPROBS} (reference {ref_top}, got {got_top})"
-            )
-            continue
+                f"each other's top {NUM_LOGPROBS} (reference {ref_top}, got "
+                f"{got_top})", None)
         gap = ref_top[w] - ref_top[g]
         if gap > tie_tol:
-            result.errors.append(
-                f"request {r}, position {diff}: token {g}, reference {w} leads it by "
-                f"{gap:.3f} nats (> {tie_tol}: not a numerical tie)"
-            )
-            continue
-        result.ties.append((r, diff, gap))
-    return result
+            return (
+                f"request {r}, position {diff}: token {g}, reference {w} leads it "
+                f"by {gap:.3f} nats (> {tie_tol}: not a numerical tie)", None)
+        return None, gap
+
+    return _compare(got_tokens, got_logprobs, want_tokens, want_logprobs, judge)
 
 
 def compare_seeded(
@@ -138,56 +154,28 @@ def compare_seeded(
     in logprobs (log-softmax keeps logit differences). So at the first
     differing position the logit gap of the two tokens must have moved between
     the engines, by a numerical amount: ``0 < delta <= tie_tol`` (equal gaps
-    and equal noise give equal tokens). Different noise, or a verifier that does not
-    sample each node from the target, parts the outputs at positions where the
-    gap did not move: ``delta`` near 0 with either sign, and early. The sampled
-    token is always in vLLM's returned logprobs; the other engine's token must
-    be among them too (ask for enough logprobs), else the position cannot be
-    checked and fails.
+    and equal noise give equal tokens). Different noise, or a verifier that does
+    not sample each node from the target, parts the outputs at positions where
+    the gap did not move: ``delta`` near 0 with either sign, and early. The
+    sampled token is always in vLLM's returned logprobs; the other engine's
+    token must be among them too (ask for enough logprobs), else the position
+    cannot be checked and fails.
     """
-    result = Comparison()
-    if len(got_tokens) != len(want_tokens):
-        result.errors.append(
-            f"{len(got_tokens)} requests, reference has {len(want_tokens)}"
-        )
-        return result
-    for r, (got, want) in enumerate(zip(got_tokens, want_tokens)):
-        if got is None or want is None:
-            if (got is None) != (want is None):
-                result.errors.append(f"request {r}: only one of the two is None")
-            continue
-        result.num_requests += 1
-        result.num_total += len(want)
-        diff = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
-        if diff is None:
-            if len(got) != len(want):
-                result.errors.append(
-                    f"request {r}: {len(got)} tokens, reference has {len(want)}"
-                )
-                continue
-            result.num_identical += 1
-            result.num_compared += len(want)
-            continue
-        result.num_compared += diff + 1
-        a, b = got[diff], want[diff]
-        got_top = _top(got_logprobs[r][diff])
-        ref_top = _top(want_logprobs[r][diff])
+
+    def judge(r, diff, a, b, got_top, ref_top):
         if not {a, b} <= got_top.keys() or not {a, b} <= ref_top.keys():
-            result.errors.append(
+            return (
                 f"request {r}, position {diff}: token {a}, reference {b}; one of "
-                "them is missing from the returned logprobs, cannot check"
-            )
-            continue
+                "them is missing from the returned logprobs, cannot check", None)
         delta = (ref_top[b] - ref_top[a]) - (got_top[b] - got_top[a])
         if not 0 < delta <= tie_tol:
-            result.errors.append(
+            return (
                 f"request {r}, position {diff}: token {a}, reference {b}, their "
                 f"logit gap moved by {delta:.4f} between the engines (a tie needs "
-                f"0 < delta <= {tie_tol}): not explained by numerics"
-            )
-            continue
-        result.ties.append((r, diff, delta))
-    return result
+                f"0 < delta <= {tie_tol}): not explained by numerics", None)
+        return None, delta
+
+    return _compare(got_tokens, got_logprobs, want_tokens, want_logprobs, judge)
 
 
 def chi_square_two_sample(a: list, b: list, min_expected: float = 5.0):
