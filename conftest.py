@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Test-session setup shared by every test under tests/.
 
 1. Import the new ``vllm/...`` modules from this working tree, not from an installed

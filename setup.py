@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """vllm-ddtree: tree attention and the DDTree speculative-decoding proposer for vLLM.
 
 The new modules live at the paths they would have upstream (``vllm/v1/...``) and are

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """End-to-end DDTree benchmark through vLLM: no speculation, DFlash (15 draft
 tokens) and DDTree at several tree budgets, measured side by side.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Results of ``benchmarks/bench_ddtree.py``: metric arithmetic, result rows, resume
 bookkeeping and the markdown report. Pure Python (no torch, no vLLM), so the CPU
 tests cover all of it.

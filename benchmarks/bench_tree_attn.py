@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Benchmark the Triton tree attention kernel against vLLM's FlashAttention 3.
 
 Qwen3-8B attention shape (32 query heads, 8 KV heads, head size 128), bf16, paged

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Time the DDTree core ops on the GPU: tree build, tree walk, KV compaction.
 
 For every (num_reqs, budget), with vocab 151936 (``--vocab``), drafter depth 15 and

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """PNG plots of ``benchmarks/bench_ddtree.py`` results (issue 5), drawn with Pillow
 (no matplotlib).
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Where the time of one decode step goes: the GPU kernels of one decode step,
 by category, for a few engine configs (no speculation, DFlash, DDTree budgets),
 measured with ``torch.profiler`` on the engines of ``bench_ddtree.py cost``.

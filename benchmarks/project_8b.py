@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Projected Qwen3-8B speedups of DDTree: measured 8B-shape step times combined
 with acceptance lengths measured elsewhere. Every projected number is labelled
 "projected": nothing here ran a trained 8B pair.

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """How often a trained drafter sends the builder's top-token search down its exact
 path, on the CPU.
 

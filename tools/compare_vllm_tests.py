@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """vLLM's own tests with and without the vllm-ddtree plugin, compared test for test.
 
 Installing vllm-ddtree must change nothing for engines that do not ask for

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """vLLM plugin that wires the DDTree modules into an unmodified vLLM 0.26.0."""
 
 import importlib

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Every point where the DDTree plugin touches vLLM 0.26.0.
 
 :func:`apply` wraps a few vLLM functions in place. Each wrapper calls the original
@@ -40,7 +42,7 @@ import copy
 import functools
 import importlib.abc
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
@@ -48,10 +50,6 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 _PATCHED = "__ddtree_patched__"
-# The key of VllmConfig.additional_config that carries the DDTree settings
-# (ddtree_config.ADDITIONAL_CONFIG_KEY; spelled out here so that checking an
-# engine that does not use DDTree imports none of DDTree's modules).
-_CONFIG_KEY = "vllm_ddtree"
 TREE_ATTN_BACKEND_PATH = "vllm.v1.attention.backends.tree_attn.TreeAttentionBackend"
 
 
@@ -173,11 +171,6 @@ def _wrap(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
 
 
 def _ddtree_of(vllm_config: Any):
-    """The engine's DDTreeConfig, or None; imports DDTree's config module only
-    for an engine that carries DDTree settings."""
-    additional = getattr(vllm_config, "additional_config", None)
-    if not isinstance(additional, Mapping) or _CONFIG_KEY not in additional:
-        return None
     from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 
     return DDTreeConfig.from_vllm_config(vllm_config)

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A trained target/drafter pair for DDTree and DFlash benchmarks, made offline.
 
 Five steps, each a subcommand that resumes from the files the previous one left in

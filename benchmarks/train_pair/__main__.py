@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Command line: ``python -m benchmarks.train_pair STEP [--scale S] [--out DIR]``.
 
 Exit status 0 when the step is done, 75 when it stopped at ``--time-limit`` after

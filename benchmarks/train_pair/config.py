@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Sizes of each step at the two scales, and where each step keeps its files.
 
 ``full`` is the pair the benchmarks use (trained on an H200, each step well under

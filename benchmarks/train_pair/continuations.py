@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Step 4: the drafter's training data, the target's own greedy continuations.
 
 Prompts are ``prompt_len``-token windows of the training stream (of the held-out

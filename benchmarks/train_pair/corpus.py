@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Step 1: the text corpus, from this interpreter's standard library and site-packages.
 
 Every ``.py``, ``.rst``, ``.md`` and ``.txt`` file under the roots is a document,

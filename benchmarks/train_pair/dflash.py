@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The DFlash drafter at training time, with vLLM's inference math and weight names.
 
 vLLM 0.26 serves the drafter with ``DFlashQwen3ForCausalLM``

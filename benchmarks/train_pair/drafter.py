@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Step 5: the DFlash drafter, trained on the target's greedy continuations.
 
 Each step takes ``batch_size`` continuation sequences and ``anchors_per_seq`` random

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """AdamW, the learning-rate schedule, and the resumable training state."""
 
 import math

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Progress lines, the per-step log file, the JSON summary and the time limit."""
 
 import json

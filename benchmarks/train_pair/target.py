@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Step 3: the target, a ``Qwen3ForCausalLM`` trained from scratch on the token stream.
 
 Each step reads ``batch_size`` random windows of ``seq_len + 1`` tokens; the windows

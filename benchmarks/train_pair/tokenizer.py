@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Step 2: a byte-level BPE tokenizer, the token streams, and the evaluation prompts.
 
 The tokenizer is GPT-2 style byte-level BPE (any byte string encodes) with four

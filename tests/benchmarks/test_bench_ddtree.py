@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """benchmarks/bench_ddtree.py and benchmarks/project_8b.py on the CPU: arguments,
 engine configs, prompts, metric arithmetic, resume, ratio tables, projections.
 The GPU parts (engines) are replaced by fakes; the 8B model configs go through

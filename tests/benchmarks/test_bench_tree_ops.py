@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """benchmarks/bench_tree_ops.py on the CPU: its crowded drafter logits leave the
 top-token search's fast path (the GPU timing itself runs on the H200)."""
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """benchmarks/plot_ddtree.py on the CPU: synthetic bench_ddtree result directories
 -> PNG files; the figures, the pixels where known points are drawn (through the
 module's own data -> pixel transform), skipped rows, determinism, errors."""

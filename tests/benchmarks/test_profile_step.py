@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """benchmarks/profile_step.py on the CPU: arguments, engine specs, the kernel-name
 categories, per-step aggregation, the markdown table, resume and time limit (the
 engine processes replaced by a fake), and the refusal to run without a GPU. The

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """benchmarks/top_token_crowding.py: its threshold rule counts the candidates the
 builder's kernels count (run in Triton's interpreter), so its shares say which
 positions take the spill and exact paths."""

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """benchmarks/train_pair at ``--scale tiny`` on the CPU: the whole pipeline, the
 drafter checkpoint against vLLM's ``DFlashQwen3ForCausalLM`` (names, shapes, forward
 math), the target's aux hidden states against vLLM's ``Qwen3ForCausalLM``,

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """vLLM's own Qwen3 target and DFlash drafter modules, run on the CPU in float32.
 
 Without a GPU, vLLM 0.26 has no compiled ops (``vllm._C``) and picks no attention

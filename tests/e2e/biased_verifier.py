@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A deliberately biased tree verifier, to show that the engine-level
 distribution test (tests/e2e/test_ddtree_serving.py) can fail.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Greedy outputs of two engines, compared token for token up to numerical ties.
 
 Two engines that run different attention kernels (TREE_ATTN and FlashAttention

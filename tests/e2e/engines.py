@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Engine configurations shared by the end-to-end tests, and how they are run.
 
 Each configuration runs in its own process (``tests.e2e.generate``). An engine

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Run offline vLLM generations in a fresh process and write the results as JSON.
 
 Used by the end-to-end tests to run each engine configuration in its own process

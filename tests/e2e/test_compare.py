@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The end-to-end tests' greedy comparison (CPU): ties pass, real differences fail."""
 
 import random

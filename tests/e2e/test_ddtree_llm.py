@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``method="ddtree"`` end to end through ``vllm.LLM`` on a GPU (CUDA graphs on,
 async scheduling on, vLLM's defaults otherwise).
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``vllm serve`` with ``--speculative-config '{"method": "ddtree", ...}'`` on a GPU.
 
 The server runs as vLLM's own CLI in a subprocess with the multiprocess engine

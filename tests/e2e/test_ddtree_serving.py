@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """DDTree on the serving paths of vLLM 0.26's scheduler, against no speculation.
 
 Design card section 8: a step must be right on every path the scheduler and

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The e2e engine runner's result cache (CPU): reused only for the same
 configuration and sources; failures are reported, never cached."""
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """TREE_ATTN inside vLLM as the target's backend (``AttentionBackendEnum.CUSTOM``),
 without speculation and with DFlash verifying 16-token chains, CUDA graphs on:
 greedy tokens equal FlashAttention's (the no-speculation reference engine of

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Tiny checkpoints made on the spot: a Qwen3 target and a DFlash drafter for it.
 
 Nothing is downloaded. The tokenizer is byte-level (256 byte tokens, a few

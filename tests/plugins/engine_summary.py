@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What ``EngineArgs`` builds for some configurations, as JSON, in a fresh process.
 
     VLLM_PLUGINS=ddtree|"" python -m tests.plugins.engine_summary IN_JSON OUT_JSON

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Installed but unused, the plugin changes nothing and costs little (CPU).
 
 Users install vllm-ddtree where all their vLLM engines run; most never ask for

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Slow CPU references for the DDTree ops, used by the tests and benchmarks.
 
 ``build_ddtree_reference`` is the DDTree paper's best-first heap, run one request at a

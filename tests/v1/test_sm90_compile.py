@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Every DDTree Triton kernel compiles for Hopper (sm90) as its wrapper launches it.
 
 The CPU runs kernels in Triton's interpreter, which accepts code the GPU compiler

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Tree attention kernel vs. a float32 torch reference.
 
 The differential check: each tree node's output equals plain causal attention

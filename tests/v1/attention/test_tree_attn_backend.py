@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """TREE_ATTN backend: registration, declared capabilities, metadata builder and
 impl forward through vLLM's own metadata objects (CPU: Triton interpreter)."""
 

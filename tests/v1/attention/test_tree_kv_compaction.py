@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Tests for moving the accepted DDTree path's KV into place.
 
 Small shapes run on the CPU through the Triton interpreter; the Qwen3-8B-shaped

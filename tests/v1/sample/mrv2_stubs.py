@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Stand-ins for the parts of vLLM's MRv2 sampler that CPU tests cannot build."""
 
 import contextlib

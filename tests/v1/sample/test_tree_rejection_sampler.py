@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Tests for the DDTree tree rejection sampler.
 
 Small shapes run on the CPU through the Triton interpreter; the full-size cases

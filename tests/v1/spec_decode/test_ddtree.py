@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The DDTree proposer on Model Runner V2: one step through the MRv2 hooks, and
 the per-request state's life cycle, without a model runner.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """DDTree's speculative config: parsing, every error message, the batch limits,
 the mapping onto vLLM's DFlash config through ``EngineArgs``, and the plugin's
 wrappers (CPU only: engine configs are built, no engine is started)."""

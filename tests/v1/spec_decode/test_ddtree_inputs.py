@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """DDTree's per-step input writers against their torch references, exactly.
 
 Random batches mix full trees, trimmed trees, plain decodes and prefill chunks

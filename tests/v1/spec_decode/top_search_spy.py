@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Run the builder's top-token search and see how many candidates each position
 brought to its last kernel, which decides the path (tests only)."""
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Lossless verification of DDTree draft trees for Model Runner V2.
 
 The target model scores every token of a request's flattened tree

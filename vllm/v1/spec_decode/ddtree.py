@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """DDTree speculator for Model Runner V2: DFlash drafts, a best-first tree is kept.
 
 DDTree (Ringel & Romano, "Accelerating Speculative Decoding with Block Diffusion

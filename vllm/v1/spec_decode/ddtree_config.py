@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """DDTree settings: the user's speculative config, the checks it must pass, and the
 batch limits it implies.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Per-step inputs of a DDTree step on Model Runner V2, written on the GPU.
 
 Two writers, each a small Triton kernel with a slow torch reference beside it:

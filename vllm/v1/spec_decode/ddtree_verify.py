@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Verification side of DDTree on Model Runner V2: model state and sampler.
 
 The target verifies each decoding request's tree ``[root, node_1..node_b]`` in one

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Batched GPU construction of DDTree draft trees from DFlash per-position logits.
 
 DDTree (Ringel & Romano, "Accelerating Speculative Decoding with Block Diffusion Draft

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """TREE_ATTN: causal paged attention with per-request token-tree masks.
 
 The target model of tree speculative decoding (DDTree) verifies a whole draft tree

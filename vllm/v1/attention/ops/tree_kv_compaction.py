@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Move the KV of a DDTree's accepted path into place, in every attention layer.
 
 A request verifies its flattened tree ``[root, node_1, ..., node_b]`` and each tree

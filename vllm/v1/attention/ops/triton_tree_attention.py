@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Paged attention with a per-request tree (ancestor) mask, in Triton.
 
 Every request of a batch owns its last ``q_len`` tokens as query rows. Query row
@@ -464,9 +465,8 @@ def _tail_config(
 ) -> TreeAttentionConfig:
     """The cascade's suffix half streams only a request's new keys, one or
     two blocks: key blocks no wider than the query length (>= 32) and no
-    pipelining, whose K/V buffers would only cut the programs per SM (Qwen3-8B
-    heads, 16-token trees, batch 64 on the H200: the 5-stage tile ran 41 us per
-    layer, mostly waves of two programs per SM; profile_step, 2026-11-29)."""
+    pipelining, whose K/V buffers would only cut the programs per SM (measured
+    with benchmarks/profile_step.py; results in benchmarks/results/)."""
     block_n = min(config.block_n, max(32, triton.next_power_of_2(avg_q_len)))
     return TreeAttentionConfig(
         **{**config.__dict__, "block_n": block_n, "num_stages": 1}
