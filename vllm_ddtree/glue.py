@@ -24,11 +24,18 @@ Engine side (the process that parses arguments and builds the ``VllmConfig``):
 
 Engine-core and worker side:
 
-5. ``Scheduler.__init__``: lookahead KV slots = the drafter's block.
+5. ``Scheduler.__init__``: lookahead KV slots = the drafter's block, and
+   spec-decode stats with per-position counts sized by the drafter's depth
+   (the scheduler's own ``make_spec_decoding_stats``, per instance).
 6. ``GPUModelRunner.__init__`` (MRv2): registers TREE_ATTN in the worker before
    the model is built; ``init_speculator`` (as the runner imported it):
    ``DDTreeSpeculator``.
 7. ``init_model_state`` (as the runner imported it): ``DDTreeModelState``.
+
+Front end:
+
+8. ``PrometheusStatLogger.__init__``: per-position acceptance counters sized by
+   the drafter's depth, not by ``tree_budget``.
 
 TREE_ATTN is registered as ``AttentionBackendEnum.CUSTOM`` only in the processes
 of a DDTree engine (points 1 and 6), so another backend in that slot is an error
@@ -90,11 +97,16 @@ def _patch_model_runner(module) -> None:
     _wrap(module.GPUModelRunner, "__init__", _model_runner_init)
 
 
+def _patch_stat_loggers(module) -> None:
+    _wrap(module.PrometheusStatLogger, "__init__", _prometheus_init)
+
+
 _PATCHES: dict[str, Callable[[Any], None]] = {
     "vllm.engine.arg_utils": _patch_engine_args,
     "vllm.v1.engine.input_processor": _patch_input_processor,
     "vllm.v1.core.sched.scheduler": _patch_scheduler,
     "vllm.v1.worker.gpu.model_runner": _patch_model_runner,
+    "vllm.v1.metrics.loggers": _patch_stat_loggers,
 }
 
 
@@ -276,8 +288,7 @@ def _fold_spec_flags(args) -> None:
             continue
         if key in raw:
             raise ValueError(
-                f"--spec-{key} and --speculative-config['{key}'] are mutually "
-                "exclusive"
+                f"--spec-{key} and --speculative-config['{key}'] are mutually exclusive"
             )
         raw[key] = value
     args.speculative_config = raw
@@ -405,11 +416,38 @@ def _validate_params(original, self, params, supported_tasks):
 def _scheduler_init(original, self, *args, **kwargs):
     original(self, *args, **kwargs)
     cfg = _ddtree_of(self.vllm_config)
-    if cfg is not None:
-        # The drafter writes KV for [bonus, mask x depth] past the committed
-        # tokens; DFlash's default (num_speculative_tokens + 1 = B + 1) is too
-        # small for B < depth and wastes KV for larger B.
-        self.num_lookahead_tokens = cfg.draft_len
+    if cfg is None:
+        return
+    # The drafter writes KV for [bonus, mask x depth] past the committed
+    # tokens; DFlash's default (num_speculative_tokens + 1 = B + 1) is too
+    # small for B < depth and wastes KV for larger B.
+    self.num_lookahead_tokens = cfg.draft_len
+    # vLLM sizes per-position stats by num_speculative_tokens (tree_budget),
+    # and indexes them by draft token; a tree's path is draft_depth long at most.
+    self.make_spec_decoding_stats = functools.partial(
+        _make_tree_spec_decoding_stats, self, cfg.draft_depth
+    )
+
+
+def _make_tree_spec_decoding_stats(
+    scheduler,
+    draft_depth: int,
+    spec_decoding_stats,
+    num_draft_tokens: int,
+    num_accepted_tokens: int,
+    num_invalid_spec_tokens: dict[str, int] | None,
+    request_id: str,
+):
+    """``Scheduler.make_spec_decoding_stats`` for trees (same arguments)."""
+    from vllm.v1.spec_decode.ddtree_metrics import observe_tree
+
+    if not scheduler.log_stats or not num_draft_tokens:
+        return spec_decoding_stats
+    if num_invalid_spec_tokens:
+        num_draft_tokens -= num_invalid_spec_tokens.get(request_id, 0)
+    return observe_tree(
+        spec_decoding_stats, draft_depth, num_draft_tokens, num_accepted_tokens
+    )
 
 
 def _model_runner_init(original, self, vllm_config, *args, **kwargs):
@@ -440,3 +478,20 @@ def _init_model_state(original, vllm_config, model, encoder_cache, device):
             f"{type(model).__name__} uses {type(state).__name__}"
         )
     return DDTreeModelState(vllm_config, model, encoder_cache, device)
+
+
+# ---------------------------------------------------------------------------
+# 8. Front end
+# ---------------------------------------------------------------------------
+
+
+def _prometheus_init(original, self, vllm_config, *args, **kwargs):
+    cfg = _ddtree_of(vllm_config)
+    if cfg is not None:
+        from vllm.v1.spec_decode.ddtree_metrics import depth_sized
+
+        # One per-position series per drafter position, not per tree node.
+        make = type(self)._spec_decoding_cls
+        spec = depth_sized(vllm_config.speculative_config, cfg.draft_depth)
+        self._spec_decoding_cls = lambda _spec, *a, **kw: make(spec, *a, **kw)
+    original(self, vllm_config, *args, **kwargs)

@@ -714,6 +714,7 @@ def test_register_is_idempotent(models):
     import vllm_ddtree
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
     from vllm.v1.worker.gpu import model_runner
 
     def wrapped():
@@ -724,6 +725,7 @@ def test_register_is_idempotent(models):
             model_runner.init_speculator,
             model_runner.init_model_state,
             model_runner.GPUModelRunner.__init__,
+            PrometheusStatLogger.__init__,
         ]
 
     before = wrapped()
@@ -794,3 +796,111 @@ def torch_module():
     import torch
 
     return torch.nn.Linear(1, 1)
+
+
+# ---------------------------------------------------------------------------
+# Spec-decode metrics sized by the drafter's depth
+# ---------------------------------------------------------------------------
+
+
+def test_observe_tree_counts_by_depth():
+    from vllm.v1.spec_decode.ddtree_metrics import observe_tree
+
+    stats = None
+    # (tree nodes, accepted path length): a full tree, a short tree, a miss.
+    for nodes, accepted in [(128, 15), (128, 3), (4, 4), (128, 0)]:
+        stats = observe_tree(stats, 15, nodes, accepted)
+    assert len(stats.num_accepted_tokens_per_pos) == 15
+    assert stats.num_drafts == 4
+    assert stats.num_draft_tokens == 128 * 3 + 4
+    assert stats.num_accepted_tokens == 22
+    assert stats.num_accepted_tokens_per_pos == [3, 3, 3, 2] + [1] * 11
+    assert stats.num_draft_tokens_per_pos == [4] * 4 + [3] * 11
+    for nodes, accepted in [(128, 16), (3, 4), (8, -1)]:
+        with pytest.raises(ValueError, match="cannot accept"):
+            observe_tree(stats, 15, nodes, accepted)
+
+
+def _scheduler(vllm_config):
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                             dtype=vllm_config.model_config.dtype)
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    vllm_config.cache_config.num_gpu_blocks = 64
+    return Scheduler(vllm_config, kv, StructuredOutputManager(vllm_config),
+                     block_size=16, log_stats=True)
+
+
+def _observe(sched, trees, invalid=None):
+    stats = None
+    for i, (nodes, accepted) in enumerate(trees):
+        stats = sched.make_spec_decoding_stats(
+            stats, num_draft_tokens=nodes, num_accepted_tokens=accepted,
+            num_invalid_spec_tokens=invalid, request_id=str(i),
+        )
+    return stats
+
+
+def test_scheduler_stats_sized_by_drafter_depth(models, cuda_platform):
+    _, config = _engine_config(models, max_num_batched_tokens=4096)
+    sched = _scheduler(config)
+    assert sched.num_spec_tokens == 128  # vLLM's size for the stats
+    stats = _observe(sched, [(128, 15), (128, 2), (0, 0), (128, 0)],
+                     invalid={"3": 120})
+    assert len(stats.num_accepted_tokens_per_pos) == 15
+    assert stats.num_drafts == 3  # a request with no draft tokens is no draft
+    assert stats.num_draft_tokens == 128 + 128 + 8
+    assert stats.num_accepted_tokens_per_pos == [2, 2] + [1] * 13
+    assert stats.num_draft_tokens_per_pos == [3] * 8 + [2] * 7
+
+
+def test_scheduler_stats_of_dflash_are_vllms(models, cuda_platform):
+    _, drafter = models
+    _, config = _engine_config(
+        models, {"method": "dflash", "model": drafter, "num_speculative_tokens": 15},
+        max_num_batched_tokens=4096,
+    )
+    sched = _scheduler(config)
+    assert "make_spec_decoding_stats" not in vars(sched)
+    stats = _observe(sched, [(15, 15), (15, 2)])
+    assert stats.num_accepted_tokens_per_pos == [2, 2] + [1] * 13
+
+
+def _per_position_series(vllm_config, stats=None) -> dict[str, float]:
+    """Position -> accepted count of vLLM's Prometheus logger, after ``stats``."""
+    import prometheus_client
+
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    logger = PrometheusStatLogger(vllm_config, engine_indexes=[0])
+    if stats is not None:
+        logger.spec_decoding_prom.observe(stats)
+    series = {}
+    for metric in prometheus_client.REGISTRY.collect():
+        if metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            series.update((s.labels["position"], s.value) for s in metric.samples
+                          if s.name.endswith("_total"))
+    return series
+
+
+def test_prometheus_series_per_drafter_position(models, cuda_platform):
+    _, drafter = models
+    _, ddtree = _engine_config(models, max_num_batched_tokens=4096)
+    stats = _observe(_scheduler(ddtree), [(128, 15), (128, 2)])
+    series = _per_position_series(ddtree, stats)
+    assert series == {str(p): (2.0 if p < 2 else 1.0) for p in range(15)}
+    assert ddtree.speculative_config.num_speculative_tokens == 128  # unchanged
+    # A chain keeps vLLM's series, one per draft token.
+    _, dflash = _engine_config(
+        models, {"method": "dflash", "model": drafter, "num_speculative_tokens": 7},
+        max_num_batched_tokens=4096,
+    )
+    assert list(_per_position_series(dflash)) == [str(p) for p in range(7)]

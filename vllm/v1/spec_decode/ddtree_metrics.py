@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""vLLM's spec-decode metrics for DDTree trees.
+
+vLLM counts acceptance per draft position and sizes that vector by
+``num_speculative_tokens``, which for DDTree is ``tree_budget`` (up to 1024 tree
+nodes). A tree's accepted path is at most the drafter's depth long, so DDTree
+sizes the vector by ``draft_depth``: position ``i`` counts trees whose accepted
+path reached depth ``i + 1``, directly comparable with a DFlash chain's position
+``i``. The scalar counters keep vLLM's meaning: one draft per verified tree,
+draft tokens = tree nodes, accepted tokens = nodes on the accepted path, so the
+mean acceptance length (1 + accepted / drafts) is tokens per step.
+"""
+
+import copy
+
+from vllm.config import SpeculativeConfig
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+
+def observe_tree(
+    stats: SpecDecodingStats | None,
+    draft_depth: int,
+    num_nodes: int,
+    num_accepted: int,
+) -> SpecDecodingStats:
+    """Add one verified tree of ``num_nodes`` nodes whose accepted path has
+    ``num_accepted`` nodes; starts depth-sized stats when ``stats`` is None.
+
+    ``num_draft_tokens_per_pos[i]`` counts trees that could reach depth
+    ``i + 1`` (more than ``i`` nodes): the scheduler knows a tree's size, not
+    its shape."""
+    if stats is None:
+        stats = SpecDecodingStats.new(draft_depth)
+    if not 0 <= num_accepted <= min(num_nodes, draft_depth):
+        raise ValueError(
+            f"a tree of {num_nodes} nodes from a drafter of depth {draft_depth} "
+            f"cannot accept {num_accepted} tokens"
+        )
+    stats.num_drafts += 1
+    stats.num_draft_tokens += num_nodes
+    stats.num_accepted_tokens += num_accepted
+    for i in range(num_accepted):
+        stats.num_accepted_tokens_per_pos[i] += 1
+    for i in range(min(num_nodes, draft_depth)):
+        stats.num_draft_tokens_per_pos[i] += 1
+    return stats
+
+
+def depth_sized(spec: SpeculativeConfig, draft_depth: int) -> SpeculativeConfig:
+    """A copy of ``spec`` for vLLM's Prometheus logger, which sizes its
+    per-position counters by ``num_speculative_tokens``."""
+    sized = copy.copy(spec)
+    sized.num_speculative_tokens = draft_depth
+    return sized
