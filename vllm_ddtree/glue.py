@@ -403,9 +403,11 @@ def _validate_params(original, self, params, supported_tasks):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.spec_decode.ddtree_config import check_sampling_params
 
-    original(self, params, supported_tasks)
+    # Before vLLM's own checks: a structured-output request should hear that
+    # DDTree cannot serve it, not what its grammar backend thinks of it.
     if isinstance(params, SamplingParams) and _ddtree_of(self.vllm_config):
         check_sampling_params(params)
+    original(self, params, supported_tasks)
 
 
 # ---------------------------------------------------------------------------

@@ -27,8 +27,9 @@ swap; the reference must rate the swapped-in token within 0.1 nats, and the
 comparison of that request stops there). Seeded sampling must repeat exactly and
 follow the non-speculative seeded output until such a tie. Engine start-up
 (compile and graph capture, ~80 s per configuration) dominates: one after
-another the module takes 8-9 minutes on one H200. To split it, set ``DDTREE_E2E_BUDGETS`` (e.g. ``1,8,64`` and
-then ``128,512``); tests of budgets not run are skipped.
+another the module takes 8-9 minutes on one H200. To split it, set
+``DDTREE_E2E_BUDGETS`` (e.g. ``1,8,64`` and then ``128,512``); tests of budgets
+not run are skipped.
 """
 
 import os

@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Traffic for ``tests/e2e/test_ddtree_load.py``, run in a process of its own.
+
+    python -m tests.e2e.load_client stream URL OUT --seconds S --concurrency C
+    python -m tests.e2e.load_client replay URL OUT --limit-file F --seconds S \
+        --concurrency C
+
+``stream``: C workers keep C streaming requests in flight for S seconds, taking
+request 0, 1, 2, ... (:func:`request`); every fifth request is aborted mid-stream
+(the client closes the connection after a few chunks). ``replay``: the same
+requests without streaming or aborts, in order, until the count written to F
+(by the test, once the streams are done) is reached. Each finished request is
+one JSON line in OUT: its index, tokens, per-position top logprobs
+``[[token_id, logprob], ...]``, finish reason, whether it was aborted, and the
+HTTP error if one happened.
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from functools import cache
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[2]
+PAIR = ROOT / "benchmarks" / "models" / "pycode"
+MODEL = "pycode"
+MAX_MODEL_LEN = 2048
+ABORT_EVERY = 5
+GREEDY_LOGPROBS = 5
+# compare_seeded needs both engines' tokens among the returned logprobs.
+SEEDED_LOGPROBS = 20
+REQUEST_TIMEOUT_S = 300
+
+
+@cache
+def _corpus() -> list[int]:
+    """The pair's held-out prompts as one token stream: prompts cut from it at
+    different offsets are code the drafter knows and the engine has not seen."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(PAIR / "target" / "tokenizer.json"))
+    texts = [
+        p["text"]
+        for p in json.loads((PAIR / "eval_prompts.json").read_text())["prompts"]
+    ]
+    return tok.encode("\n\n".join(texts)).ids
+
+
+def request(i: int) -> dict:
+    """Request i: a fresh prompt of mixed length (short, medium or long), mixed
+    output lengths, greedy (even i) or seeded temperature 1 (odd i), half of them
+    stopping at the end-of-sequence token; ``abort_after`` chunks for every
+    fifth."""
+    rng = random.Random(i)
+    corpus = _corpus()
+    length = rng.choice(
+        [rng.randint(4, 64), rng.randint(64, 400), rng.randint(400, 1400)]
+    )
+    start = (i * 7919) % (len(corpus) - length)
+    max_tokens = min(rng.choice([16, 48, 128, 256, 512]), MAX_MODEL_LEN - length - 1)
+    greedy = i % 2 == 0
+    body = {
+        "model": MODEL,
+        "prompt": corpus[start : start + length],
+        "max_tokens": max_tokens,
+        "temperature": 0.0 if greedy else 1.0,
+        "logprobs": GREEDY_LOGPROBS if greedy else SEEDED_LOGPROBS,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": rng.random() < 0.5,
+    }
+    if not greedy:
+        body["seed"] = 10_000 + i
+    abort_after = rng.randint(1, 6) if i % ABORT_EVERY == ABORT_EVERY - 1 else None
+    return {"body": body, "greedy": greedy, "abort_after": abort_after}
+
+
+def _token_id(token: str) -> int:
+    return int(token.removeprefix("token_id:"))
+
+
+def _add_logprobs(out: dict, logprobs: dict | None) -> None:
+    if not logprobs:
+        return
+    out["tokens"] += [_token_id(t) for t in logprobs["tokens"]]
+    out["top"] += [
+        [[_token_id(t), lp] for t, lp in top.items()]
+        for top in logprobs["top_logprobs"]
+    ]
+
+
+async def _one(session, url: str, i: int, stream: bool) -> dict:
+    spec = request(i)
+    out = {
+        "i": i,
+        "greedy": spec["greedy"],
+        "tokens": [],
+        "top": [],
+        "finish": None,
+        "aborted": False,
+        "error": None,
+    }
+    abort_after = spec["abort_after"] if stream else None
+    body = {**spec["body"], "stream": stream}
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                out["error"] = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return out
+            if not stream:
+                choice = (await resp.json())["choices"][0]
+                _add_logprobs(out, choice["logprobs"])
+                out["finish"] = choice["finish_reason"]
+                return out
+            chunks = 0
+            async for line in resp.content:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[len("data: ") :])["choices"]
+                if not choices:
+                    continue
+                _add_logprobs(out, choices[0].get("logprobs"))
+                out["finish"] = choices[0].get("finish_reason") or out["finish"]
+                chunks += 1
+                if abort_after is not None and chunks >= abort_after:
+                    if out["finish"] is None:
+                        out["aborted"] = True
+                    # Leaving the block closes the connection: vLLM aborts.
+                    break
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _limit(path: Path | None) -> int | None:
+    if path is None or not path.exists():
+        return None
+    return int(path.read_text())
+
+
+async def _drive(
+    url: str,
+    out_path: Path,
+    seconds: float,
+    concurrency: int,
+    stream: bool,
+    limit_file: Path | None,
+) -> None:
+    deadline = time.monotonic() + seconds
+    next_i = 0
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    with open(out_path, "w") as f:
+        async with aiohttp.ClientSession(
+            timeout=timeout, connector=connector
+        ) as session:
+
+            async def worker():
+                nonlocal next_i
+                while time.monotonic() < deadline:
+                    limit = _limit(limit_file)
+                    if not stream and limit is not None and next_i >= limit:
+                        return
+                    i, next_i = next_i, next_i + 1
+                    f.write(json.dumps(await _one(session, url, i, stream)) + "\n")
+                    f.flush()
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["stream", "replay"])
+    parser.add_argument("url")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--seconds", type=float, required=True)
+    parser.add_argument("--concurrency", type=int, required=True)
+    parser.add_argument("--limit-file", type=Path)
+    args = parser.parse_args()
+    asyncio.run(
+        _drive(
+            args.url,
+            args.out,
+            args.seconds,
+            args.concurrency,
+            args.mode == "stream",
+            args.limit_file,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

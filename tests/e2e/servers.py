@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``vllm serve`` in a subprocess for the end-to-end tests, and small HTTP helpers.
+
+The server runs as vLLM's own CLI with the multiprocess engine core (spawned, as
+the H200 machine needs). The plugin is found the way an installed package is:
+through its ``vllm.general_plugins`` entry point, from a ``.dist-info`` written
+next to this checkout on ``PYTHONPATH``. Traffic goes to 127.0.0.1 only.
+"""
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.e2e.generate import save_log
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plugin_site(path: Path) -> Path:
+    """A directory whose dist-info advertises the plugin's entry point."""
+    info = path / "vllm_ddtree-0.1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.1.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nddtree = vllm_ddtree:register\n"
+    )
+    return path
+
+
+def post(url: str, body: dict, stream: bool = False, timeout: float = 120):
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    response = urllib.request.urlopen(request, timeout=timeout)
+    if not stream:
+        return json.loads(response.read())
+    chunks = []
+    for line in response:
+        line = line.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunks.append(json.loads(line[len("data: ") :]))
+    return chunks
+
+
+def metrics(base: str) -> dict[str, float]:
+    """``/metrics`` as ``{"name{labels}": value}`` (comments dropped)."""
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def metric(values: dict[str, float], name: str) -> list[float]:
+    """Every sample of ``name`` (any labels)."""
+    return [v for k, v in values.items() if k == name or k.startswith(name + "{")]
+
+
+def server_env(tmp: Path, name: str) -> dict:
+    env = dict(os.environ)
+    # Servers started side by side must not share a compile cache folder.
+    env["VLLM_CACHE_ROOT"] = str(tmp / "vllm_cache" / name)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(plugin_site(tmp / "site")), str(ROOT), env.get("PYTHONPATH", "")]
+    )
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    return env
+
+
+class Server:
+    """One ``vllm serve`` process; ``base`` is its URL once :meth:`wait` returned."""
+
+    def __init__(self, tmp: Path, name: str, model: str, args: list[str]):
+        self.name = name
+        self.log_path = tmp / f"{name}.log"
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.cli.main",
+                "serve",
+                model,
+                *args,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            cwd=tmp,
+            env=server_env(tmp, name),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def wait(self, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
+        """Block until ``/health`` answers; raises with the log tail otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log_text()[-6000:]}")
+            try:
+                urllib.request.urlopen(f"{self.base}/health", timeout=5)
+                return self.base
+            except (urllib.error.URLError, ConnectionError, OSError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{self.name} not up:\n{self.log_text()[-6000:]}"
+                    ) from None
+                time.sleep(2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+        save_log(self.name, self.log_path.read_text())
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, specs: dict[str, tuple[str, list[str]]]) -> Iterator[dict]:
+    """Start every ``name: (model, args)`` at once; yields ``name: Server`` once
+    all answer, stops them all on exit."""
+    servers = {}
+    try:
+        for name, (model, args) in specs.items():
+            servers[name] = Server(tmp, name, model, args)
+        for server in servers.values():
+            server.wait()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
