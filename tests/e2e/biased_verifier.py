@@ -35,8 +35,13 @@ def biased_tree_rejection_sample(
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
     node_sampled = gumbel_sample(
-        processed_logits, expanded_idx_mapping, temperature, seeds, pos,
-        apply_temperature=False, use_fp64=use_fp64,
+        processed_logits,
+        expanded_idx_mapping,
+        temperature,
+        seeds,
+        pos,
+        apply_temperature=False,
+        use_fp64=use_fp64,
     )
     probs = torch.softmax(processed_logits.float(), dim=-1)
     num_reqs, budget = tree_token_ids.shape
@@ -60,8 +65,11 @@ def biased_tree_rejection_sample(
         while len(emitted) < max_depth:
             row = probs[start + cur]
             nxt = next(
-                (c for c in children.get(cur, ())
-                 if float(torch.rand(())) < float(row[tokens[r][c - 1]])),
+                (
+                    c
+                    for c in children.get(cur, ())
+                    if float(torch.rand(())) < float(row[tokens[r][c - 1]])
+                ),
                 None,
             )
             if nxt is None:
@@ -75,7 +83,9 @@ def biased_tree_rejection_sample(
         num_accepted[r] = len(emitted) - 1
     device = processed_logits.device
     return trs.TreeSampleOutput(
-        sampled.to(device), num_sampled.to(device), accepted.to(device),
+        sampled.to(device),
+        num_sampled.to(device),
+        accepted.to(device),
         num_accepted.to(device),
     )
 

@@ -43,10 +43,18 @@ KV_CACHE_BYTES = 1 << 30
 BATCHES = (1, 7, 32)
 MAX_TOKENS = 64
 DEPTH = 15
-GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-          "logprobs": NUM_LOGPROBS}
-SEEDED = {"temperature": 1.0, "seed": 1234, "max_tokens": MAX_TOKENS,
-          "ignore_eos": True}
+GREEDY = {
+    "temperature": 0.0,
+    "max_tokens": MAX_TOKENS,
+    "ignore_eos": True,
+    "logprobs": NUM_LOGPROBS,
+}
+SEEDED = {
+    "temperature": 1.0,
+    "seed": 1234,
+    "max_tokens": MAX_TOKENS,
+    "ignore_eos": True,
+}
 
 
 def prompts() -> dict[int, list[list[int]]]:
@@ -82,13 +90,13 @@ def llm_kwargs(target: Path, spec: dict | None = None, **extra) -> dict:
 
 def greedy_runs() -> list[dict]:
     batches = prompts()
-    return [{"name": f"b{n}", "prompts": batches[n], "sampling": GREEDY}
-            for n in BATCHES]
+    return [
+        {"name": f"b{n}", "prompts": batches[n], "sampling": GREEDY} for n in BATCHES
+    ]
 
 
 def dflash_spec(drafter: Path) -> dict:
-    return {"method": "dflash", "model": str(drafter),
-            "num_speculative_tokens": DEPTH}
+    return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": DEPTH}
 
 
 def reference_configs(target: Path, drafter: Path) -> dict[str, dict]:
@@ -128,11 +136,13 @@ def tiny_pair(tmp_dir: Path) -> tuple[Path, Path]:
 
 def _source_digest() -> str:
     digest = hashlib.sha256()
-    files = [*sorted((ROOT / "vllm").rglob("*.py")),
-             *sorted((ROOT / "vllm_ddtree").rglob("*.py")),
-             ROOT / "conftest.py",
-             ROOT / "tests" / "e2e" / "generate.py",
-             ROOT / "tests" / "models" / "tiny_models.py"]
+    files = [
+        *sorted((ROOT / "vllm").rglob("*.py")),
+        *sorted((ROOT / "vllm_ddtree").rglob("*.py")),
+        ROOT / "conftest.py",
+        ROOT / "tests" / "e2e" / "generate.py",
+        ROOT / "tests" / "models" / "tiny_models.py",
+    ]
     for path in files:
         digest.update(str(path.relative_to(ROOT)).encode())
         digest.update(path.read_bytes())
@@ -146,9 +156,11 @@ ENGINE_ENV_PREFIXES = ("VLLM_TREE_ATTN_",)
 
 
 def _engine_env() -> str:
-    return json.dumps(sorted(
-        (k, v) for k, v in os.environ.items() if k.startswith(ENGINE_ENV_PREFIXES)
-    ))
+    return json.dumps(
+        sorted(
+            (k, v) for k, v in os.environ.items() if k.startswith(ENGINE_ENV_PREFIXES)
+        )
+    )
 
 
 def _parallel() -> int:
@@ -170,8 +182,13 @@ def _run_one(name: str, text: str, tmp_dir: Path, log_prefix: str) -> dict:
     env["VLLM_CACHE_ROOT"] = str(tmp_dir / "vllm_cache" / name)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.e2e.generate", str(cfg), str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=ENGINE_TIMEOUT_S, check=False,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+        check=False,
     )
     save_log(f"{log_prefix}_{name}", proc.stdout)
     if proc.returncode != 0:
@@ -179,8 +196,9 @@ def _run_one(name: str, text: str, tmp_dir: Path, log_prefix: str) -> dict:
     return json.loads(out.read_text())
 
 
-def run_engines(configs: dict[str, dict], tmp_dir: Path,
-                log_prefix: str) -> dict[str, dict]:
+def run_engines(
+    configs: dict[str, dict], tmp_dir: Path, log_prefix: str
+) -> dict[str, dict]:
     """Run every configuration in a fresh process, ``DDTREE_E2E_PARALLEL`` at a
     time. A failed one is recorded as ``{"error": <output tail>}``, not raised,
     so that the other tests still report."""

@@ -57,9 +57,7 @@ def _top_logprobs(completion) -> list | None:
     if completion.logprobs is None:
         return None
     lps = completion.logprobs
-    return [
-        [[tok, lp.logprob] for tok, lp in lps[i].items()] for i in range(len(lps))
-    ]
+    return [[[tok, lp.logprob] for tok, lp in lps[i].items()] for i in range(len(lps))]
 
 
 def _generate(llm, prompts, sampling) -> tuple[list, list]:
@@ -85,7 +83,8 @@ def _generate_with_abort(llm, prompts, sampling, index, after_steps):
             if out.finished and request_id != f"r{index}":
                 completion = out.outputs[0]
                 done[request_id] = (
-                    list(completion.token_ids), _top_logprobs(completion)
+                    list(completion.token_ids),
+                    _top_logprobs(completion),
                 )
         steps += 1
         if steps == after_steps:
@@ -103,8 +102,13 @@ class _PathCounter:
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
-        self.counts = {"steps": 0, "padded_joins": 0, "preemptions": 0,
-                       "chunked_prefill_with_trees": 0, "tree_steps": 0}
+        self.counts = {
+            "steps": 0,
+            "padded_joins": 0,
+            "preemptions": 0,
+            "chunked_prefill_with_trees": 0,
+            "tree_steps": 0,
+        }
         self._schedule = scheduler.schedule
         scheduler.schedule = self._counted_schedule
 
@@ -160,15 +164,21 @@ def _run_scenario(llm, run, done_runs, counter):
         while pending and pending[0][0] <= step:
             _, i, prompt, sampling = pending.pop(0)
             prompts[i] = prompt
-            engine.add_request(f"s{i}", {"prompt_token_ids": prompt},
-                               SamplingParams(**sampling))
+            engine.add_request(
+                f"s{i}", {"prompt_token_ids": prompt}, SamplingParams(**sampling)
+            )
             added[i] = step
         for out in engine.step():
             i = int(out.request_id.split("-")[0][1:])
             if out.finished and i not in aborts:
                 c = out.outputs[0]
-                done[i] = (list(c.token_ids), _top_logprobs(c), c.finish_reason,
-                           c.stop_reason, c.text)
+                done[i] = (
+                    list(c.token_ids),
+                    _top_logprobs(c),
+                    c.finish_reason,
+                    c.stop_reason,
+                    c.text,
+                )
         step += 1
         for i, after in aborts.items():
             if i in added and step == added[i] + after:
@@ -226,8 +236,11 @@ def main(config_path: str, out_path: str) -> None:
     llm = LLM(**config["llm"])
     single = "runs" not in config
     runs = [dict(config, name="default")] if single else config["runs"]
-    result: dict = {"runs": {}, "free_blocks": {"start": _free_blocks(llm)},
-                    "engine": _engine_facts(llm)}
+    result: dict = {
+        "runs": {},
+        "free_blocks": {"start": _free_blocks(llm)},
+        "engine": _engine_facts(llm),
+    }
     counter = _PathCounter(llm.llm_engine.engine_core.engine_core.scheduler)
     for run in runs:
         start = time.perf_counter()

@@ -32,8 +32,9 @@ MODEL = "pycode"
 MAX_MODEL_LEN = 2048
 ABORT_EVERY = 5
 GREEDY_LOGPROBS = 5
-# compare_seeded needs both engines' tokens among the returned logprobs.
-SEEDED_LOGPROBS = 20
+# compare_seeded needs both engines' tokens among the returned logprobs (the
+# servers start with --max-logprobs SEEDED_LOGPROBS).
+SEEDED_LOGPROBS = 50
 REQUEST_TIMEOUT_S = 300
 
 

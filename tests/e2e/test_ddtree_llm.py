@@ -79,8 +79,12 @@ def _configs(target, drafter) -> dict[str, dict]:
             extra["disable_log_stats"] = False
             runs += [
                 {"name": "b32_again", "prompts": batches[32], "sampling": GREEDY},
-                {"name": "abort", "prompts": batches[7], "sampling": GREEDY,
-                 "abort": {"index": 3, "after_steps": 6}},
+                {
+                    "name": "abort",
+                    "prompts": batches[7],
+                    "sampling": GREEDY,
+                    "abort": {"index": 3, "after_steps": 6},
+                },
                 {"name": "seeded_a", "prompts": batches[7], "sampling": SEEDED},
                 {"name": "seeded_b", "prompts": batches[7], "sampling": SEEDED},
             ]
@@ -88,8 +92,11 @@ def _configs(target, drafter) -> dict[str, dict]:
             "llm": llm_kwargs(target, spec, **extra),
             "runs": runs,
         }
-    spec = {"method": "ddtree", "model": str(drafter),
-            "tree_budget_per_batch_size": SCHEDULE}
+    spec = {
+        "method": "ddtree",
+        "model": str(drafter),
+        "tree_budget_per_batch_size": SCHEDULE,
+    }
     configs["ddtree_schedule"] = {
         "llm": llm_kwargs(target, spec, disable_log_stats=False),
         "runs": greedy_runs(),
@@ -165,7 +172,8 @@ def test_abort_mid_generation(results):
 
 def test_free_kv_blocks_return_to_start(results):
     for name in [f"ddtree_{budget}" for budget in RUN_BUDGETS] + [
-        "ddtree_schedule", "ddtree_auto"
+        "ddtree_schedule",
+        "ddtree_auto",
     ]:
         _get(results, name)
         blocks = results[name]["free_blocks"]

@@ -8,10 +8,10 @@ default ``max_num_seqs`` and capture sizes) and a fixed KV cache, so that they
 can share the GPU without memory profiling:
 
 * ``ddtree``: ``tree_budget`` 128 (the README's), 1 GiB of KV;
-* ``ddtree_preempt``: the same with 48 MiB of KV (~12k tokens for ~60 running
-  requests of up to 2048): vLLM preempts and recomputes all the time. (On this
-  tiny model a low ``gpu_memory_utilization`` would still leave gigabytes of
-  KV; a fixed small KV is what makes the scheduler preempt.)
+* ``ddtree_preempt``: the same with 12 MiB of KV (~3k tokens for ~60 running
+  requests of up to 2048): vLLM preempts and recomputes. (On this tiny model a
+  low ``gpu_memory_utilization`` would still leave gigabytes of KV; a fixed
+  small KV is what makes the scheduler preempt. With 48 MiB it never did.)
 * ``ref``: no speculation, 1 GiB of KV.
 
 For ``DDTREE_LOAD_SECONDS`` (default 300) each DDTree server gets 200 concurrent
@@ -20,12 +20,17 @@ tokens, 16-512 output tokens, greedy and seeded temperature 1 alternating, half
 stopping at end-of-sequence, every fifth aborted after a few chunks). Halfway,
 a request with a penalty and one with structured outputs must get a 400 that
 names the setting, and the server must keep serving. ``ref`` replays every
-request without streaming or aborts. Checks: no request failed; every finished
-output, and every aborted request's received prefix, equals no speculation up
-to numerical ties (``tests.e2e.compare``); at the end nothing runs or waits and
+request without streaming or aborts, at a higher concurrency (no speculation is
+slower), for at most ``REF_CATCH_UP_S`` after the streams end. Checks: no
+request failed; every finished output, and every aborted request's received
+prefix, equals no speculation up to numerical ties (``tests.e2e.compare``; a
+seeded difference whose tokens are not among the returned logprobs cannot be
+judged and is counted, at most ``UNCHECKED_MAX`` of the requests); at least
+``COVERED_FLOOR`` of the requests have a reference; at the end nothing runs or
+waits and
 the KV usage is back to its start value (0: every block free); the preempting
 server preempted; Prometheus has one per-position series per drafter position.
-About 7 minutes on one H200 (servers start in ~1.5 min).
+About 8.5 minutes on one H200 (servers start in ~1.5 min).
 """
 
 import json
@@ -52,8 +57,10 @@ pytestmark = pytest.mark.skipif(
 PAIR = ROOT / "benchmarks" / "models" / "pycode"
 SECONDS = float(os.environ.get("DDTREE_LOAD_SECONDS", "300"))
 CONCURRENCY = 200
+REF_CONCURRENCY = 512
+REF_CATCH_UP_S = 90
 KV_BYTES = 1 << 30
-PREEMPT_KV_BYTES = 48 << 20
+PREEMPT_KV_BYTES = 12 << 20
 DDTREE = ("ddtree", "ddtree_preempt")
 DEPTH = 15
 # Fraction of the reference's tokens the comparisons must cover (each request's
@@ -61,6 +68,10 @@ DEPTH = 15
 COMPARED_FLOOR = 0.6
 # Finished requests per DDTree server the comparison needs at least.
 REQUESTS_FLOOR = 200
+# Fraction of a DDTree server's requests that must have a reference output.
+COVERED_FLOOR = 0.9
+# Fraction of seeded requests whose first difference may be unjudgeable.
+UNCHECKED_MAX = 0.05
 REFUSED = [
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured outputs"),
@@ -77,6 +88,8 @@ def _args(kv_bytes: int, spec: dict | None = None) -> list[str]:
         str(kv_bytes),
         "--gpu-memory-utilization",
         "0.1",
+        "--max-logprobs",
+        str(load_client.SEEDED_LOGPROBS),
     ]
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec)]
@@ -155,7 +168,9 @@ def _refusals(base: str) -> list[dict]:
     return out
 
 
-def _client(mode: str, base: str, out: Path, seconds: float, limit_file=None):
+def _client(
+    mode: str, base: str, out: Path, seconds: float, concurrency: int, limit_file=None
+):
     cmd = [
         sys.executable,
         "-m",
@@ -166,7 +181,7 @@ def _client(mode: str, base: str, out: Path, seconds: float, limit_file=None):
         "--seconds",
         str(seconds),
         "--concurrency",
-        str(CONCURRENCY),
+        str(concurrency),
     ]
     if limit_file is not None:
         cmd += ["--limit-file", str(limit_file)]
@@ -181,7 +196,14 @@ def _client(mode: str, base: str, out: Path, seconds: float, limit_file=None):
 
 
 def _read(path: Path) -> dict[int, dict]:
-    return {r["i"]: r for r in map(json.loads, path.read_text().splitlines())}
+    out = {}
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a client killed mid-write
+            continue
+        out[r["i"]] = r
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -195,15 +217,28 @@ def load(tmp_path_factory):
         "ref": (target, _args(KV_BYTES)),
     }
     result = {"seconds": SECONDS, "concurrency": CONCURRENCY}
+    t0 = time.monotonic()
+
+    def phase(what: str) -> None:
+        print(f"[load {time.monotonic() - t0:6.0f} s] {what}", flush=True)
+
     with serving(tmp, specs) as servers:
+        phase("servers up")
         start = {n: _state(servers[n].base) for n in DDTREE}
         limit_file = tmp / "limit"
         clients = {
-            n: _client("stream", servers[n].base, tmp / f"{n}.jsonl", SECONDS)
+            n: _client(
+                "stream", servers[n].base, tmp / f"{n}.jsonl", SECONDS, CONCURRENCY
+            )
             for n in DDTREE
         }
         ref_client = _client(
-            "replay", servers["ref"].base, tmp / "ref.jsonl", SECONDS + 300, limit_file
+            "replay",
+            servers["ref"].base,
+            tmp / "ref.jsonl",
+            SECONDS + REF_CATCH_UP_S,
+            REF_CONCURRENCY,
+            limit_file,
         )
         refusals = {}
 
@@ -215,12 +250,17 @@ def load(tmp_path_factory):
         refuser = threading.Thread(target=refuse)
         refuser.start()
         for proc in clients.values():
-            proc.wait(timeout=SECONDS + 400)
+            proc.wait(timeout=SECONDS + 120)
         refuser.join()
+        phase("streams done")
         got = {n: _read(tmp / f"{n}.jsonl") for n in DDTREE}
         limit_file.write_text(str(max(max(g) for g in got.values()) + 1))
-        ref_client.wait(timeout=SECONDS + 400)
         end = {n: _state(servers[n].base) for n in DDTREE}
+        try:
+            ref_client.wait(timeout=REF_CATCH_UP_S + 60)
+        except subprocess.TimeoutExpired:
+            ref_client.kill()
+        phase("reference done")
         alive = {n: s.proc.poll() is None for n, s in servers.items()}
         logs = {n: s.log_text() for n, s in servers.items()}
     result.update(start=start, end=end, refusals=refusals, alive=alive)
@@ -264,36 +304,42 @@ def test_served_without_errors(load, name):
 @pytest.mark.parametrize("name", DDTREE)
 def test_outputs_equal_no_speculation(load, name):
     got, ref = load["got"][name], load["ref"]
-    report = {}
+    served = [i for i, r in got.items() if not r["error"]]
+    covered = [i for i in served if i in ref and not ref[i]["error"]]
+    report = {"requests": len(served), "with_reference": len(covered)}
     for greedy in (True, False):
-        ids = sorted(
-            i for i, r in got.items() if r["greedy"] == greedy and not r["error"]
-        )
-        missing = [i for i in ids if i not in ref or ref[i]["error"]]
-        assert not missing, f"no reference for requests {missing[:10]}"
+        ids = sorted(i for i in covered if got[i]["greedy"] == greedy)
         got_tokens = [got[i]["tokens"] for i in ids]
         # An aborted request is compared over the tokens it received.
-        want = [ref[i] for i in ids]
-        cut = [len(g) if got[i]["aborted"] else None for i, g in zip(ids, got_tokens)]
-        want_tokens = [w["tokens"][:c] for w, c in zip(want, cut)]
-        want_top = [w["top"][:c] for w, c in zip(want, cut)]
-        compare = compare_greedy if greedy else compare_seeded
-        cmp = compare(got_tokens, [got[i]["top"] for i in ids], want_tokens, want_top)
+        cut = [len(got[i]["tokens"]) if got[i]["aborted"] else None for i in ids]
+        want_tokens = [ref[i]["tokens"][:c] for i, c in zip(ids, cut)]
+        want_top = [ref[i]["top"][:c] for i, c in zip(ids, cut)]
+        got_top = [got[i]["top"] for i in ids]
+        if greedy:
+            cmp = compare_greedy(got_tokens, got_top, want_tokens, want_top)
+        else:
+            cmp = compare_seeded(
+                got_tokens, got_top, want_tokens, want_top, allow_unchecked=True
+            )
         kind = "greedy" if greedy else "seeded"
         report[kind] = {
             "requests": cmp.num_requests,
             "identical": cmp.num_identical,
             "ties": len(cmp.ties),
+            "unchecked": len(cmp.unchecked),
             "compared": cmp.num_compared,
             "total": cmp.num_total,
             "errors": cmp.errors[:5],
         }
         print(f"{name}, {kind}: {cmp.summary()}")
     _record(load, f"{name}_comparison", report)
-    for kind, r in report.items():
+    assert len(covered) >= COVERED_FLOOR * len(served), report
+    for kind in ("greedy", "seeded"):
+        r = report[kind]
         assert not r["errors"], (kind, r["errors"])
         assert r["requests"] >= REQUESTS_FLOOR // 2, (kind, r)
         assert r["compared"] >= COMPARED_FLOOR * r["total"], (kind, r)
+        assert r["unchecked"] <= UNCHECKED_MAX * r["requests"], (kind, r)
 
 
 @pytest.mark.parametrize("name", DDTREE)

@@ -80,8 +80,12 @@ COMPARED_FLOOR = 0.6
 
 
 def _greedy(max_tokens: int, **extra) -> dict:
-    return {"temperature": 0.0, "max_tokens": max_tokens, "logprobs": NUM_LOGPROBS,
-            **extra}
+    return {
+        "temperature": 0.0,
+        "max_tokens": max_tokens,
+        "logprobs": NUM_LOGPROBS,
+        **extra,
+    }
 
 
 def _tokenize():
@@ -105,49 +109,106 @@ def _scenarios(ids, newline) -> dict[str, dict]:
     rng = random.Random(0)
     # Lengths: a third of 1 mod the block size (cached except the last token
     # when they come back), the rest anything.
-    lengths = [BLOCK * rng.randint(1, 20) + 1 if i % 3 == 0 else rng.randint(8, 400)
-               for i in range(40)]
-    continuous = [{"prompt": _prompt(ids, i, n),
-                   "sampling": _greedy(rng.choice([24, 48, 96, 160]))}
-                  for i, n in enumerate(lengths)]
+    lengths = [
+        BLOCK * rng.randint(1, 20) + 1 if i % 3 == 0 else rng.randint(8, 400)
+        for i in range(40)
+    ]
+    continuous = [
+        {
+            "prompt": _prompt(ids, i, n),
+            "sampling": _greedy(rng.choice([24, 48, 96, 160])),
+        }
+        for i, n in enumerate(lengths)
+    ]
     joins = []
     # Long-running requests first, then arrivals while they decode.
     for i in range(6):
         joins.append({"prompt": _prompt(ids, 60 + i, 100), "sampling": _greedy(200)})
     for k, i in enumerate(range(0, 24, 3)):  # cached prompts, 1 mod block
-        joins.append({"prompt": continuous[i]["prompt"], "at_step": 3 + 2 * k,
-                      "sampling": _greedy(64)})
+        joins.append(
+            {
+                "prompt": continuous[i]["prompt"],
+                "at_step": 3 + 2 * k,
+                "sampling": _greedy(64),
+            }
+        )
     for k in range(6):  # one token to compute while others decode: padded
-        joins.append({"prompt": [ids[k][0]], "at_step": 4 + 3 * k,
-                      "sampling": _greedy(48)})
+        joins.append(
+            {"prompt": [ids[k][0]], "at_step": 4 + 3 * k, "sampling": _greedy(48)}
+        )
     for k, i in enumerate((1, 2, 4, 5)):  # blocks written by tree steps
-        joins.append({"prompt_plus_output_of": ["continuous", i],
-                      "at_step": 5 + 3 * k, "sampling": _greedy(48)})
+        joins.append(
+            {
+                "prompt_plus_output_of": ["continuous", i],
+                "at_step": 5 + 3 * k,
+                "sampling": _greedy(48),
+            }
+        )
     for k in range(4):  # finishing inside accepted paths, then slot reuse
         at = 4 + 6 * k
-        joins.append({"prompt": _prompt(ids, 70 + k, 60), "at_step": at,
-                      "sampling": _greedy(300, stop_token_ids=[newline])})
-        joins.append({"prompt": _prompt(ids, 80 + k, 60), "at_step": at,
-                      "sampling": _greedy(300, stop=["return", "):"])})
-        joins.append({"prompt": _prompt(ids, 90 + k, 60), "at_step": at,
-                      "sampling": _greedy([5, 7, 13, 29][k])})
-        joins.append({"prompt": _prompt(ids, 100 + k, 50), "at_step": at + 3,
-                      "sampling": _greedy(40)})
-    joins.append({"prompt": _prompt(ids, 110, MAX_MODEL_LEN - 37), "at_step": 8,
-                  "sampling": _greedy(200, ignore_eos=True)})  # max_model_len
-    joins.append({"prompt": _prompt(ids, 111, 1900), "at_step": 10,
-                  "sampling": _greedy(64)})  # chunked next to trees
+        joins.append(
+            {
+                "prompt": _prompt(ids, 70 + k, 60),
+                "at_step": at,
+                "sampling": _greedy(300, stop_token_ids=[newline]),
+            }
+        )
+        joins.append(
+            {
+                "prompt": _prompt(ids, 80 + k, 60),
+                "at_step": at,
+                "sampling": _greedy(300, stop=["return", "):"]),
+            }
+        )
+        joins.append(
+            {
+                "prompt": _prompt(ids, 90 + k, 60),
+                "at_step": at,
+                "sampling": _greedy([5, 7, 13, 29][k]),
+            }
+        )
+        joins.append(
+            {
+                "prompt": _prompt(ids, 100 + k, 50),
+                "at_step": at + 3,
+                "sampling": _greedy(40),
+            }
+        )
+    joins.append(
+        {
+            "prompt": _prompt(ids, 110, MAX_MODEL_LEN - 37),
+            "at_step": 8,
+            "sampling": _greedy(200, ignore_eos=True),
+        }
+    )  # max_model_len
+    joins.append(
+        {"prompt": _prompt(ids, 111, 1900), "at_step": 10, "sampling": _greedy(64)}
+    )  # chunked next to trees
     num_before_aborts = len(joins)
     for k in range(3):
-        joins.append({"prompt": _prompt(ids, 120 + k, 80), "at_step": 6 + k,
-                      "sampling": _greedy(200)})
-    aborts = [{"index": num_before_aborts + k, "after_steps": 3 + 2 * k}
-              for k in range(3)]
-    seeded = [{"prompt": _prompt(ids, 20 + i, rng.randint(10, 300)),
-               "at_step": 2 * i,
-               "sampling": {"temperature": 1.0, "seed": 1000 + i, "max_tokens": 96,
-                            "logprobs": SEEDED_LOGPROBS}}
-              for i in range(24)]
+        joins.append(
+            {
+                "prompt": _prompt(ids, 120 + k, 80),
+                "at_step": 6 + k,
+                "sampling": _greedy(200),
+            }
+        )
+    aborts = [
+        {"index": num_before_aborts + k, "after_steps": 3 + 2 * k} for k in range(3)
+    ]
+    seeded = [
+        {
+            "prompt": _prompt(ids, 20 + i, rng.randint(10, 300)),
+            "at_step": 2 * i,
+            "sampling": {
+                "temperature": 1.0,
+                "seed": 1000 + i,
+                "max_tokens": 96,
+                "logprobs": SEEDED_LOGPROBS,
+            },
+        }
+        for i in range(24)
+    ]
     return {
         "continuous": {"name": "continuous", "requests": continuous},
         "joins": {"name": "joins", "requests": joins, "aborts": aborts},
@@ -156,18 +217,39 @@ def _scenarios(ids, newline) -> dict[str, dict]:
 
 
 def _dist_run(ids, seed_base: int) -> dict:
-    requests = [{"prompt": ids[30 + p][:1],
-                 "sampling": {**DIST, "seed": seed_base + p * DIST_SAMPLES + i}}
-                for p in range(2) for i in range(DIST_SAMPLES)]
+    requests = [
+        {
+            "prompt": ids[30 + p][:1],
+            "sampling": {**DIST, "seed": seed_base + p * DIST_SAMPLES + i},
+        }
+        for p in range(2)
+        for i in range(DIST_SAMPLES)
+    ]
     return {"name": "dist", "requests": requests}
 
 
 def _preempt_run(ids) -> dict:
-    requests = [{"prompt": _prompt(ids, 40 + i, 150 + 10 * i), "at_step": i,
-                 "sampling": _greedy(320)} for i in range(24)]
-    requests += [{"prompt": _prompt(ids, 10 + i, 200), "at_step": 2 * i,
-                  "sampling": {"temperature": 1.0, "seed": 7 + i, "max_tokens": 200,
-                               "logprobs": SEEDED_LOGPROBS}} for i in range(8)]
+    requests = [
+        {
+            "prompt": _prompt(ids, 40 + i, 150 + 10 * i),
+            "at_step": i,
+            "sampling": _greedy(320),
+        }
+        for i in range(24)
+    ]
+    requests += [
+        {
+            "prompt": _prompt(ids, 10 + i, 200),
+            "at_step": 2 * i,
+            "sampling": {
+                "temperature": 1.0,
+                "seed": 7 + i,
+                "max_tokens": 200,
+                "logprobs": SEEDED_LOGPROBS,
+            },
+        }
+        for i in range(8)
+    ]
     return {"name": "preempt", "requests": requests}
 
 
@@ -199,15 +281,19 @@ PREEMPT_KV_BYTES = 12 << 20
 
 def _configs(ids, newline) -> dict[str, dict]:
     scenarios = list(_scenarios(ids, newline).values())
-    configs = {"ref": {"llm": _llm(None),
-                       "runs": scenarios + [_dist_run(ids, 3 * 10**6)]}}
+    configs = {
+        "ref": {"llm": _llm(None), "runs": scenarios + [_dist_run(ids, 3 * 10**6)]}
+    }
     for budget in BUDGETS:
         runs = list(scenarios)
         if budget == "128":
             runs.append(_dist_run(ids, 4 * 10**6))
         configs[f"ddtree_{budget}"] = {"llm": _llm(_spec(budget)), "runs": runs}
-    configs["biased_128"] = {"llm": _llm(_spec("128")), "verifier": "biased",
-                             "runs": [_dist_run(ids, 5 * 10**6)]}
+    configs["biased_128"] = {
+        "llm": _llm(_spec("128")),
+        "verifier": "biased",
+        "runs": [_dist_run(ids, 5 * 10**6)],
+    }
     for name, spec in (("preempt_ref", None), ("preempt_128", _spec("128"))):
         configs[name] = {
             "llm": _llm(spec, kv_cache_memory_bytes=PREEMPT_KV_BYTES),
@@ -218,14 +304,29 @@ def _configs(ids, newline) -> dict[str, dict]:
 
 def _profiled_config(ids) -> dict:
     spec = _spec("512")
-    llm = {"model": str(PAIR / "target"), "max_model_len": MAX_MODEL_LEN,
-           "seed": 0, "speculative_config": spec}
-    requests = [{"prompt": _prompt(ids, i, 40 + i),
-                 "sampling": {"temperature": 0.8, "top_k": 20, "top_p": 0.9,
-                              "max_tokens": 48, "seed": i, "ignore_eos": True}}
-                for i in range(96)]
-    return {"profiled_512": {"llm": llm,
-                             "runs": [{"name": "full", "requests": requests}]}}
+    llm = {
+        "model": str(PAIR / "target"),
+        "max_model_len": MAX_MODEL_LEN,
+        "seed": 0,
+        "speculative_config": spec,
+    }
+    requests = [
+        {
+            "prompt": _prompt(ids, i, 40 + i),
+            "sampling": {
+                "temperature": 0.8,
+                "top_k": 20,
+                "top_p": 0.9,
+                "max_tokens": 48,
+                "seed": i,
+                "ignore_eos": True,
+            },
+        }
+        for i in range(96)
+    ]
+    return {
+        "profiled_512": {"llm": llm, "runs": [{"name": "full", "requests": requests}]}
+    }
 
 
 @pytest.fixture(scope="module")
@@ -286,11 +387,14 @@ def test_joins_prefix_hits_stops_chunks_aborts(results, budget):
     run, want = got["runs"]["joins"], ref["runs"]["joins"]
     aborted = {i for i, t in enumerate(want["token_ids"]) if t is None}
     assert len(aborted) == 3 and aborted == {
-        i for i, t in enumerate(run["token_ids"]) if t is None}
+        i for i, t in enumerate(run["token_ids"]) if t is None
+    }
     _check_greedy(run, want, f"joins, B={budget}", skip=aborted)
     paths = run["paths"]
-    print(f"joins, B={budget}: paths {paths}; finish reasons "
-          f"{sorted(set(map(str, run['finish_reasons'])))}")
+    print(
+        f"joins, B={budget}: paths {paths}; finish reasons "
+        f"{sorted(set(map(str, run['finish_reasons'])))}"
+    )
     if budget != "auto":
         # A fixed budget pads joining one-token requests (vLLM 0.26 does not
         # with a budget per batch size).
@@ -299,18 +403,23 @@ def test_joins_prefix_hits_stops_chunks_aborts(results, budget):
     reasons = run["finish_reasons"]
     assert reasons.count("stop") >= 4 and reasons.count("length") >= 10
     # The max_model_len request ended exactly there.
-    long_req = next(i for i, p in enumerate(run["prompts"])
-                    if p is not None and len(p) == MAX_MODEL_LEN - 37)
+    long_req = next(
+        i
+        for i, p in enumerate(run["prompts"])
+        if p is not None and len(p) == MAX_MODEL_LEN - 37
+    )
     assert len(run["prompts"][long_req]) + len(run["token_ids"][long_req]) == (
-        MAX_MODEL_LEN)
+        MAX_MODEL_LEN
+    )
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_seeded_equals_seeded_no_speculation(results, budget):
     ref, got = _get(results, "ref"), _get(results, f"ddtree_{budget}")
     run, want = got["runs"]["seeded"], ref["runs"]["seeded"]
-    cmp = compare_seeded(run["token_ids"], run["logprobs"], want["token_ids"],
-                         want["logprobs"])
+    cmp = compare_seeded(
+        run["token_ids"], run["logprobs"], want["token_ids"], want["logprobs"]
+    )
     print(f"seeded, B={budget}: {cmp.summary()}")
     assert not cmp.errors, "; ".join(cmp.errors[:5])
     assert cmp.num_compared >= COMPARED_FLOOR * cmp.num_total, cmp.summary()
@@ -326,16 +435,25 @@ def test_kv_blocks_return_to_start(results):
 def test_preemption_and_recompute(results):
     ref, got = _get(results, "preempt_ref"), _get(results, "preempt_128")
     run, want = got["runs"]["preempt"], ref["runs"]["preempt"]
-    print(f"preemptions: ddtree {run['paths']['preemptions']}, "
-          f"ref {want['paths']['preemptions']}")
+    print(
+        f"preemptions: ddtree {run['paths']['preemptions']}, "
+        f"ref {want['paths']['preemptions']}"
+    )
     assert run["paths"]["preemptions"] >= 3
     greedy = [i for i, r in enumerate(run["prompts"]) if i < 24]
     seeded = [i for i in range(len(run["prompts"])) if i >= 24]
-    pick = lambda res, idx: {k: [res[k][i] for i in idx]  # noqa: E731
-                             for k in ("token_ids", "logprobs", "finish_reasons")}
+
+    def pick(res, idx):
+        return {
+            k: [res[k][i] for i in idx]
+            for k in ("token_ids", "logprobs", "finish_reasons")
+        }
+
     _check_greedy(pick(run, greedy), pick(want, greedy), "preempt, greedy")
-    cmp = compare_seeded(*(pick(run, seeded)[k] for k in ("token_ids", "logprobs")),
-                         *(pick(want, seeded)[k] for k in ("token_ids", "logprobs")))
+    cmp = compare_seeded(
+        *(pick(run, seeded)[k] for k in ("token_ids", "logprobs")),
+        *(pick(want, seeded)[k] for k in ("token_ids", "logprobs")),
+    )
     print(f"preempt, seeded: {cmp.summary()}")
     assert not cmp.errors, "; ".join(cmp.errors[:5])
     assert cmp.num_compared >= COMPARED_FLOOR * cmp.num_total
@@ -361,11 +479,14 @@ def test_distribution_matches_no_speculation(results):
     assert len(ref) == len(tree) == len(biased) == 2 * DIST_SAMPLES >= 2000
     for label, key in (("3 tokens", lambda s: s), ("first", lambda s: (s[0], s[1][0]))):
         stat, dof, pv = chi_square_two_sample(list(map(key, tree)), list(map(key, ref)))
-        bstat, bdof, bpv = chi_square_two_sample(list(map(key, biased)),
-                                                 list(map(key, ref)))
-        print(f"{label}: ddtree chi2 {stat:.1f} dof {dof} p {pv:.3g}; biased chi2 "
-              f"{bstat:.1f} dof {bdof} p {bpv:.3g}; "
-              f"{len(set(map(key, ref)))} distinct in the reference")
+        bstat, bdof, bpv = chi_square_two_sample(
+            list(map(key, biased)), list(map(key, ref))
+        )
+        print(
+            f"{label}: ddtree chi2 {stat:.1f} dof {dof} p {pv:.3g}; biased chi2 "
+            f"{bstat:.1f} dof {bdof} p {bpv:.3g}; "
+            f"{len(set(map(key, ref)))} distinct in the reference"
+        )
         assert dof >= 20
         assert pv > 1e-3
         if label == "3 tokens":

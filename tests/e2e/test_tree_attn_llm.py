@@ -51,8 +51,12 @@ def test_tree_attn_greedy_equals_flash_attn(results, name):
     ref, got = results["ref"]["runs"], results[name]["runs"]
     for n in BATCHES:
         want = ref[f"b{n}"]
-        cmp = compare_greedy(got[f"b{n}"]["token_ids"], got[f"b{n}"]["logprobs"],
-                             want["token_ids"], want["logprobs"])
+        cmp = compare_greedy(
+            got[f"b{n}"]["token_ids"],
+            got[f"b{n}"]["logprobs"],
+            want["token_ids"],
+            want["logprobs"],
+        )
         print(f"{name}, batch {n}: {cmp.summary()}")
         assert not cmp.errors, f"{name}, batch {n}: " + "; ".join(cmp.errors)
         assert cmp.num_requests == n
