@@ -9,10 +9,8 @@ cases (36 layers, bf16, budget 128) run only on a GPU.
 import pytest
 import torch
 
-from vllm.v1.attention.ops.tree_kv_compaction import (
-    TreeKVCompactor,
-    compact_tree_kv_reference,
-)
+from tests.v1.ddtree_reference import compact_tree_kv_reference
+from vllm.v1.attention.ops.tree_kv_compaction import TreeKVCompactor
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")

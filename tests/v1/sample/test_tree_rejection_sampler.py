@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.v1.ddtree_reference import build_ddtree_reference
+from tests.v1.ddtree_reference import build_ddtree_reference, walk_trees_reference
 from tests.v1.sample.mrv2_stubs import StubSampler, interpreter_shims
 from vllm.v1.sample.tree_rejection_sampler import (
     TreeRejectionSampler,
@@ -21,7 +21,6 @@ from vllm.v1.sample.tree_rejection_sampler import (
     apply_sampling_params,
     tree_rejection_sample,
     walk_trees,
-    walk_trees_reference,
 )
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS

@@ -26,14 +26,16 @@ import pytest
 import torch
 
 from tests.models.tiny_models import VOCAB_SIZE, make_tiny_dflash, make_tiny_qwen3
-from tests.v1.ddtree_reference import build_ddtree_reference
+from tests.v1.ddtree_reference import (
+    build_ddtree_reference,
+    compact_tree_kv_reference,
+)
 from tests.v1.sample.mrv2_stubs import StubSampler, interpreter_shims
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.attention.backends.tree_attn import (
     TreeAttentionBackend,
     kv_cache_as_kv_first,
 )
-from vllm.v1.attention.ops.tree_kv_compaction import compact_tree_kv_reference
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm.v1.spec_decode.ddtree_inputs import draft_context_size

@@ -10,13 +10,15 @@ Triton interpreter; large budgets and batches only on a GPU.
 import pytest
 import torch
 
-from tests.v1.ddtree_reference import build_ddtree_reference
+from tests.v1.ddtree_reference import (
+    build_ddtree_reference,
+    prepare_draft_inputs_reference,
+    write_tree_verify_inputs_reference,
+)
 from vllm.v1.spec_decode.ddtree_inputs import (
     draft_context_size,
     prepare_draft_inputs,
-    prepare_draft_inputs_reference,
     write_tree_verify_inputs,
-    write_tree_verify_inputs_reference,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

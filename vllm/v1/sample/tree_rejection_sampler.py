@@ -365,48 +365,6 @@ def _path_logit_rows(
     return rows, flat_sampled
 
 
-def walk_trees_reference(
-    node_sampled: torch.Tensor,
-    tree_token_ids: torch.Tensor,
-    tree_parent_ids: torch.Tensor,
-    cu_num_logits: torch.Tensor,
-    max_depth: int,
-    fed_token_ids: torch.Tensor | None = None,
-) -> TreeSampleOutput:
-    """Slow Python walk with ``walk_trees``'s contract, for tests."""
-    # sync-ok: reference only, never on the step path.
-    fed = None if fed_token_ids is None else fed_token_ids.cpu().tolist()  # sync-ok
-    node_sampled = node_sampled.cpu().tolist()  # sync-ok
-    tokens = tree_token_ids.cpu().tolist()  # sync-ok
-    parents = tree_parent_ids.cpu().tolist()  # sync-ok
-    cu = cu_num_logits.cpu().tolist()  # sync-ok
-    num_reqs, budget = tree_token_ids.shape
-    sampled = torch.full((num_reqs, budget + 1), -1, dtype=torch.int64)
-    accepted = torch.full((num_reqs, max_depth), -1, dtype=torch.int32)
-    num_accepted = torch.zeros(num_reqs, dtype=torch.int32)
-    num_sampled = torch.zeros(num_reqs, dtype=torch.int32)
-    for r in range(num_reqs):
-        start, num_nodes = cu[r], cu[r + 1] - cu[r] - 1
-        if num_nodes < 0:
-            continue
-        children: dict[tuple[int, int], int] = {}
-        for i in range(1, num_nodes + 1):
-            token = tokens[r][i - 1]
-            if token >= 0 and (fed is None or fed[start + i] == token):
-                children[(parents[r][i - 1], tokens[r][i - 1])] = i
-        cur, y = 0, node_sampled[start]
-        path_tokens = [y]
-        while len(path_tokens) <= max_depth and (cur, y) in children:
-            cur = children[(cur, y)]
-            accepted[r, len(path_tokens) - 1] = cur
-            y = node_sampled[start + cur]
-            path_tokens.append(y)
-        sampled[r, : len(path_tokens)] = torch.tensor(path_tokens)
-        num_sampled[r] = len(path_tokens)
-        num_accepted[r] = len(path_tokens) - 1
-    return TreeSampleOutput(sampled, num_sampled, accepted, num_accepted)
-
-
 @triton.jit
 def _tree_walk_kernel(
     # [num_reqs, budget + 1]

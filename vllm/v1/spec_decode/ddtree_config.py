@@ -28,7 +28,7 @@ b nodes the scheduler keeps are the best tree of budget b.
 
 ``"tree_budget": "auto"``, the default, asks for
 :data:`AUTO_TREE_BUDGET_PER_BATCH_SIZE`, a schedule read off measured step times
-(docs/ddtree.md, "Choosing the budget").
+(docs/ddtree.md, "Budgets"; the measurements: benchmarks/README.md).
 
 Every check raises ``ValueError`` with the setting to change.
 """
@@ -47,26 +47,14 @@ DDTREE_METHOD = "ddtree"
 ADDITIONAL_CONFIG_KEY = "vllm_ddtree"
 AUTO_TREE_BUDGET = "auto"
 # The best budget falls as the batch grows, so the default picks one per batch
-# size: "auto" measured at least DFlash's throughput offline on the trained pair
-# at batch 1, 8 and 64 with waves of requests (with requests arriving as others
-# finish, as behind vllm serve: 0.91-0.96x at batch 8, T=0, a host-bound pair)
-# and projects to 1.05-1.31x DFlash on Qwen3-8B shapes at batch 1-64
-# (docs/ddtree.md).
+# size.
 DEFAULT_TREE_BUDGET = AUTO_TREE_BUDGET
-# The schedule "tree_budget": "auto" stands for, from step times measured for a
-# Qwen3-8B-shaped target and DFlash drafter on one H200 (dummy weights) and the
-# trained pair's acceptance. Batch sizes 1-4: budget 31, one node below the best
-# budget measured there (32: step 1.05x / 1.16x DFlash's at batch 1 / 4; 128: 1.21x
-# / 2.67x), as B nodes verify B + 1 tokens and 32 fill the tree kernel's query
-# tiles where 33 open another (plan_tree_attention). Larger batches: 15 nodes, the
-# 16 tokens per request DFlash's chain verifies (step 1.06x / 1.12x / 1.16x
-# DFlash's at batch 8 / 16 / 64, where 16 nodes cost 1.22x / 1.26x at 16 / 64),
-# accepting 1.20x the chain's tokens on the trained pair. Measured with "auto": the
-# pair 1.01-1.18x DFlash at batch 1 / 8 / 64, T = 0 and 1; 8B shapes 1.02x / 1.04x
-# / 1.12x / 1.16x DFlash's step at batch 1 / 4 / 16 / 64, so 1.05-1.31x DFlash's
-# throughput projected (ratios within each cost command). Commands and tables:
-# benchmarks/results/bench_ddtree_*auto*, benchmarks/results/project_8b.md,
-# docs/ddtree.md.
+# The schedule "tree_budget": "auto" stands for, read off step times measured
+# for a Qwen3-8B-shaped target and DFlash drafter (dummy weights) and the
+# trained pair's acceptance (benchmarks/README.md). Few requests: 31 nodes, as B
+# nodes verify B + 1 tokens and 32 fill the tree kernel's query tiles where 33
+# open another (plan_tree_attention). More: 15 nodes, the 16 tokens per request
+# a DFlash chain verifies, so a step costs about what DFlash's does.
 AUTO_TREE_BUDGET_PER_BATCH_SIZE: tuple[tuple[int, int, int], ...] = (
     (1, 4, 31),
     (5, 1024, 15),  # vLLM carries the last budget past the end

@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Per-step inputs of a DDTree step on Model Runner V2, written on the GPU.
 
-Two writers, each a small Triton kernel with a slow torch reference beside it:
+Two writers, each a small Triton kernel (slow torch references in
+``tests/v1/ddtree_reference.py``):
 
 * :func:`write_tree_verify_inputs` (target side). Model Runner V2 lays out a
   decoding request as ``[root, node_1..node_b]`` (root = last sampled token,
@@ -87,46 +88,6 @@ def write_tree_verify_inputs(
         NODE_BLOCK=triton.next_power_of_2(budget),
         MASK_BLOCK=min(1024, triton.next_power_of_2((budget + 1) * num_words)),
     )
-
-
-def write_tree_verify_inputs_reference(
-    positions: torch.Tensor,
-    attn_mask: torch.Tensor,
-    is_tree: torch.Tensor,
-    tree_token_ids: torch.Tensor,
-    tree_depths: torch.Tensor,
-    tree_masks: torch.Tensor,
-    idx_mapping: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    cu_num_logits: torch.Tensor,
-    num_reqs_padded: int,
-) -> None:
-    """Slow torch version of :func:`write_tree_verify_inputs`, for tests."""
-    num_reqs = idx_mapping.shape[0]
-    num_words = tree_masks.shape[2]
-    qsl, cu = query_start_loc.tolist(), cu_num_logits.tolist()
-    is_tree[num_reqs:num_reqs_padded] = 0
-    for r in range(num_reqs):
-        num_logits = cu[r + 1] - cu[r]
-        b = num_logits - 1
-        is_tree[r] = int(b > 0)
-        if b <= 0:
-            continue
-        req = int(idx_mapping[r])
-        root = qsl[r + 1] - num_logits
-        real = tree_token_ids[req, :b] >= 0
-        depths = torch.where(real, tree_depths[req, :b], 0)
-        positions[root + 1 : root + 1 + b] = positions[root] + depths
-        attn_mask[r, 0] = 0
-        attn_mask[r, 0, 0] = 1
-        for j in range(1, b + 1):
-            if real[j - 1]:
-                attn_mask[r, j] = tree_masks[req, j]
-            else:
-                row = torch.zeros(num_words, dtype=torch.int64)
-                row[0] |= 1
-                row[j // 32] |= 1 << (j % 32)
-                attn_mask[r, j] = row.to(torch.int32)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -297,82 +258,6 @@ def prepare_draft_inputs(
         PAD_SLOT=PAD_SLOT_ID,
         BLOCK=256,
     )
-
-
-def prepare_draft_inputs_reference(
-    query_input_ids,
-    query_positions,
-    query_start_loc_out,
-    seq_lens_out,
-    query_slot_mapping,
-    context_rows,
-    context_positions,
-    context_slot_mapping,
-    sample_indices,
-    target_positions,
-    target_query_start_loc,
-    cu_num_logits,
-    idx_mapping,
-    num_sampled,
-    last_sampled,
-    next_prefill_tokens,
-    accepted_nodes,
-    num_accepted,
-    block_table,
-    block_size,
-    mask_token_id,
-    depth,
-    max_num_reqs,
-    max_num_tokens,
-    max_model_len,
-) -> None:
-    """Slow torch version of :func:`prepare_draft_inputs`, for tests."""
-    num_reqs = idx_mapping.shape[0]
-    qsl, cu = target_query_start_loc.tolist(), cu_num_logits.tolist()
-    pos = target_positions.tolist()
-    last_sampled = last_sampled.reshape(-1)
-
-    def slot(r: int, p: int) -> int:
-        block = min(p // block_size, block_table.shape[1] - 1)
-        return int(block_table[r, block]) * block_size + p % block_size
-
-    draft_len = depth + 1
-    for r in range(num_reqs):
-        req = int(idx_mapping[r])
-        num_logits = cu[r + 1] - cu[r]
-        tree_start = qsl[r + 1] - num_logits
-        k = int(num_accepted[r]) if num_logits > 1 else 0
-        path = [tree_start + int(n) for n in accepted_nodes[r, :k]]
-        ctx = list(range(qsl[r], tree_start + 1)) + path
-        ctx_start = qsl[r] - (cu[r] - r) + depth * r
-        num_ctx = tree_start + 1 - qsl[r] + depth
-        for c in range(num_ctx):
-            row = ctx[c] if c < len(ctx) else tree_start
-            context_rows[ctx_start + c] = row
-            context_positions[ctx_start + c] = pos[row]
-            keep = c < len(ctx)
-            context_slot_mapping[ctx_start + c] = slot(r, pos[row]) if keep else (
-                PAD_SLOT_ID
-            )
-        last_pos = pos[tree_start] + k
-        if int(num_sampled[r]) > 0:
-            bonus = int(last_sampled[req])
-        else:
-            bonus = int(next_prefill_tokens[req])
-        for off in range(draft_len):
-            q = r * draft_len + off
-            p = last_pos + 1 + off
-            query_input_ids[q] = bonus if off == 0 else mask_token_id
-            query_positions[q] = min(p, max_model_len - 1)
-            query_slot_mapping[q] = slot(r, p) if p < max_model_len else PAD_SLOT_ID
-            if off > 0:
-                sample_indices[r * depth + off - 1] = q
-        query_start_loc_out[r] = r * draft_len
-        seq_lens_out[r] = last_pos + 1 + draft_len
-    query_start_loc_out[num_reqs:] = num_reqs * draft_len
-    seq_lens_out[num_reqs:] = 0
-    sample_indices[num_reqs * depth : max_num_reqs * depth] = 0
-    query_slot_mapping[num_reqs * draft_len : max_num_tokens] = PAD_SLOT_ID
 
 
 @triton.jit

@@ -499,9 +499,9 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     # cascade (tree_attention_with_context): FlashAttention over the committed
     # context, the Triton kernel over the new keys, merged by log-sum-exp. None:
     # off (the Triton kernel reads the whole context). Off by default: measured
-    # in engines only at budget 15 on Qwen3-8B shapes (step 3 % shorter at batch
-    # 64, 2 % longer at batch 1-4; docs/ddtree.md) and not yet checked end to
-    # end for greedy equality; set it for a measurement with CONTEXT_CASCADE_ENV.
+    # in engines at one budget only (benchmarks/README.md, "cascade") and not yet
+    # checked end to end for greedy equality; set it for a measurement with
+    # CONTEXT_CASCADE_ENV.
     fa_context_min_query_len: ClassVar[int | None] = context_cascade_min_query_len()
     # ... and whose kernel rows hold at least this many requests (the cascade's
     # extra launches cost more than they save on small batches).

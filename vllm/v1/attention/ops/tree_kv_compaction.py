@@ -168,34 +168,6 @@ def _check_kv_caches(kv_caches: list[torch.Tensor]) -> None:
             )
 
 
-def compact_tree_kv_reference(
-    kv_caches: list[torch.Tensor],
-    slot_mapping: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    accepted_nodes: torch.Tensor,
-    num_accepted: torch.Tensor,
-) -> None:
-    """Slow torch version of ``TreeKVCompactor.__call__``, for tests: slot d of
-    each request receives the original KV of slot idx_d, padding slots skipped."""
-    slots = slot_mapping.tolist()
-    starts = query_start_loc.tolist()
-    src, dst = [], []
-    for r, k in enumerate(num_accepted.tolist()):
-        for d, node in enumerate(accepted_nodes[r, :k].tolist(), start=1):
-            s, t = slots[starts[r] + node], slots[starts[r] + d]
-            if s >= 0 and t >= 0:
-                src.append(s)
-                dst.append(t)
-    if not src:
-        return
-    for cache in _unique_caches(kv_caches):
-        block_size = cache.shape[2]
-        s = torch.tensor(src, device=cache.device)
-        t = torch.tensor(dst, device=cache.device)
-        moved = cache[:, s // block_size, s % block_size].clone()
-        cache[:, t // block_size, t % block_size] = moved
-
-
 @triton.jit
 def _tree_kv_compaction_kernel(
     # [num_layers] int64 base addresses of the layers' KV caches

@@ -416,9 +416,7 @@ def plan_tree_attention(
     if user_config is None and config.num_warps == 4 and config.block_m >= 64:
         # Half-size tiles get 4 warps so that two programs share an SM; when the
         # whole grid fits on the SMs one program each anyway, 8 warps are faster
-        # (H200, Qwen3-8B heads, 16-token chains: 18.5 vs 20.7 us at batch 1 and
-        # 62.8 vs 79.2 us at batch 8, 4K context; 36.0 vs 43.6 us at 16K;
-        # benchmarks/results/bench_tree_attn.json, --sweep).
+        # (benchmarks/bench_tree_attn.py --sweep; results in benchmarks/results/).
         wide = TreeAttentionConfig(**{**config.__dict__, "num_warps": 8})
         wide_splits = chosen_splits or _plan_splits(
             num_sms, num_tokens, num_reqs, num_kv_heads, wide, heads_padded,
