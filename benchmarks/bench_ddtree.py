@@ -98,14 +98,35 @@ RANDOM_VOCAB = 151643
 SERVED_NAME = "bench"
 # How e2e requests reach the engine (--arrivals).
 ARRIVALS = ("waves", "continuous")
+# --settings: "defaults" is what a user runs (vLLM's engine defaults, prompts the
+# engine has not seen); "tuned" the earlier benchmark settings, labelled as such.
+SETTINGS = ("defaults", "tuned")
+# Prompt tags one (batch, temperature) run may use: 3 phases x its requests.
+TAGS_PER_RUN = 1_000_000
+TUNED_GPU_MEMORY_UTILIZATION = 0.85
 
 MODE_DEFAULTS = {
-    "e2e": {"batches": (1, 8, 32), "temperatures": (0.0, 1.0), "max_tokens": 256,
-            "num_prompts": 32, "config_seconds": 120},
-    "serve": {"batches": (1, 8, 32), "temperatures": (0.0, 1.0), "max_tokens": 256,
-              "num_prompts": 64, "config_seconds": 150},
-    "cost": {"batches": (1, 4, 16, 64), "temperatures": (0.0,), "max_tokens": 128,
-             "waves": 2, "config_seconds": 120},
+    "e2e": {
+        "batches": (1, 8, 32),
+        "temperatures": (0.0, 1.0),
+        "max_tokens": 256,
+        "num_prompts": 32,
+        "config_seconds": 120,
+    },
+    "serve": {
+        "batches": (1, 8, 32),
+        "temperatures": (0.0, 1.0),
+        "max_tokens": 256,
+        "num_prompts": 64,
+        "config_seconds": 150,
+    },
+    "cost": {
+        "batches": (1, 4, 16, 64),
+        "temperatures": (0.0,),
+        "max_tokens": 128,
+        "waves": 2,
+        "config_seconds": 120,
+    },
 }
 
 
@@ -129,74 +150,165 @@ def build_parser() -> argparse.ArgumentParser:
         _add_run_args(p, mode)
     p = sub.add_parser("report", help="merge result directories into one table")
     p.add_argument("dirs", type=Path, nargs="+", help="--out directories, later wins")
-    p.add_argument("--out", type=Path, default=None,
-                   help="write the merged results.jsonl and results.md here")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the merged results.jsonl and results.md here",
+    )
     return parser
 
 
 def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
     d = MODE_DEFAULTS[mode]
     paired = mode != "cost"
-    p.add_argument("--out", type=Path, required=True,
-                   help="results directory (created; reused to resume)")
-    p.add_argument("--resume-from", type=Path, nargs="*", default=[],
-                   help="earlier --out directories whose results count as done")
-    p.add_argument("--target", type=Path, required=paired,
-                   default=None if paired else MODEL_CONFIGS / "qwen3_8b",
-                   help="target model directory")
-    p.add_argument("--drafter", type=Path, required=paired,
-                   default=None if paired else MODEL_CONFIGS / "dflash_qwen3_8b",
-                   help="DFlash drafter directory")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="results directory (created; reused to resume)",
+    )
+    p.add_argument(
+        "--resume-from",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="earlier --out directories whose results count as done",
+    )
+    p.add_argument(
+        "--target",
+        type=Path,
+        required=paired,
+        default=None if paired else MODEL_CONFIGS / "qwen3_8b",
+        help="target model directory",
+    )
+    p.add_argument(
+        "--drafter",
+        type=Path,
+        required=paired,
+        default=None if paired else MODEL_CONFIGS / "dflash_qwen3_8b",
+        help="DFlash drafter directory",
+    )
     if paired:
-        p.add_argument("--prompts", type=Path, required=True,
-                       help="JSON list / JSONL of texts or token-id lists (held out)")
-        p.add_argument("--ignore-eos", action="store_true",
-                       help="generate max-tokens tokens whatever the model says")
+        p.add_argument(
+            "--prompts",
+            type=Path,
+            required=True,
+            help="JSON list / JSONL of texts or token-id lists (held out)",
+        )
+        p.add_argument(
+            "--ignore-eos",
+            action="store_true",
+            help="generate max-tokens tokens whatever the model says",
+        )
     else:
-        p.add_argument("--input-len", type=int, default=1024,
-                       help="random prompt length in tokens")
-    p.add_argument("--configs", default="none,dflash,ddtree",
-                   help="comma list of none, dflash, ddtree (= every --budgets), "
-                        f"ddtree-<B>, {AUTO_CONFIG} (tree_budget \"auto\"), "
-                        f"{SCHEDULE_CONFIG} (needs --schedule)")
-    p.add_argument("--budgets", default=",".join(map(str, ALL_BUDGETS)),
-                   help="tree budgets that 'ddtree' in --configs expands to")
-    p.add_argument("--schedule", default=None,
-                   help=f"{SCHEDULE_CONFIG}'s tree_budget_per_batch_size: JSON "
-                        "([[first, last, budget], ...]) or a file holding it, e.g. "
-                        "what benchmarks/project_8b.py prints")
+        p.add_argument(
+            "--input-len", type=int, default=1024, help="random prompt length in tokens"
+        )
+    p.add_argument(
+        "--configs",
+        default="none,dflash,ddtree",
+        help="comma list of none, dflash, ddtree (= every --budgets), "
+        f'ddtree-<B>, {AUTO_CONFIG} (tree_budget "auto"), '
+        f"{SCHEDULE_CONFIG} (needs --schedule)",
+    )
+    p.add_argument(
+        "--budgets",
+        default=",".join(map(str, ALL_BUDGETS)),
+        help="tree budgets that 'ddtree' in --configs expands to",
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        help=f"{SCHEDULE_CONFIG}'s tree_budget_per_batch_size: JSON "
+        "([[first, last, budget], ...]) or a file holding it, e.g. "
+        "what benchmarks/project_8b.py prints",
+    )
     p.add_argument("--batches", default=",".join(map(str, d["batches"])))
     p.add_argument("--temperatures", default=",".join(map(str, d["temperatures"])))
     p.add_argument("--max-tokens", type=int, default=d["max_tokens"])
     if paired:
-        p.add_argument("--num-prompts", type=int, default=d["num_prompts"],
-                       help="requests per (batch, temperature): waves of batch "
-                            "requests (e2e), at most batch at once (serve)")
-        p.add_argument("--min-waves", type=int, default=1,
-                       help="at least this many waves of batch requests per "
-                            "(batch, temperature), cycling the prompts, so large "
-                            "batches are timed over more steps than one wave")
+        p.add_argument(
+            "--num-prompts",
+            type=int,
+            default=d["num_prompts"],
+            help="requests per (batch, temperature): waves of batch "
+            "requests (e2e), at most batch at once (serve)",
+        )
+        p.add_argument(
+            "--min-waves",
+            type=int,
+            default=1,
+            help="at least this many waves of batch requests per "
+            "(batch, temperature), cycling the prompts, so large "
+            "batches are timed over more steps than one wave",
+        )
     else:
-        p.add_argument("--waves", type=int, default=d["waves"],
-                       help="timed waves of batch random prompts per batch")
+        p.add_argument(
+            "--waves",
+            type=int,
+            default=d["waves"],
+            help="timed waves of batch random prompts per batch",
+        )
+    if mode == "serve":
+        p.add_argument(
+            "--request-rate",
+            default="inf",
+            help="vllm bench serve's --request-rate (requests/s, Poisson "
+            "arrivals; inf: all at once, bounded by the concurrency = batch)",
+        )
     if mode == "e2e":
-        p.add_argument("--arrivals", choices=ARRIVALS, default="waves",
-                       help="waves: batch requests start together, the next wave "
-                            "when all are done; continuous: all requests at once "
-                            "with max_num_seqs = batch, a new one joining as one "
-                            "finishes (steps mix prefill and decode, as behind "
-                            "vllm serve); one --batches value per command")
+        p.add_argument(
+            "--arrivals",
+            choices=ARRIVALS,
+            default="waves",
+            help="waves: batch requests start together, the next wave "
+            "when all are done; continuous: all requests at once "
+            "with max_num_seqs = batch, a new one joining as one "
+            "finishes (steps mix prefill and decode, as behind "
+            "vllm serve); one --batches value per command",
+        )
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-step-tokens", type=int, default=33000,
-                   help="skip DDTree batches whose batch x (B + 1) verified "
-                        "tokens per step exceed this (logits memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=33000,
+        help="skip DDTree batches whose batch x (B + 1) verified "
+        "tokens per step exceed this (logits memory)",
+    )
+    p.add_argument(
+        "--settings",
+        choices=SETTINGS,
+        default="defaults",
+        help="defaults: vLLM's engine defaults (prefix caching on, each "
+        "method's own CUDA-graph sizes, vLLM's max_num_seqs except as the "
+        "concurrency of --arrivals continuous, vLLM's memory share) and "
+        "prompts the engine has not seen: the warm-up, the prefill-only pass "
+        "and every timed (batch, temperature) get their own tagged copies; "
+        "tuned: prefix caching off, capture sizes on DDTree's request "
+        "ladder for every method, max_num_seqs = batch, warm-up and prefill "
+        "over the timed prompts (results are labelled with the setting)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help=f"default: vLLM's ({TUNED_GPU_MEMORY_UTILIZATION} with --settings tuned)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit-seconds", type=float, default=0,
-                   help="stop before starting a config that would not finish in "
-                        "this many seconds from the start (0: no limit)")
-    p.add_argument("--config-seconds", type=float, default=d["config_seconds"],
-                   help="expected seconds per config before one was measured")
+    p.add_argument(
+        "--limit-seconds",
+        type=float,
+        default=0,
+        help="stop before starting a config that would not finish in "
+        "this many seconds from the start (0: no limit)",
+    )
+    p.add_argument(
+        "--config-seconds",
+        type=float,
+        default=d["config_seconds"],
+        help="expected seconds per config before one was measured",
+    )
 
 
 def parse_int_list(text: str, name: str, lo: int, hi: int | None = None) -> list[int]:
@@ -259,15 +371,18 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     args.batches = parse_int_list(args.batches, "--batches", 1)
     args.temperatures = parse_float_list(args.temperatures, "--temperatures")
     if args.max_tokens < 2:
-        raise ValueError("--max-tokens must be >= 2 (the decode phase is the "
-                         "difference to a max_tokens=1 run)")
+        raise ValueError(
+            "--max-tokens must be >= 2 (the decode phase is the "
+            "difference to a max_tokens=1 run)"
+        )
     for key in ("num_prompts", "waves", "min_waves"):
         if getattr(args, key, 1) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1")
     if arrivals_of(args) == "continuous" and len(args.batches) != 1:
         raise ValueError(
             "--arrivals continuous runs one batch per command (the engine's "
-            f"max_num_seqs is the concurrency); got --batches {args.batches}")
+            f"max_num_seqs is the concurrency); got --batches {args.batches}"
+        )
     check_run_options(args)
     if getattr(args, "prompts", None) is not None and not args.prompts.is_file():
         raise ValueError(f"--prompts {args.prompts}: no such file")
@@ -290,7 +405,8 @@ def check_run_options(args: argparse.Namespace) -> None:
     memory share and the two model directories."""
     if args.limit_seconds < 0 or args.config_seconds <= 0:
         raise ValueError("--limit-seconds must be >= 0, --config-seconds > 0")
-    if not 0 < args.gpu_memory_utilization <= 1:
+    gpu_mem = getattr(args, "gpu_memory_utilization", None)
+    if gpu_mem is not None and not 0 < gpu_mem <= 1:
         raise ValueError("--gpu-memory-utilization must be in (0, 1]")
     for flag in ("target", "drafter"):
         path = getattr(args, flag)
@@ -348,15 +464,20 @@ def speculative_config(config: str, drafter: Path, schedule=None) -> dict | None
     if config == "none":
         return None
     if config == "dflash":
-        return {"method": "dflash", "model": str(drafter),
-                "num_speculative_tokens": DFLASH_TOKENS}
+        return {
+            "method": "dflash",
+            "model": str(drafter),
+            "num_speculative_tokens": DFLASH_TOKENS,
+        }
     if config == SCHEDULE_CONFIG:
-        return {"method": "ddtree", "model": str(drafter),
-                "tree_budget_per_batch_size": schedule}
+        return {
+            "method": "ddtree",
+            "model": str(drafter),
+            "tree_budget_per_batch_size": schedule,
+        }
     if config == AUTO_CONFIG:
         return {"method": "ddtree", "model": str(drafter), "tree_budget": "auto"}
-    return {"method": "ddtree", "model": str(drafter),
-            "tree_budget": budget_of(config)}
+    return {"method": "ddtree", "model": str(drafter), "tree_budget": budget_of(config)}
 
 
 def step_tokens(config: str, batch: int, schedule=None) -> int:
@@ -372,11 +493,11 @@ def step_tokens(config: str, batch: int, schedule=None) -> int:
     return batch * (budget_of(config) + 1)
 
 
-def fitting_batches(config: str, batches: list[int], max_step_tokens: int,
-                    schedule=None):
+def fitting_batches(
+    config: str, batches: list[int], max_step_tokens: int, schedule=None
+):
     """(batches to run, batches skipped because a step would exceed the limit)."""
-    fit = [b for b in batches
-           if step_tokens(config, b, schedule) <= max_step_tokens]
+    fit = [b for b in batches if step_tokens(config, b, schedule) <= max_step_tokens]
     return fit, [b for b in batches if b not in fit]
 
 
@@ -398,25 +519,49 @@ def capture_sizes(config: str, max_batch: int) -> list[int] | None:
     return [n * per_request for n in request_ladder(max_batch)]
 
 
+def settings_of(args) -> str:
+    return getattr(args, "settings", "defaults")
+
+
 def engine_kwargs(args, config: str, max_batch: int) -> dict:
+    """``LLM`` / ``vllm serve`` settings of one config. Under ``--settings
+    defaults`` only what a user sets: the models, ``max_model_len``, the
+    speculative config, and ``max_num_seqs`` where it is the measured
+    concurrency (offline continuous arrivals)."""
     kwargs = {
         "model": str(args.target),
         "max_model_len": args.max_model_len,
-        "max_num_seqs": max_batch,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
         "seed": args.seed,
         "disable_log_stats": False,
-        "enable_prefix_caching": False,
     }
+    if args.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.mode == "cost":
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     spec = speculative_config(config, args.drafter, args.schedule)
     if spec is not None:
         kwargs["speculative_config"] = spec
+    if settings_of(args) == "defaults":
+        if arrivals_of(args) == "continuous":
+            kwargs["max_num_seqs"] = max_batch
+        return kwargs
+    kwargs.update(max_num_seqs=max_batch, enable_prefix_caching=False)
+    kwargs.setdefault("gpu_memory_utilization", TUNED_GPU_MEMORY_UTILIZATION)
     sizes = capture_sizes(config, max_batch)
     if sizes is not None:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
     return kwargs
+
+
+def fresh_prompt(prompt, tag: int):
+    """``prompt`` as a request the engine has not seen: a text gets a first line
+    naming ``tag`` (the pair's prompts are Python, so a comment); a token list
+    gets two leading tokens from ``tag`` in place of its first two. Either way
+    no prefix-cache block matches another tag's."""
+    if isinstance(prompt, str):
+        return f"# request {tag}\n{prompt}"
+    head = [tag // RANDOM_VOCAB % RANDOM_VOCAB, tag % RANDOM_VOCAB]
+    return head + list(prompt[2:]) if len(prompt) > 2 else head[-len(prompt) :]
 
 
 # ---------------------------------------------------------------------------
@@ -446,17 +591,19 @@ def load_prompts(path: Path) -> list:
 
 def _prompt_item(item, path: Path, index: int):
     if isinstance(item, dict):
-        item = next((item[k] for k in ("prompt_token_ids", "prompt", "text")
-                     if k in item), None)
+        item = next(
+            (item[k] for k in ("prompt_token_ids", "prompt", "text") if k in item), None
+        )
     if isinstance(item, str) and item:
         return item
-    if (isinstance(item, list) and item
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                    for t in item)):
+    if (
+        isinstance(item, list)
+        and item
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in item)
+    ):
         return item
     raise ValueError(
-        f"{path}: prompt {index} is neither a non-empty text nor a list of "
-        "token ids"
+        f"{path}: prompt {index} is neither a non-empty text nor a list of token ids"
     )
 
 
@@ -465,8 +612,9 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(RANDOM_VOCAB) for _ in range(length)] for _ in range(count)]
 
 
-def batch_requests(prompts: list, batch: int, num_prompts: int,
-                   min_waves: int = 1) -> list:
+def batch_requests(
+    prompts: list, batch: int, num_prompts: int, min_waves: int = 1
+) -> list:
     """Requests for one (batch, temperature) measurement: ``num_prompts`` rounded
     up to whole waves of ``batch``, at least ``min_waves`` of them, taken from the
     prompts in order (cycling)."""
@@ -475,8 +623,11 @@ def batch_requests(prompts: list, batch: int, num_prompts: int,
 
 
 def check_prompt_lengths(prompts: list, max_tokens: int, max_model_len: int) -> None:
-    too_long = [i for i, p in enumerate(prompts)
-                if isinstance(p, list) and len(p) + max_tokens > max_model_len]
+    too_long = [
+        i
+        for i, p in enumerate(prompts)
+        if isinstance(p, list) and len(p) + max_tokens > max_model_len
+    ]
     if too_long:
         raise ValueError(
             f"prompts {too_long[:5]} plus --max-tokens {max_tokens} exceed "
@@ -510,6 +661,11 @@ def setup_of(args) -> dict:
         setup["prompts"] = _sha(args.prompts)
         setup["ignore_eos"] = args.ignore_eos
         setup["info"]["prompts"] = str(args.prompts)
+    if settings_of(args) == "defaults":
+        # Absent for tuned, the settings every earlier setup was measured with.
+        setup["settings"] = "defaults"
+    if getattr(args, "request_rate", "inf") != "inf":
+        setup["request_rate"] = args.request_rate
     if args.schedule is not None:
         # ddtree-schedule rows mean this schedule; another one needs another --out.
         setup["schedule"] = args.schedule
@@ -580,11 +736,14 @@ def plan(args, done: set) -> list[tuple[str, list[int], list]]:
     """(config, batches it runs, pending (batch, temperature) pairs) per config."""
     out = []
     for config in args.configs:
-        fit, skipped = fitting_batches(config, args.batches, args.max_step_tokens,
-                                       args.schedule)
+        fit, skipped = fitting_batches(
+            config, args.batches, args.max_step_tokens, args.schedule
+        )
         if skipped:
-            print(f"bench_ddtree: {config}: skipping batches {skipped} "
-                  f"(> --max-step-tokens {args.max_step_tokens} per step)")
+            print(
+                f"bench_ddtree: {config}: skipping batches {skipped} "
+                f"(> --max-step-tokens {args.max_step_tokens} per step)"
+            )
         out.append((config, fit, pending(config, fit, args.temperatures, done)))
     return out
 
@@ -597,8 +756,10 @@ def run_sweep(args) -> int:
         prompts = load_prompts(args.prompts)
         check_prompt_lengths(prompts, args.max_tokens, args.max_model_len)
         if args.mode == "serve" and not isinstance(prompts[0], str):
-            raise ValueError("serve mode needs text prompts (vllm bench serve's "
-                             "ShareGPT-style dataset); --prompts holds token ids")
+            raise ValueError(
+                "serve mode needs text prompts (vllm bench serve's "
+                "ShareGPT-style dataset); --prompts holds token ids"
+            )
     clock, rid = Clock(args.limit_seconds, args.config_seconds), run_id()
     failed, cut = [], []
     todo = plan(args, done)
@@ -608,14 +769,17 @@ def run_sweep(args) -> int:
             print(f"{tag}: nothing to do (measured already or no batch fits)")
             continue
         if not clock.can_start():
-            left = [c for c, _, r in todo[i - 1:] if r]
-            print(f"{tag}: stopping, {clock.remaining():.0f} s left of "
-                  f"--limit-seconds, a config takes ~{max(clock.config_s):.0f} s; "
-                  f"not started: {', '.join(left)}. Rerun with --resume-from "
-                  "this --out to continue.")
+            left = [c for c, _, r in todo[i - 1 :] if r]
+            print(
+                f"{tag}: stopping, {clock.remaining():.0f} s left of "
+                f"--limit-seconds, a config takes ~{max(clock.config_s):.0f} s; "
+                f"not started: {', '.join(left)}. Rerun with --resume-from "
+                "this --out to continue."
+            )
             break
-        print(f"{tag}: starting {len(runs)} measurements "
-              f"(batch, T) = {runs}", flush=True)
+        print(
+            f"{tag}: starting {len(runs)} measurements (batch, T) = {runs}", flush=True
+        )
         start = time.monotonic()
         runner = run_serve_config if args.mode == "serve" else run_offline_config
         ok = runner(args, config, max(fit), runs, prompts, rid, clock.remaining())
@@ -626,9 +790,11 @@ def run_sweep(args) -> int:
         _print_new_rows(args.out, config, runs, time.monotonic() - start)
     write_report(args.out, args.mode, setup)
     if cut:
-        print(f"bench_ddtree: --limit-seconds ran out while measuring {cut}; their "
-              f"finished rows are kept, rerun with --resume-from {args.out} to "
-              "finish them")
+        print(
+            f"bench_ddtree: --limit-seconds ran out while measuring {cut}; their "
+            f"finished rows are kept, rerun with --resume-from {args.out} to "
+            "finish them"
+        )
     if failed:
         print(f"bench_ddtree: failed configs (see {args.out}/logs): {failed}")
     return 1 if failed else 0
@@ -640,10 +806,13 @@ def _print_new_rows(out: Path, config: str, runs: list, seconds: float) -> None:
     print(f"    {config}: {len(rows)}/{len(runs)} measured in {seconds:.0f} s")
     for r in rows:
         tau = r.get("acceptance_length")
-        print(f"    batch {r['batch']:>3} T={r['temperature']}: "
-              f"{r.get('tok_s') or 0:9.1f} tok/s, "
-              f"{r.get('decode_ms_per_step') or float('nan'):7.2f} ms/step, "
-              f"accept len {tau if tau is None else round(tau, 2)}", flush=True)
+        print(
+            f"    batch {r['batch']:>3} T={r['temperature']}: "
+            f"{r.get('tok_s') or 0:9.1f} tok/s, "
+            f"{r.get('decode_ms_per_step') or float('nan'):7.2f} ms/step, "
+            f"accept len {tau if tau is None else round(tau, 2)}",
+            flush=True,
+        )
 
 
 def run_offline_config(args, config, max_batch, runs, prompts, rid, time_left) -> bool:
@@ -651,12 +820,15 @@ def run_offline_config(args, config, max_batch, runs, prompts, rid, time_left) -
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
     spec_path = logs / f"{config}.spec.json"
-    spec_path.write_text(json.dumps(
-        worker_spec(args, config, max_batch, runs, prompts, rid)))
+    spec_path.write_text(
+        json.dumps(worker_spec(args, config, max_batch, runs, prompts, rid))
+    )
     with (logs / f"{config}.log").open("a") as log:
         return _run_logged(
             [sys.executable, str(Path(__file__).resolve()), "_worker", str(spec_path)],
-            log, time_left, _worker_env(),
+            log,
+            time_left,
+            _worker_env(),
         )
 
 
@@ -669,8 +841,9 @@ def worker_spec(args, config, max_batch, runs, prompts, rid) -> dict:
                 args.waves * batch, args.input_len, args.seed + batch
             )
         else:
-            requests[str(batch)] = batch_requests(prompts, batch, args.num_prompts,
-                                                  args.min_waves)
+            requests[str(batch)] = batch_requests(
+                prompts, batch, args.num_prompts, args.min_waves
+            )
     return {
         "llm": engine_kwargs(args, config, max_batch),
         "runs": runs,
@@ -678,11 +851,18 @@ def worker_spec(args, config, max_batch, runs, prompts, rid) -> dict:
         "max_tokens": args.max_tokens,
         "ignore_eos": args.mode == "cost" or args.ignore_eos,
         "arrivals": arrivals_of(args),
+        "settings": settings_of(args),
         "detokenize": args.mode != "cost",
         "out": str(args.out),
-        "row": {"mode": args.mode, "config": config, "run_id": rid,
-                "tree_budget": budget_of(config), "max_tokens": args.max_tokens,
-                **_schedule_field(args, config)},
+        "row": {
+            "mode": args.mode,
+            "settings": settings_of(args),
+            "config": config,
+            "run_id": rid,
+            "tree_budget": budget_of(config),
+            "max_tokens": args.max_tokens,
+            **_schedule_field(args, config),
+        },
     }
 
 
@@ -702,8 +882,14 @@ def _worker_env(engine_in_process: bool = True) -> dict:
 def _run_logged(cmd: list[str], log, time_left: float, env: dict) -> bool:
     """Run ``cmd`` in its own session with output to ``log``; kill its process
     group when ``time_left`` runs out."""
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         return proc.wait(timeout=None if math.isinf(time_left) else time_left) == 0
     except subprocess.TimeoutExpired:
@@ -753,11 +939,20 @@ def run_worker(spec: dict) -> None:
     engine = _engine_info(llm, time.perf_counter() - start)
     print("bench_ddtree worker: engine " + json.dumps(engine), flush=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    for batch, temperature in spec["runs"]:
-        row = measure(llm, SamplingParams, spec["requests"][str(batch)], batch,
-                      temperature, spec)
-        row.update(spec["row"], engine=engine, gpu=gpu,
-                   time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    for k, (batch, temperature) in enumerate(spec["runs"]):
+        # Under --settings defaults every run tags its prompts from its own range.
+        run_spec = {**spec, "tag_base": k * TAGS_PER_RUN}
+        row = measure(
+            llm,
+            SamplingParams,
+            spec["requests"][str(batch)],
+            batch,
+            temperature,
+            run_spec,
+        )
+        row.update(
+            spec["row"], engine=engine, gpu=gpu, time=time.strftime("%Y-%m-%dT%H:%M:%S")
+        )
         append_row(Path(spec["out"]), row)
         print("bench_ddtree worker: row " + json.dumps(row), flush=True)
 
@@ -775,39 +970,62 @@ def _engine_info(llm, startup_s: float) -> dict:
 
 
 def _as_input(prompt) -> dict:
-    return {"prompt_token_ids": prompt} if isinstance(prompt, list) else {
-        "prompt": prompt}
+    return (
+        {"prompt_token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
+    )
 
 
-def measure(llm, sampling_cls, requests: list, batch: int, temperature: float,
-            spec: dict) -> dict:
+def measure(
+    llm, sampling_cls, requests: list, batch: int, temperature: float, spec: dict
+) -> dict:
     """Warm-up, prefill-only (max_tokens=1) and timed generation of ``requests``
     in waves of ``batch``, or all in one call under ``arrivals: continuous`` (the
     engine's max_num_seqs = batch admits a new request as one finishes); one
     result row."""
-    waves = [[_as_input(p) for p in requests[i:i + batch]]
-             for i in range(0, len(requests), batch)]
-    calls = waves
-    if spec.get("arrivals", "waves") == "continuous":
-        calls = [[r for wave in waves for r in wave]]
+    fresh = spec.get("settings", "tuned") == "defaults"
+
+    def waves_of(phase: int) -> list:
+        """Phase 0 warm-up, 1 prefill-only, 2 timed: under defaults each phase
+        of each (batch, temperature) sends prompts the engine has not seen."""
+        tags = spec.get("tag_base", 0) + phase * len(requests)
+        prompts = [
+            fresh_prompt(p, tags + i) if fresh else p for i, p in enumerate(requests)
+        ]
+        return [
+            [_as_input(p) for p in prompts[i : i + batch]]
+            for i in range(0, len(prompts), batch)
+        ]
+
+    def calls_of(phase: int) -> list:
+        waves = waves_of(phase)
+        if spec.get("arrivals", "waves") == "continuous":
+            return [[r for wave in waves for r in wave]]
+        return waves
 
     def params(max_tokens: int):
-        return sampling_cls(temperature=temperature, max_tokens=max_tokens,
-                            ignore_eos=spec["ignore_eos"],
-                            detokenize=spec["detokenize"])
+        return sampling_cls(
+            temperature=temperature,
+            max_tokens=max_tokens,
+            ignore_eos=spec["ignore_eos"],
+            detokenize=spec["detokenize"],
+        )
 
-    def timed(max_tokens: int):
+    def timed(max_tokens: int, phase: int):
+        calls = calls_of(phase)
         before = metric_totals(llm.get_metrics())
         start = time.perf_counter()
-        outputs = [o for call in calls
-                   for o in llm.generate(call, params(max_tokens), use_tqdm=False)]
+        outputs = [
+            o
+            for call in calls
+            for o in llm.generate(call, params(max_tokens), use_tqdm=False)
+        ]
         wall = time.perf_counter() - start
         delta = metric_delta(before, metric_totals(llm.get_metrics()))
         return wall, delta, sum(len(o.outputs[0].token_ids) for o in outputs)
 
-    llm.generate(waves[0], params(min(16, spec["max_tokens"])), use_tqdm=False)
-    prefill_wall, prefill, _ = timed(1)
-    wall, full, tokens = timed(spec["max_tokens"])
+    llm.generate(waves_of(0)[0], params(min(16, spec["max_tokens"])), use_tqdm=False)
+    prefill_wall, prefill, _ = timed(1, 1)
+    wall, full, tokens = timed(spec["max_tokens"], 2)
     return {
         "batch": batch,
         "temperature": float(temperature),
@@ -843,7 +1061,8 @@ def serve_row(result: dict) -> dict:
         "num_drafts": drafts,
         "num_draft_tokens": result.get("spec_decode_draft_tokens"),
         "num_accepted_tokens": result.get("spec_decode_accepted_tokens"),
-        "acceptance_length": result.get("spec_decode_acceptance_length") if drafts
+        "acceptance_length": result.get("spec_decode_acceptance_length")
+        if drafts
         else None,
         "per_depth": per_depth[:DFLASH_TOKENS],
     }
@@ -855,9 +1074,11 @@ def _plugin_site(path: Path) -> Path:
     info = path / "vllm_ddtree-0.1.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.1.0\n")
+        "Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.1.0\n"
+    )
     (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nddtree = vllm_ddtree:register\n")
+        "[vllm.general_plugins]\nddtree = vllm_ddtree:register\n"
+    )
     return path
 
 
@@ -882,14 +1103,28 @@ def _wait_healthy(base: str, proc: subprocess.Popen, deadline: float) -> bool:
 def serve_command(args, config: str, max_batch: int, port: int) -> list[str]:
     kw = engine_kwargs(args, config, max_batch)
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", kw["model"],
-        "--served-model-name", SERVED_NAME,
-        "--max-model-len", str(kw["max_model_len"]),
-        "--max-num-seqs", str(kw["max_num_seqs"]),
-        "--gpu-memory-utilization", str(kw["gpu_memory_utilization"]),
-        "--seed", str(kw["seed"]), "--no-enable-prefix-caching",
-        "--host", "127.0.0.1", "--port", str(port),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        kw["model"],
+        "--served-model-name",
+        SERVED_NAME,
+        "--max-model-len",
+        str(kw["max_model_len"]),
+        "--seed",
+        str(kw["seed"]),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
     ]
+    if "max_num_seqs" in kw:
+        cmd += ["--max-num-seqs", str(kw["max_num_seqs"])]
+    if "gpu_memory_utilization" in kw:
+        cmd += ["--gpu-memory-utilization", str(kw["gpu_memory_utilization"])]
+    if kw.get("enable_prefix_caching") is False:
+        cmd += ["--no-enable-prefix-caching"]
     if "speculative_config" in kw:
         cmd += ["--speculative-config", json.dumps(kw["speculative_config"])]
     if "compilation_config" in kw:
@@ -904,29 +1139,122 @@ def write_serve_dataset(prompts: list[str], path: Path) -> Path:
     vLLM does not depend on, while ShareGPT's is plain ``json`` and sends the text
     as it is (no chat template). The empty second turn only satisfies the loader;
     ``--sharegpt-output-len`` sets the output length."""
-    path.write_text(json.dumps([
-        {"id": str(i), "conversations": [{"from": "human", "value": p},
-                                         {"from": "gpt", "value": ""}]}
-        for i, p in enumerate(prompts)]))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "id": str(i),
+                    "conversations": [
+                        {"from": "human", "value": p},
+                        {"from": "gpt", "value": ""},
+                    ],
+                }
+                for i, p in enumerate(prompts)
+            ]
+        )
+    )
     return path
 
 
-def bench_command(args, base: str, dataset: Path, batch: int, temperature: float,
-                  result: Path) -> list[str]:
+def bench_command(
+    args,
+    base: str,
+    dataset: Path,
+    batch: int,
+    temperature: float,
+    result: Path,
+    num_prompts: int | None = None,
+    num_warmups: int | None = None,
+) -> list[str]:
+    """``vllm bench serve`` at concurrency ``batch`` (and ``--request-rate``).
+    vLLM's warm-up requests repeat the dataset's first prompt: under
+    ``--settings defaults`` the caller warms up with a dataset of its own and
+    passes ``num_warmups=0``."""
+    if num_prompts is None:
+        num_prompts = max(args.num_prompts, batch * args.min_waves)
+    if num_warmups is None:
+        num_warmups = batch
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-        "--backend", "vllm", "--base-url", base,
-        "--model", str(args.target), "--served-model-name", SERVED_NAME,
-        "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
-        "--sharegpt-output-len", str(args.max_tokens),
-        "--disable-shuffle", "--seed", str(args.seed),
-        "--num-prompts", str(max(args.num_prompts, batch * args.min_waves)),
-        "--max-concurrency", str(batch), "--num-warmups", str(batch),
-        "--temperature", str(temperature), "--disable-tqdm",
-        "--save-result", "--result-dir", str(result.parent),
-        "--result-filename", result.name,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        base,
+        "--model",
+        str(args.target),
+        "--served-model-name",
+        SERVED_NAME,
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(dataset),
+        "--sharegpt-output-len",
+        str(args.max_tokens),
+        "--disable-shuffle",
+        "--seed",
+        str(args.seed),
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(batch),
+        "--request-rate",
+        str(getattr(args, "request_rate", "inf")),
+        "--num-warmups",
+        str(num_warmups),
+        "--temperature",
+        str(temperature),
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(result.parent),
+        "--result-filename",
+        result.name,
     ]
     return cmd + (["--ignore-eos"] if args.ignore_eos else [])
+
+
+def serve_run_commands(
+    args, base, prompts, dataset, batch, temperature, result, k
+) -> list[list[str]]:
+    """The ``vllm bench serve`` commands of run ``k``: tuned, one over the shared
+    dataset with vLLM's warm-up; defaults, a warm-up over ``batch`` tagged
+    prompts, then the timed run over prompts tagged for it alone (prefix
+    caching is on: nothing timed may hit a block an earlier request wrote)."""
+    if settings_of(args) == "tuned":
+        return [bench_command(args, base, dataset, batch, temperature, result)]
+    n = max(args.num_prompts, batch * args.min_waves)
+    tag = k * TAGS_PER_RUN
+    warm = [fresh_prompt(prompts[i % len(prompts)], tag + i) for i in range(batch)]
+    timed = [fresh_prompt(prompts[i % len(prompts)], tag + batch + i) for i in range(n)]
+    warm_set = write_serve_dataset(warm, result.with_suffix(".warmup_prompts.json"))
+    timed_set = write_serve_dataset(timed, result.with_suffix(".prompts.json"))
+    warm_result = result.with_suffix(".warmup.json")
+    return [
+        bench_command(
+            args,
+            base,
+            warm_set,
+            batch,
+            temperature,
+            warm_result,
+            num_prompts=batch,
+            num_warmups=0,
+        ),
+        bench_command(
+            args,
+            base,
+            timed_set,
+            batch,
+            temperature,
+            result,
+            num_prompts=n,
+            num_warmups=0,
+        ),
+    ]
 
 
 def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> bool:
@@ -935,33 +1263,50 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
     dataset = write_serve_dataset(prompts, logs / "prompts_sharegpt.json")
     env = _worker_env(engine_in_process=False)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(_plugin_site(logs / "plugin_site")), str(ROOT), env.get("PYTHONPATH", "")])
+        [str(_plugin_site(logs / "plugin_site")), str(ROOT), env.get("PYTHONPATH", "")]
+    )
     deadline = time.monotonic() + min(time_left, 1e9)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     ok = True
     with (logs / f"{config}.log").open("a") as log:
-        server = subprocess.Popen(serve_command(args, config, max_batch, port),
-                                  stdout=log, stderr=subprocess.STDOUT, env=env,
-                                  cwd=ROOT, start_new_session=True)
+        server = subprocess.Popen(
+            serve_command(args, config, max_batch, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
         try:
             if not _wait_healthy(base, server, deadline):
                 print(f"    {config}: server did not come up (see its log)")
                 return False
-            for batch, temperature in runs:
+            for k, (batch, temperature) in enumerate(runs):
                 result = logs / f"{config}_b{batch}_t{temperature}.json"
-                good = _run_logged(
-                    bench_command(args, base, dataset, batch, temperature, result),
-                    log, deadline - time.monotonic(), env)
+                commands = serve_run_commands(
+                    args, base, prompts, dataset, batch, temperature, result, k
+                )
+                good = all(
+                    _run_logged(cmd, log, deadline - time.monotonic(), env)
+                    for cmd in commands
+                )
                 if not good or not result.is_file():
                     ok = False
                     break
                 row = serve_row(json.loads(result.read_text()))
-                row.update(mode="serve", config=config, run_id=rid, batch=batch,
-                           temperature=float(temperature), max_tokens=args.max_tokens,
-                           tree_budget=budget_of(config),
-                           **_schedule_field(args, config),
-                           time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                row.update(
+                    mode="serve",
+                    settings=settings_of(args),
+                    config=config,
+                    run_id=rid,
+                    batch=batch,
+                    temperature=float(temperature),
+                    max_tokens=args.max_tokens,
+                    tree_budget=budget_of(config),
+                    **_schedule_field(args, config),
+                    time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                )
                 append_row(args.out, row)
         finally:
             _kill_group(server)
@@ -984,8 +1329,11 @@ def report_main(args) -> int:
     missing = [d for d in args.dirs if not (d / RESULTS_FILE).is_file()]
     if missing:
         raise ValueError(f"no {RESULTS_FILE} in {', '.join(map(str, missing))}")
-    setups = [json.loads((d / SETUP_FILE).read_text()) for d in args.dirs
-              if (d / SETUP_FILE).is_file()]
+    setups = [
+        json.loads((d / SETUP_FILE).read_text())
+        for d in args.dirs
+        if (d / SETUP_FILE).is_file()
+    ]
     for other, d in zip(setups[1:], args.dirs[1:]):
         check_setup(setups[0], other, str(d))
     rows = merge_rows(load_rows(args.dirs))
@@ -994,7 +1342,8 @@ def report_main(args) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / RESULTS_FILE).write_text(
-            "".join(json.dumps(r) + "\n" for r in rows))
+            "".join(json.dumps(r) + "\n" for r in rows)
+        )
         if setups:
             (args.out / SETUP_FILE).write_text(json.dumps(setups[0], indent=1))
         (args.out / REPORT_FILE).write_text(text)

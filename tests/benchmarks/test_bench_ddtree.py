@@ -28,17 +28,26 @@ PAIR = Path(bd.__file__).parent / "models" / "pycode"
 
 def test_configs_expand_and_sort():
     assert bd.parse_configs("ddtree,dflash,none", [128, 16]) == [
-        "none", "dflash", "ddtree-16", "ddtree-128"]
+        "none",
+        "dflash",
+        "ddtree-16",
+        "ddtree-128",
+    ]
     assert bd.parse_configs("ddtree-512, none,ddtree-512", [16]) == [
-        "none", "ddtree-512"]
+        "none",
+        "ddtree-512",
+    ]
 
 
-@pytest.mark.parametrize("text, match", [
-    ("eagle", "unknown config 'eagle'"),
-    ("ddtree-0", r"tree_budget must be in \[1, 1024\]"),
-    ("ddtree-2048", r"tree_budget must be in \[1, 1024\]"),
-    ("ddtree-x", "unknown config"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("eagle", "unknown config 'eagle'"),
+        ("ddtree-0", r"tree_budget must be in \[1, 1024\]"),
+        ("ddtree-2048", r"tree_budget must be in \[1, 1024\]"),
+        ("ddtree-x", "unknown config"),
+    ],
+)
 def test_bad_configs(text, match):
     with pytest.raises(ValueError, match=match):
         bd.parse_configs(text, [16])
@@ -72,12 +81,18 @@ def test_cost_defaults(tmp_path):
 
 def _pair(tmp_path):
     for name in ("target", "drafter"):
-        (tmp_path / name).mkdir()
+        (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / name / "config.json").write_text("{}")
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["a b c", "d e"]))
-    return ["--target", str(tmp_path / "target"), "--drafter",
-            str(tmp_path / "drafter"), "--prompts", str(prompts)]
+    return [
+        "--target",
+        str(tmp_path / "target"),
+        "--drafter",
+        str(tmp_path / "drafter"),
+        "--prompts",
+        str(prompts),
+    ]
 
 
 def test_e2e_defaults(tmp_path):
@@ -86,17 +101,20 @@ def test_e2e_defaults(tmp_path):
     assert args.num_prompts == 32 and not args.ignore_eos
 
 
-@pytest.mark.parametrize("extra, match", [
-    (["--max-tokens", "1"], "--max-tokens must be >= 2"),
-    (["--batches", "1,-8"], "--batches must be >= 1"),
-    (["--budgets", "0"], r"--budgets must be in \[1, 1024\]"),
-    (["--temperatures", "0,hot"], "--temperatures must be a comma list"),
-    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
-    (["--limit-seconds", "-1"], "--limit-seconds must be >= 0"),
-    (["--waves", "0"], "--waves must be >= 1"),
-    (["--input-len", "4000", "--max-model-len", "4096"], "exceed --max-model-len"),
-    (["--target", "/nonexistent"], "--target /nonexistent: no config.json"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+        (["--batches", "1,-8"], "--batches must be >= 1"),
+        (["--budgets", "0"], r"--budgets must be in \[1, 1024\]"),
+        (["--temperatures", "0,hot"], "--temperatures must be a comma list"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--limit-seconds", "-1"], "--limit-seconds must be >= 0"),
+        (["--waves", "0"], "--waves must be >= 1"),
+        (["--input-len", "4000", "--max-model-len", "4096"], "exceed --max-model-len"),
+        (["--target", "/nonexistent"], "--target /nonexistent: no config.json"),
+    ],
+)
 def test_bad_cost_args(tmp_path, capsys, extra, match):
     with pytest.raises(SystemExit) as err:
         bd.parse_args(["cost", "--out", str(tmp_path), *extra])
@@ -114,8 +132,17 @@ def test_e2e_needs_a_pair(tmp_path, capsys):
         bd.parse_args(["e2e", "--out", str(tmp_path), *pair])
     assert "missing.json: no such file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bd.parse_args(["e2e", "--out", str(tmp_path), *pair[:-1],
-                       str(tmp_path / "prompts.json"), "--min-waves", "0"])
+        bd.parse_args(
+            [
+                "e2e",
+                "--out",
+                str(tmp_path),
+                *pair[:-1],
+                str(tmp_path / "prompts.json"),
+                "--min-waves",
+                "0",
+            ]
+        )
     assert "--min-waves must be >= 1" in capsys.readouterr().err
 
 
@@ -148,8 +175,16 @@ def test_continuous_arrivals_option(tmp_path, capsys):
     for mode in ("cost", "serve"):
         extra = [] if mode == "cost" else pair
         with pytest.raises(SystemExit):
-            bd.parse_args([mode, "--out", str(tmp_path / mode), *extra,
-                           "--arrivals", "continuous"])
+            bd.parse_args(
+                [
+                    mode,
+                    "--out",
+                    str(tmp_path / mode),
+                    *extra,
+                    "--arrivals",
+                    "continuous",
+                ]
+            )
         assert "unrecognized arguments: --arrivals" in capsys.readouterr().err
 
 
@@ -184,9 +219,15 @@ def test_speculative_configs():
     drafter = Path("/d")
     assert bd.speculative_config("none", drafter) is None
     assert bd.speculative_config("dflash", drafter) == {
-        "method": "dflash", "model": "/d", "num_speculative_tokens": 15}
+        "method": "dflash",
+        "model": "/d",
+        "num_speculative_tokens": 15,
+    }
     assert bd.speculative_config("ddtree-128", drafter) == {
-        "method": "ddtree", "model": "/d", "tree_budget": 128}
+        "method": "ddtree",
+        "model": "/d",
+        "tree_budget": 128,
+    }
 
 
 def test_step_tokens_and_skipped_batches():
@@ -209,15 +250,50 @@ def test_capture_sizes_follow_the_ddtree_ladder():
 
 
 def test_engine_kwargs(tmp_path):
+    """--settings defaults (the default) leaves every engine setting a user
+    would not set to vLLM; tuned is the earlier benchmark's."""
     args = bd.parse_args(["cost", "--out", str(tmp_path)])
+    assert args.settings == "defaults"
     kw = bd.engine_kwargs(args, "dflash", 64)
     assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"]
-    assert kw["max_num_seqs"] == 64 and not kw["disable_log_stats"]
+    assert not kw["disable_log_stats"]
+    for key in ("max_num_seqs", "enable_prefix_caching", "compilation_config",
+                "gpu_memory_utilization"):
+        assert key not in kw, key
+    args = bd.parse_args(["cost", "--out", str(tmp_path), "--settings", "tuned"])
+    kw = bd.engine_kwargs(args, "dflash", 64)
+    assert kw["max_num_seqs"] == 64 and kw["gpu_memory_utilization"] == 0.85
     assert not kw["enable_prefix_caching"]
     assert kw["compilation_config"]["cudagraph_capture_sizes"][-1] == 1024
     kw = bd.engine_kwargs(args, "ddtree-256", 16)
     assert kw["speculative_config"]["tree_budget"] == 256
     assert "compilation_config" not in kw and "max_num_batched_tokens" not in kw
+
+
+def test_defaults_continuous_arrivals_set_only_the_concurrency(tmp_path):
+    args = bd.parse_args(
+        ["e2e", "--out", str(tmp_path / "o"), *_pair(tmp_path), "--arrivals",
+         "continuous", "--batches", "8"]
+    )
+    kw = bd.engine_kwargs(args, "dflash", 8)
+    assert kw["max_num_seqs"] == 8
+    assert "enable_prefix_caching" not in kw and "compilation_config" not in kw
+    assert bd.setup_of(args)["settings"] == "defaults"
+    tuned = bd.parse_args(
+        ["e2e", "--out", str(tmp_path / "t"), *_pair(tmp_path), "--settings", "tuned"]
+    )
+    assert "settings" not in bd.setup_of(tuned)  # what earlier setups meant
+
+
+def test_fresh_prompts_share_no_prefix_block():
+    text = "def f(x):\n    return x\n"
+    a, b = bd.fresh_prompt(text, 1), bd.fresh_prompt(text, 2)
+    assert a != b and a.endswith(text) and a.startswith("# request 1\n")
+    tokens = list(range(100, 140))
+    tagged = [bd.fresh_prompt(tokens, t) for t in (0, 1, 151643, 3_000_001)]
+    assert len({tuple(t[:2]) for t in tagged}) == 4
+    assert all(len(t) == 40 and t[2:] == tokens[2:] for t in tagged)
+    assert bd.fresh_prompt([7], 5) == [5]
 
 
 def test_schedule_config(tmp_path):
@@ -228,26 +304,45 @@ def test_schedule_config(tmp_path):
     path = tmp_path / "schedule.json"
     path.write_text(json.dumps(schedule))
     for given in (json.dumps(schedule), str(path)):
-        args = bd.parse_args(["cost", "--out", str(tmp_path / "o"), "--configs",
-                              "dflash,ddtree-schedule,ddtree-64",
-                              "--schedule", given])
+        args = bd.parse_args(
+            [
+                "cost",
+                "--out",
+                str(tmp_path / "o"),
+                "--configs",
+                "dflash,ddtree-schedule,ddtree-64",
+                "--schedule",
+                given,
+            ]
+        )
         assert args.schedule == schedule
         assert args.configs == ["dflash", "ddtree-64", "ddtree-schedule"]
     kw = bd.engine_kwargs(args, "ddtree-schedule", 64)
     assert kw["speculative_config"]["tree_budget_per_batch_size"] == schedule
     assert "compilation_config" not in kw
     assert [bd.schedule_budget(schedule, b) for b in (1, 2, 16, 17, 64, 100)] == [
-        512, 128, 128, 32, 32, 32]
+        512,
+        128,
+        128,
+        32,
+        32,
+        32,
+    ]
     assert bd.step_tokens("ddtree-schedule", 16, schedule) == 16 * 129
-    assert bd.fitting_batches("ddtree-schedule", [1, 16, 64, 512], 10000,
-                              schedule) == ([1, 16, 64], [512])
+    assert bd.fitting_batches("ddtree-schedule", [1, 16, 64, 512], 10000, schedule) == (
+        [1, 16, 64],
+        [512],
+    )
     assert bd.setup_of(args)["schedule"] == schedule
     assert "schedule" not in bd.setup_of(
-        bd.parse_args(["cost", "--out", str(tmp_path / "p")]))
+        bd.parse_args(["cost", "--out", str(tmp_path / "p")])
+    )
     spec = bd.worker_spec(args, "ddtree-schedule", 1, [(1, 0.0)], None, "r")
     assert spec["row"]["tree_budget_per_batch_size"] == schedule
-    assert "tree_budget_per_batch_size" not in bd.worker_spec(
-        args, "ddtree-64", 1, [(1, 0.0)], None, "r")["row"]
+    assert (
+        "tree_budget_per_batch_size"
+        not in bd.worker_spec(args, "ddtree-64", 1, [(1, 0.0)], None, "r")["row"]
+    )
 
 
 def test_auto_config(tmp_path):
@@ -256,8 +351,9 @@ def test_auto_config(tmp_path):
     from vllm.v1.spec_decode.ddtree_config import AUTO_TREE_BUDGET_PER_BATCH_SIZE
 
     auto = [list(e) for e in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
-    args = bd.parse_args(["cost", "--out", str(tmp_path), "--configs",
-                          "ddtree-auto,dflash,ddtree-64"])
+    args = bd.parse_args(
+        ["cost", "--out", str(tmp_path), "--configs", "ddtree-auto,dflash,ddtree-64"]
+    )
     assert args.configs == ["dflash", "ddtree-64", "ddtree-auto"]
     kw = bd.engine_kwargs(args, "ddtree-auto", 64)
     assert kw["speculative_config"]["tree_budget"] == "auto"
@@ -265,19 +361,22 @@ def test_auto_config(tmp_path):
     assert "compilation_config" not in kw
     for batch in (1, 4, 5, 64):
         assert bd.step_tokens("ddtree-auto", batch) == batch * (
-            bd.schedule_budget(auto, batch) + 1)
+            bd.schedule_budget(auto, batch) + 1
+        )
     assert "schedule" not in bd.setup_of(args)
     row = bd.worker_spec(args, "ddtree-auto", 1, [(1, 0.0)], None, "r")["row"]
     assert row["tree_budget_per_batch_size"] == auto
 
 
 def test_auto_target_check():
-    rows = rep.with_ratios([
-        _row("dflash", 1, tok_s=400.0, acceptance_length=5.0),
-        _row("ddtree-auto", 1, tok_s=480.0, acceptance_length=6.0),
-        _row("dflash", 64, tok_s=4000.0, acceptance_length=5.0),
-        _row("ddtree-auto", 64, tok_s=3960.0, acceptance_length=5.2),
-    ])
+    rows = rep.with_ratios(
+        [
+            _row("dflash", 1, tok_s=400.0, acceptance_length=5.0),
+            _row("ddtree-auto", 1, tok_s=480.0, acceptance_length=6.0),
+            _row("dflash", 64, tok_s=4000.0, acceptance_length=5.0),
+            _row("ddtree-auto", 64, tok_s=3960.0, acceptance_length=5.2),
+        ]
+    )
     assert rep.target_checks(rows, "e2e") == [
         "ddtree-auto, batch 1, T=0: throughput 1.200 x DFlash's (target >= 1.0): met",
         "ddtree-auto, batch 64, T=0: throughput 0.990 x DFlash's (target >= 1.0): "
@@ -291,10 +390,14 @@ def test_auto_target_check():
     "extra, match",
     [
         (["--configs", "ddtree-schedule"], "ddtree-schedule needs --schedule"),
-        (["--configs", "ddtree-schedule", "--schedule", "[[2, 8, 16]]"],
-         "first batch-size range must start at 1"),
-        (["--configs", "ddtree-schedule", "--schedule", "[[1, 8, 0]]"],
-         r"must be in \[1, 1024\], got 0"),
+        (
+            ["--configs", "ddtree-schedule", "--schedule", "[[2, 8, 16]]"],
+            "first batch-size range must start at 1",
+        ),
+        (
+            ["--configs", "ddtree-schedule", "--schedule", "[[1, 8, 0]]"],
+            r"must be in \[1, 1024\], got 0",
+        ),
         (["--schedule", "not json"], "--schedule must be JSON"),
     ],
 )
@@ -307,12 +410,18 @@ def test_bad_schedule(tmp_path, capsys, extra, match):
 def test_8b_model_configs():
     target = json.loads((MODEL_CONFIGS / "qwen3_8b" / "config.json").read_text())
     drafter = json.loads(
-        (MODEL_CONFIGS / "dflash_qwen3_8b" / "config.json").read_text())
+        (MODEL_CONFIGS / "dflash_qwen3_8b" / "config.json").read_text()
+    )
     assert target["architectures"] == ["Qwen3ForCausalLM"]
-    assert (target["hidden_size"], target["num_hidden_layers"],
-            target["num_attention_heads"], target["num_key_value_heads"],
-            target["head_dim"], target["intermediate_size"],
-            target["vocab_size"]) == (4096, 36, 32, 8, 128, 12288, 151936)
+    assert (
+        target["hidden_size"],
+        target["num_hidden_layers"],
+        target["num_attention_heads"],
+        target["num_key_value_heads"],
+        target["head_dim"],
+        target["intermediate_size"],
+        target["vocab_size"],
+    ) == (4096, 36, 32, 8, 128, 12288, 151936)
     assert target["rope_theta"] == 1000000 and target["rms_norm_eps"] == 1e-6
     assert not target["tie_word_embeddings"]
     assert drafter["architectures"] == ["DFlashDraftModel"]
@@ -329,8 +438,9 @@ def cuda_platform(monkeypatch):
     from vllm.platforms import current_platform
 
     if current_platform.device_type == "":
-        monkeypatch.setattr(type(current_platform), "device_type", "cuda",
-                            raising=False)
+        monkeypatch.setattr(
+            type(current_platform), "device_type", "cuda", raising=False
+        )
 
 
 @pytest.mark.parametrize("config", ["dflash", "ddtree-128"])
@@ -352,9 +462,15 @@ def test_8b_configs_pass_vllms_checks(tmp_path, cuda_platform, config):
     assert vllm_config.model_config.get_vocab_size() == 151936
     if config == "ddtree-128":
         assert vllm_config.additional_config["vllm_ddtree"] == {
-            "method": "ddtree", "tree_budget": 128, "draft_depth": 15,
-            "step_budgets": []}
-        assert vllm_config.scheduler_config.max_num_batched_tokens >= 16 * 129
+            "method": "ddtree",
+            "tree_budget": 128,
+            "draft_depth": 15,
+            "step_budgets": [],
+        }
+        # vLLM's default step budget (the platform's), with max_num_seqs fitted
+        # to hold full trees.
+        sched = vllm_config.scheduler_config
+        assert sched.max_num_seqs * 129 <= sched.max_num_batched_tokens
 
 
 # ---------------------------------------------------------------------------
@@ -364,8 +480,17 @@ def test_8b_configs_pass_vllms_checks(tmp_path, cuda_platform, config):
 
 def test_load_prompts_formats(tmp_path):
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({"about": "x", "prompts": [
-        {"source": "a.py", "text": "def f():"}, {"text": "import os"}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "about": "x",
+                "prompts": [
+                    {"source": "a.py", "text": "def f():"},
+                    {"text": "import os"},
+                ],
+            }
+        )
+    )
     assert bd.load_prompts(path) == ["def f():", "import os"]
     path.write_text(json.dumps([[1, 2, 3], [4]]))
     assert bd.load_prompts(path) == [[1, 2, 3], [4]]
@@ -374,14 +499,17 @@ def test_load_prompts_formats(tmp_path):
     assert bd.load_prompts(jsonl) == [[5, 6], [7]]
 
 
-@pytest.mark.parametrize("content, match", [
-    ([], "non-empty list"),
-    ({"other": []}, "non-empty list"),
-    (["text", [1, 2]], "mixes texts and token-id lists"),
-    (["ok", ""], "prompt 1 is neither"),
-    ([[1, -2]], "prompt 0 is neither"),
-    ([[True]], "prompt 0 is neither"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ([], "non-empty list"),
+        ({"other": []}, "non-empty list"),
+        (["text", [1, 2]], "mixes texts and token-id lists"),
+        (["ok", ""], "prompt 1 is neither"),
+        ([[1, -2]], "prompt 0 is neither"),
+        ([[True]], "prompt 0 is neither"),
+    ],
+)
 def test_bad_prompt_files(tmp_path, content, match):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(content))
@@ -418,34 +546,49 @@ def _vector(name, values):
 
 
 def _histogram(name, count):
-    return types.SimpleNamespace(name=name, labels={}, count=count, sum=0.0,
-                                 buckets={})
+    return types.SimpleNamespace(name=name, labels={}, count=count, sum=0.0, buckets={})
 
 
 def test_metric_totals_sum_label_sets():
-    totals = rep.metric_totals([
-        _counter(rep.DRAFTS, 3, "0"), _counter(rep.DRAFTS, 4, "1"),
-        _vector(rep.ACCEPTED_PER_POS, [3, 1]),
-        _vector(rep.ACCEPTED_PER_POS, [1, 1, 1]),
-        _histogram(rep.STEPS, 9),
-    ])
+    totals = rep.metric_totals(
+        [
+            _counter(rep.DRAFTS, 3, "0"),
+            _counter(rep.DRAFTS, 4, "1"),
+            _vector(rep.ACCEPTED_PER_POS, [3, 1]),
+            _vector(rep.ACCEPTED_PER_POS, [1, 1, 1]),
+            _histogram(rep.STEPS, 9),
+        ]
+    )
     assert totals == {rep.DRAFTS: 7, rep.ACCEPTED_PER_POS: [4, 2, 1], rep.STEPS: 9}
 
 
 def test_metric_delta():
     before = {rep.DRAFTS: 10, rep.ACCEPTED_PER_POS: [5, 2], rep.STEPS: 3}
-    after = {rep.DRAFTS: 14, rep.ACCEPTED_PER_POS: [8, 4, 1], rep.STEPS: 10,
-             rep.ACCEPTED: 5}
+    after = {
+        rep.DRAFTS: 14,
+        rep.ACCEPTED_PER_POS: [8, 4, 1],
+        rep.STEPS: 10,
+        rep.ACCEPTED: 5,
+    }
     assert rep.metric_delta(before, after) == {
-        rep.DRAFTS: 4, rep.ACCEPTED_PER_POS: [3, 2, 1], rep.STEPS: 7,
-        rep.ACCEPTED: 5}
+        rep.DRAFTS: 4,
+        rep.ACCEPTED_PER_POS: [3, 2, 1],
+        rep.STEPS: 7,
+        rep.ACCEPTED: 5,
+    }
 
 
 def test_spec_stats():
     # 4 trees of budget 32: paths of depth 3, 2, 0, 1 -> 6 accepted tokens.
     per_pos = [3, 2, 1] + [0] * 29  # vLLM sizes the vector by the budget
-    stats = rep.spec_stats({rep.DRAFTS: 4, rep.ACCEPTED: 6, rep.DRAFT_TOKENS: 128,
-                            rep.ACCEPTED_PER_POS: per_pos})
+    stats = rep.spec_stats(
+        {
+            rep.DRAFTS: 4,
+            rep.ACCEPTED: 6,
+            rep.DRAFT_TOKENS: 128,
+            rep.ACCEPTED_PER_POS: per_pos,
+        }
+    )
     assert stats["acceptance_length"] == 1 + 6 / 4
     assert stats["draft_acceptance_rate"] == 6 / 128
     assert stats["per_depth"] == [0.75, 0.5, 0.25] + [0.0] * 12
@@ -459,8 +602,9 @@ def test_spec_stats():
 def test_timing_stats():
     full = {rep.STEPS: 130}
     prefill = {rep.STEPS: 2}
-    t = rep.timing_stats(full, prefill, wall_s=2.0, prefill_wall_s=0.72,
-                         output_tokens=400)
+    t = rep.timing_stats(
+        full, prefill, wall_s=2.0, prefill_wall_s=0.72, output_tokens=400
+    )
     assert t["tok_s"] == 200.0 and t["steps"] == 130
     assert math.isclose(t["decode_ms_per_step"], 1000 * 1.28 / 128)
     assert math.isclose(t["ms_per_step"], 2000 / 130)
@@ -474,16 +618,23 @@ class FakeLLM:
 
     def __init__(self, clock, tau=1, budget=0):
         self.clock, self.tau, self.budget = clock, tau, budget
-        self.totals = {rep.STEPS: 0, rep.DRAFTS: 0, rep.ACCEPTED: 0,
-                       rep.DRAFT_TOKENS: 0, rep.ACCEPTED_PER_POS: [0] * max(budget, 1)}
+        self.totals = {
+            rep.STEPS: 0,
+            rep.DRAFTS: 0,
+            rep.ACCEPTED: 0,
+            rep.DRAFT_TOKENS: 0,
+            rep.ACCEPTED_PER_POS: [0] * max(budget, 1),
+        }
         self.calls = []
 
     def get_metrics(self):
-        return [_histogram(rep.STEPS, self.totals[rep.STEPS]),
-                _counter(rep.DRAFTS, self.totals[rep.DRAFTS]),
-                _counter(rep.ACCEPTED, self.totals[rep.ACCEPTED]),
-                _counter(rep.DRAFT_TOKENS, self.totals[rep.DRAFT_TOKENS]),
-                _vector(rep.ACCEPTED_PER_POS, list(self.totals[rep.ACCEPTED_PER_POS]))]
+        return [
+            _histogram(rep.STEPS, self.totals[rep.STEPS]),
+            _counter(rep.DRAFTS, self.totals[rep.DRAFTS]),
+            _counter(rep.ACCEPTED, self.totals[rep.ACCEPTED]),
+            _counter(rep.DRAFT_TOKENS, self.totals[rep.DRAFT_TOKENS]),
+            _vector(rep.ACCEPTED_PER_POS, list(self.totals[rep.ACCEPTED_PER_POS])),
+        ]
 
     def generate(self, wave, params, use_tqdm=True):
         self.calls.append((len(wave), params.max_tokens, params.temperature))
@@ -496,8 +647,9 @@ class FakeLLM:
             self.totals[rep.DRAFT_TOKENS] += len(wave) * decode * self.budget
             for d in range(self.tau - 1):
                 self.totals[rep.ACCEPTED_PER_POS][d] += len(wave) * decode
-        out = types.SimpleNamespace(outputs=[types.SimpleNamespace(
-            token_ids=[0] * params.max_tokens)])
+        out = types.SimpleNamespace(
+            outputs=[types.SimpleNamespace(token_ids=[0] * params.max_tokens)]
+        )
         return [out] * len(wave)
 
 
@@ -529,14 +681,41 @@ def test_measure_with_a_fake_engine(monkeypatch):
     assert math.isclose(row["tok_s"], 6 * 33 / 0.27)
 
 
+class RecordingLLM(FakeLLM):
+    def generate(self, wave, params, use_tqdm=True):
+        self.prompts = getattr(self, "prompts", []) + [r["prompt"] for r in wave]
+        return super().generate(wave, params, use_tqdm)
+
+
+def test_measure_under_defaults_never_repeats_a_prompt(monkeypatch):
+    """Warm-up, prefill-only and timed passes, and two runs of one engine,
+    each send prompts the engine has not seen (prefix caching is on)."""
+    clock = Clock()
+    monkeypatch.setattr(bd, "time", clock)
+    llm = RecordingLLM(clock, tau=4, budget=64)
+    spec = {"max_tokens": 9, "ignore_eos": True, "detokenize": True,
+            "settings": "defaults"}
+    for k in range(2):
+        bd.measure(llm, _params, ["x = 1\n"] * 4, 2, 0.0,
+                   {**spec, "tag_base": k * bd.TAGS_PER_RUN})
+    # Per run: 2 warm-up prompts (one wave) + 4 prefill-only + 4 timed.
+    assert len(llm.prompts) == 2 * (2 + 4 + 4)
+    assert len(set(llm.prompts)) == len(llm.prompts)
+    assert all(p.endswith("x = 1\n") for p in llm.prompts)
+
+
 def test_measure_continuous_arrivals(monkeypatch):
     """Under arrivals: continuous every timed generation is one call with all
     requests (the engine's max_num_seqs keeps batch of them running)."""
     clock = Clock()
     monkeypatch.setattr(bd, "time", clock)
     llm = FakeLLM(clock, tau=4, budget=64)
-    spec = {"max_tokens": 33, "ignore_eos": True, "detokenize": False,
-            "arrivals": "continuous"}
+    spec = {
+        "max_tokens": 33,
+        "ignore_eos": True,
+        "detokenize": False,
+        "arrivals": "continuous",
+    }
     row = bd.measure(llm, _params, [[1, 2]] * 6, 2, 0.0, spec)
     assert llm.calls == [(2, 16, 0.0), (6, 1, 0.0), (6, 33, 0.0)]
     assert row["num_requests"] == 6 and row["output_tokens"] == 6 * 33
@@ -552,17 +731,33 @@ def test_worker_with_a_fake_engine(tmp_path, monkeypatch):
         def __init__(self, **kwargs):
             super().__init__(Clock(), tau=2, budget=16)
             built.update(kwargs)
-            sched = types.SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=68,
-                                          async_scheduling=True)
-            comp = types.SimpleNamespace(cudagraph_mode="FULL_AND_PIECEWISE",
-                                         cudagraph_capture_sizes=[16, 17])
-            self.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
-                scheduler_config=sched, compilation_config=comp))
+            sched = types.SimpleNamespace(
+                max_num_seqs=4, max_num_batched_tokens=68, async_scheduling=True
+            )
+            comp = types.SimpleNamespace(
+                cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes=[16, 17]
+            )
+            self.llm_engine = types.SimpleNamespace(
+                vllm_config=types.SimpleNamespace(
+                    scheduler_config=sched, compilation_config=comp
+                )
+            )
 
     monkeypatch.setattr(vllm, "LLM", FakeEngineLLM)
     monkeypatch.setattr(vllm, "SamplingParams", _params)
-    args = bd.parse_args(["cost", "--out", str(tmp_path), "--input-len", "8",
-                          "--max-tokens", "9", "--batches", "1,4"])
+    args = bd.parse_args(
+        [
+            "cost",
+            "--out",
+            str(tmp_path),
+            "--input-len",
+            "8",
+            "--max-tokens",
+            "9",
+            "--batches",
+            "1,4",
+        ]
+    )
     tmp_path.mkdir(exist_ok=True)
     spec = bd.worker_spec(args, "ddtree-16", 4, [(1, 0.0), (4, 0.0)], None, "rid")
     assert [len(p) for p in spec["requests"]["4"]] == [8] * 8  # 2 waves of 4
@@ -573,7 +768,9 @@ def test_worker_with_a_fake_engine(tmp_path, monkeypatch):
     assert built["load_format"] == "dummy"
     rows = rep.load_rows([tmp_path])
     assert [(r["config"], r["batch"], r["run_id"]) for r in rows] == [
-        ("ddtree-16", 1, "rid"), ("ddtree-16", 4, "rid")]
+        ("ddtree-16", 1, "rid"),
+        ("ddtree-16", 4, "rid"),
+    ]
     assert rows[0]["engine"]["max_num_seqs"] == 4
     assert rows[1]["acceptance_length"] == 2.0 and rows[1]["num_requests"] == 8
 
@@ -584,8 +781,7 @@ def test_worker_with_a_fake_engine(tmp_path, monkeypatch):
 
 
 def _row(config, batch, temperature=0.0, run="r1", **kw):
-    row = {"config": config, "batch": batch, "temperature": temperature,
-           "run_id": run}
+    row = {"config": config, "batch": batch, "temperature": temperature, "run_id": run}
     row.update(kw)
     return row
 
@@ -598,12 +794,22 @@ def test_rows_files_and_merge(tmp_path, capsys):
     rows = rep.load_rows([tmp_path, tmp_path / "missing"])
     assert [r["config"] for r in rows] == ["dflash", "none"]
     assert "truncated" in capsys.readouterr().out
-    merged = rep.merge_rows(rows + [_row("dflash", 1, tok_s=3.0),
-                                    _row("ddtree-16", 1), _row("ddtree-8", 1),
-                                    _row("none", 1, 1)])
+    merged = rep.merge_rows(
+        rows
+        + [
+            _row("dflash", 1, tok_s=3.0),
+            _row("ddtree-16", 1),
+            _row("ddtree-8", 1),
+            _row("none", 1, 1),
+        ]
+    )
     assert [(r["config"], r["temperature"]) for r in merged] == [
-        ("none", 0.0), ("dflash", 0.0), ("ddtree-8", 0.0), ("ddtree-16", 0.0),
-        ("none", 1)]
+        ("none", 0.0),
+        ("dflash", 0.0),
+        ("ddtree-8", 0.0),
+        ("ddtree-16", 0.0),
+        ("none", 1),
+    ]
     assert merged[1]["tok_s"] == 3.0  # the later row wins
 
 
@@ -626,10 +832,18 @@ def fake_runs(monkeypatch):
         calls.append((config, max_batch, list(runs)))
         for batch, temperature in runs:
             ms = 5.0 if config == "none" else 6.0 if config == "dflash" else 7.0
-            rep.append_row(args.out, {
-                "config": config, "batch": batch, "temperature": temperature,
-                "run_id": rid, "tok_s": 100.0 / ms, "decode_ms_per_step": ms,
-                "acceptance_length": None if config == "none" else 1.0})
+            rep.append_row(
+                args.out,
+                {
+                    "config": config,
+                    "batch": batch,
+                    "temperature": temperature,
+                    "run_id": rid,
+                    "tok_s": 100.0 / ms,
+                    "decode_ms_per_step": ms,
+                    "acceptance_length": None if config == "none" else 1.0,
+                },
+            )
         return True
 
     monkeypatch.setattr(bd, "run_offline_config", fake)
@@ -638,11 +852,20 @@ def fake_runs(monkeypatch):
 
 def test_sweep_resumes_and_skips(tmp_path, fake_runs, capsys):
     out = tmp_path / "part1"
-    argv = ["cost", "--out", str(out), "--configs", "none,ddtree-1024",
-            "--batches", "1,64"]
+    argv = [
+        "cost",
+        "--out",
+        str(out),
+        "--configs",
+        "none,ddtree-1024",
+        "--batches",
+        "1,64",
+    ]
     assert bd.main(argv) == 0
-    assert fake_runs == [("none", 64, [(1, 0.0), (64, 0.0)]),
-                         ("ddtree-1024", 1, [(1, 0.0)])]
+    assert fake_runs == [
+        ("none", 64, [(1, 0.0), (64, 0.0)]),
+        ("ddtree-1024", 1, [(1, 0.0)]),
+    ]
     assert "skipping batches [64]" in capsys.readouterr().out
     assert bd.main(argv) == 0  # everything measured: no engine started
     assert len(fake_runs) == 2
@@ -650,32 +873,90 @@ def test_sweep_resumes_and_skips(tmp_path, fake_runs, capsys):
     # A second part on a fresh machine resumes from the first part's output,
     # which it copies so that its own output is complete.
     part2 = tmp_path / "part2"
-    assert bd.main(["cost", "--out", str(part2), "--resume-from", str(out),
-                    "--configs", "none,dflash,ddtree-1024", "--batches", "1,64"]) == 0
+    assert (
+        bd.main(
+            [
+                "cost",
+                "--out",
+                str(part2),
+                "--resume-from",
+                str(out),
+                "--configs",
+                "none,dflash,ddtree-1024",
+                "--batches",
+                "1,64",
+            ]
+        )
+        == 0
+    )
     assert fake_runs[2:] == [("dflash", 64, [(1, 0.0), (64, 0.0)])]
     assert {rep.row_key(r) for r in rep.load_rows([part2])} == {
-        ("none", 1, 0.0), ("none", 64, 0.0), ("ddtree-1024", 1, 0.0),
-        ("dflash", 1, 0.0), ("dflash", 64, 0.0)}
+        ("none", 1, 0.0),
+        ("none", 64, 0.0),
+        ("ddtree-1024", 1, 0.0),
+        ("dflash", 1, 0.0),
+        ("dflash", 64, 0.0),
+    }
     report = (part2 / rep.REPORT_FILE).read_text()
     assert "| 1 | 0.0 | ddtree-1024 * |" in report  # baselines from another run
 
 
 def test_sweep_refuses_another_setup(tmp_path, fake_runs, capsys):
     out = tmp_path / "out"
-    assert bd.main(["cost", "--out", str(out), "--configs", "none",
-                    "--batches", "1"]) == 0
-    assert bd.main(["cost", "--out", str(out), "--configs", "none",
-                    "--batches", "1", "--max-tokens", "64"]) == 2
+    assert (
+        bd.main(["cost", "--out", str(out), "--configs", "none", "--batches", "1"]) == 0
+    )
+    assert (
+        bd.main(
+            [
+                "cost",
+                "--out",
+                str(out),
+                "--configs",
+                "none",
+                "--batches",
+                "1",
+                "--max-tokens",
+                "64",
+            ]
+        )
+        == 2
+    )
     assert "different setup (max_tokens: 128 there, 64 now)" in capsys.readouterr().err
-    assert bd.main(["cost", "--out", str(tmp_path / "new"), "--resume-from",
-                    str(tmp_path / "nothing")]) == 2
+    assert (
+        bd.main(
+            [
+                "cost",
+                "--out",
+                str(tmp_path / "new"),
+                "--resume-from",
+                str(tmp_path / "nothing"),
+            ]
+        )
+        == 2
+    )
     assert "no results.jsonl there" in capsys.readouterr().err
 
 
 def test_sweep_stops_at_the_time_limit(tmp_path, fake_runs, capsys):
-    assert bd.main(["cost", "--out", str(tmp_path), "--configs", "none,dflash",
-                    "--batches", "1", "--limit-seconds", "50",
-                    "--config-seconds", "100"]) == 0
+    assert (
+        bd.main(
+            [
+                "cost",
+                "--out",
+                str(tmp_path),
+                "--configs",
+                "none,dflash",
+                "--batches",
+                "1",
+                "--limit-seconds",
+                "50",
+                "--config-seconds",
+                "100",
+            ]
+        )
+        == 0
+    )
     assert fake_runs == []
     assert "stopping" in capsys.readouterr().out
     clock = bd.Clock(limit_s=100, default_config_s=300)
@@ -687,27 +968,54 @@ def test_sweep_stops_at_the_time_limit(tmp_path, fake_runs, capsys):
     assert bd.Clock(0, 1e9).can_start()  # no limit
 
 
-@pytest.mark.parametrize("seconds, rc, message", [
-    (200.0, 0, "--limit-seconds ran out while measuring ['dflash']"),
-    (1.0, 1, "failed configs"),
-])
+@pytest.mark.parametrize(
+    "seconds, rc, message",
+    [
+        (200.0, 0, "--limit-seconds ran out while measuring ['dflash']"),
+        (1.0, 1, "failed configs"),
+    ],
+)
 def test_config_cut_by_the_time_limit_is_not_a_failure(
-        tmp_path, monkeypatch, capsys, seconds, rc, message):
+    tmp_path, monkeypatch, capsys, seconds, rc, message
+):
     """A config whose engine ended without finishing: killed at --limit-seconds
     (rows so far kept, exit 0, resume hint), or a failure (exit 1)."""
     now = [0.0]
     monkeypatch.setattr(bd.time, "monotonic", lambda: now[0])
 
     def runner(args, config, max_batch, runs, prompts, rid, time_left):
-        rep.append_row(args.out, {"config": config, "batch": 1, "temperature": 0.0,
-                                  "run_id": rid, "decode_ms_per_step": 6.0})
+        rep.append_row(
+            args.out,
+            {
+                "config": config,
+                "batch": 1,
+                "temperature": 0.0,
+                "run_id": rid,
+                "decode_ms_per_step": 6.0,
+            },
+        )
         now[0] += seconds
         return False
 
     monkeypatch.setattr(bd, "run_offline_config", runner)
-    assert bd.main(["cost", "--out", str(tmp_path), "--configs", "dflash",
-                    "--batches", "1,4", "--limit-seconds", "150",
-                    "--config-seconds", "10"]) == rc
+    assert (
+        bd.main(
+            [
+                "cost",
+                "--out",
+                str(tmp_path),
+                "--configs",
+                "dflash",
+                "--batches",
+                "1,4",
+                "--limit-seconds",
+                "150",
+                "--config-seconds",
+                "10",
+            ]
+        )
+        == rc
+    )
     out = capsys.readouterr().out
     assert message in out and "dflash: 1/2 measured" in out
     assert (message == "failed configs") == ("failed configs" in out)
@@ -721,8 +1029,10 @@ def test_report_merges_parts(tmp_path, fake_runs):
     keys = {rep.row_key(r) for r in rep.load_rows([merged])}
     assert keys == {("none", 1, 0.0), ("dflash", 1, 0.0), ("ddtree-128", 1, 0.0)}
     text = (merged / rep.REPORT_FILE).read_text()
-    assert "ddtree-128, batch 1: step time 1.167 x DFlash's (target <= 1.10): " \
-           "NOT met (baseline from another GPU command)" in text
+    assert (
+        "ddtree-128, batch 1: step time 1.167 x DFlash's (target <= 1.10): "
+        "NOT met (baseline from another GPU command)" in text
+    )
     assert bd.main(["report", str(tmp_path / "none")]) == 2
 
 
@@ -735,10 +1045,12 @@ def test_ratios_and_e2e_target():
     rows = [
         _row("none", 1, tok_s=100.0, decode_ms_per_step=5.0),
         _row("dflash", 1, tok_s=400.0, decode_ms_per_step=6.5, acceptance_length=5.0),
-        _row("ddtree-128", 1, tok_s=480.0, decode_ms_per_step=7.0,
-             acceptance_length=6.0),
-        _row("ddtree-512", 1, tok_s=440.0, decode_ms_per_step=8.0,
-             acceptance_length=6.5),
+        _row(
+            "ddtree-128", 1, tok_s=480.0, decode_ms_per_step=7.0, acceptance_length=6.0
+        ),
+        _row(
+            "ddtree-512", 1, tok_s=440.0, decode_ms_per_step=8.0, acceptance_length=6.5
+        ),
         _row("ddtree-64", 8, run="r2", tok_s=1.0),
     ]
     with_r = {r["config"]: r for r in rep.with_ratios(rows)}
@@ -757,12 +1069,14 @@ def test_ratios_and_e2e_target():
 
 
 def test_cost_targets():
-    rows = rep.with_ratios([
-        _row("dflash", 1, decode_ms_per_step=6.46),
-        _row("ddtree-128", 1, decode_ms_per_step=7.1),
-        _row("ddtree-512", 1, decode_ms_per_step=8.5),
-        _row("ddtree-64", 1, decode_ms_per_step=6.8),
-    ])
+    rows = rep.with_ratios(
+        [
+            _row("dflash", 1, decode_ms_per_step=6.46),
+            _row("ddtree-128", 1, decode_ms_per_step=7.1),
+            _row("ddtree-512", 1, decode_ms_per_step=8.5),
+            _row("ddtree-64", 1, decode_ms_per_step=6.8),
+        ]
+    )
     checks = rep.target_checks(rows, "cost")
     assert checks == [
         "ddtree-128, batch 1: step time 1.099 x DFlash's (target <= 1.10): met",
@@ -771,9 +1085,17 @@ def test_cost_targets():
 
 
 def test_markdown_report():
-    rows = [_row("dflash", 1, tok_s=400.0, acceptance_length=5.0,
-                 per_depth=[0.9, 0.8], gpu="NVIDIA H200"),
-            _row("none", 1, tok_s=100.0)]
+    rows = [
+        _row(
+            "dflash",
+            1,
+            tok_s=400.0,
+            acceptance_length=5.0,
+            per_depth=[0.9, 0.8],
+            gpu="NVIDIA H200",
+        ),
+        _row("none", 1, tok_s=100.0),
+    ]
     text = rep.markdown_report(rows, "e2e", {"mode": "e2e"})
     assert "| 1 | 0.0 | none | 100.0 |" in text
     assert "| 1 | 0.0 | dflash | 400.0 | - | 5.00 | 1.000 | 4.000 |" in text
@@ -783,10 +1105,27 @@ def test_markdown_report():
 
 
 def test_markdown_report_serve_latency():
-    rows = [_row("dflash", 8, tok_s=5000.0, median_itl_ms=4.0, p99_itl_ms=13.0,
-                 mean_tpot_ms=1.5, median_ttft_ms=27.0),
-            _row("ddtree-auto", 8, run="r2", tok_s=4500.0, median_itl_ms=5.0,
-                 p99_itl_ms=18.0, mean_tpot_ms=1.6, median_ttft_ms=32.0)]
+    rows = [
+        _row(
+            "dflash",
+            8,
+            tok_s=5000.0,
+            median_itl_ms=4.0,
+            p99_itl_ms=13.0,
+            mean_tpot_ms=1.5,
+            median_ttft_ms=27.0,
+        ),
+        _row(
+            "ddtree-auto",
+            8,
+            run="r2",
+            tok_s=4500.0,
+            median_itl_ms=5.0,
+            p99_itl_ms=18.0,
+            mean_tpot_ms=1.6,
+            median_ttft_ms=32.0,
+        ),
+    ]
     text = rep.markdown_report(rows, "serve", {"mode": "serve"})
     assert "Latency behind the server" in text
     assert "| 8 | 0.0 | dflash | 4.00 | 13.00 | 1.50 | 27.00 | 1.000 |" in text
@@ -800,27 +1139,70 @@ def test_markdown_report_serve_latency():
 
 
 def test_serve_row_and_commands(tmp_path):
-    row = bd.serve_row({
-        "duration": 10.0, "total_output_tokens": 2000, "output_throughput": 200.0,
-        "mean_tpot_ms": 4.0, "completed": 8, "failed": 0,
-        "median_itl_ms": 5.5, "p99_itl_ms": 17.0, "median_ttft_ms": 30.0,
-        "spec_decode_num_drafts": 100, "spec_decode_accepted_tokens": 300,
-        "spec_decode_draft_tokens": 12800, "spec_decode_acceptance_length": 4.0,
-        "spec_decode_per_position_acceptance_rates": [0.9] * 128,
-    })
+    row = bd.serve_row(
+        {
+            "duration": 10.0,
+            "total_output_tokens": 2000,
+            "output_throughput": 200.0,
+            "mean_tpot_ms": 4.0,
+            "completed": 8,
+            "failed": 0,
+            "median_itl_ms": 5.5,
+            "p99_itl_ms": 17.0,
+            "median_ttft_ms": 30.0,
+            "spec_decode_num_drafts": 100,
+            "spec_decode_accepted_tokens": 300,
+            "spec_decode_draft_tokens": 12800,
+            "spec_decode_acceptance_length": 4.0,
+            "spec_decode_per_position_acceptance_rates": [0.9] * 128,
+        }
+    )
     assert row["tok_s"] == 200.0 and row["acceptance_length"] == 4.0
     assert len(row["per_depth"]) == 15
     assert (row["median_itl_ms"], row["p99_itl_ms"], row["median_ttft_ms"]) == (
-        5.5, 17.0, 30.0)
+        5.5,
+        17.0,
+        30.0,
+    )
     assert bd.serve_row({"output_throughput": 50.0})["acceptance_length"] is None
     args = bd.parse_args(["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)])
     cmd = bd.serve_command(args, "ddtree-64", 32, 8000)
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {"method": "ddtree", "model": str(args.drafter), "tree_budget": 64}
+    for flag in ("--max-num-seqs", "--compilation-config",
+                 "--no-enable-prefix-caching", "--gpu-memory-utilization"):
+        assert flag not in cmd and flag not in bd.serve_command(
+            args, "dflash", 32, 8000
+        )
+    tuned = bd.parse_args(
+        ["serve", "--out", str(tmp_path / "t"), *_pair(tmp_path), "--settings",
+         "tuned"]
+    )
+    cmd = bd.serve_command(tuned, "ddtree-64", 32, 8000)
     assert cmd[cmd.index("--max-num-seqs") + 1] == "32"
-    assert "--compilation-config" in bd.serve_command(args, "dflash", 32, 8000)
-    bench = bd.bench_command(args, "http://h:1", tmp_path / "d.jsonl", 8, 1.0,
-                             tmp_path / "r.json")
+    assert "--no-enable-prefix-caching" in cmd
+    assert "--compilation-config" in bd.serve_command(tuned, "dflash", 32, 8000)
+    # Defaults: a warm-up over prompts of its own, then the timed run over
+    # prompts no earlier request had, vLLM's warm-up (the first prompt) off.
+    result = tmp_path / "r.json"
+    warm, timed = bd.serve_run_commands(
+        args, "http://h:1", ["a", "b", "c"], None, 2, 0.0, result, 1
+    )
+    assert warm[warm.index("--num-prompts") + 1] == "2"
+    for cmd in (warm, timed):
+        assert cmd[cmd.index("--num-warmups") + 1] == "0"
+    sets = [json.loads(Path(c[c.index("--dataset-path") + 1]).read_text())
+            for c in (warm, timed)]
+    texts = [t["conversations"][0]["value"] for d in sets for t in d]
+    assert len(texts) == 2 + args.num_prompts and len(set(texts)) == len(texts)
+    assert timed[timed.index("--result-filename") + 1] == "r.json"
+    (only,) = bd.serve_run_commands(
+        tuned, "http://h:1", ["a"], tmp_path / "d.json", 2, 0.0, result, 0
+    )
+    assert only[only.index("--num-warmups") + 1] == "2"
+    bench = bd.bench_command(
+        args, "http://h:1", tmp_path / "d.jsonl", 8, 1.0, tmp_path / "r.json"
+    )
     assert bench[bench.index("--max-concurrency") + 1] == "8"
     assert bench[bench.index("--temperature") + 1] == "1.0"
     assert "--ignore-eos" not in bench
@@ -848,10 +1230,11 @@ def test_serve_dataset_reads_back_through_vllm_bench(tmp_path):
 
     prompts = bd.load_prompts(PAIR / "eval_prompts.json")[:4]
     path = bd.write_serve_dataset(prompts, tmp_path / "d.json")
-    got = ShareGPTDataset(random_seed=0, dataset_path=str(path),
-                          disable_shuffle=True).sample(
-        tokenizer=get_tokenizer(str(PAIR / "target")), num_requests=4,
-        output_len=96)
+    got = ShareGPTDataset(
+        random_seed=0, dataset_path=str(path), disable_shuffle=True
+    ).sample(
+        tokenizer=get_tokenizer(str(PAIR / "target")), num_requests=4, output_len=96
+    )
     assert [r.prompt for r in got] == prompts
     assert {r.expected_output_len for r in got} == {96}
 
@@ -862,10 +1245,17 @@ def test_serve_dataset_reads_back_through_vllm_bench(tmp_path):
 
 
 def _cost_rows():
-    ms = {"none": (5.21, 5.71), "dflash": (6.46, 9.56), "ddtree-128": (7.0, 14.0),
-          "ddtree-512": (8.0, 30.0)}
-    return [_row(c, b, decode_ms_per_step=t[i]) for c, t in ms.items()
-            for i, b in enumerate((1, 16))]
+    ms = {
+        "none": (5.21, 5.71),
+        "dflash": (6.46, 9.56),
+        "ddtree-128": (7.0, 14.0),
+        "ddtree-512": (8.0, 30.0),
+    }
+    return [
+        _row(c, b, decode_ms_per_step=t[i])
+        for c, t in ms.items()
+        for i, b in enumerate((1, 16))
+    ]
 
 
 def test_projection_math():
@@ -884,8 +1274,11 @@ def test_projection_math():
     assert auto[1]["vs_dflash"] < 1.0  # at 16 even the best tree loses here
     assert proj.budget_schedule(auto) == [[1, 1, 512], [2, 16, 128]]
     # Unsorted rows; the schedule passes ddtree's own checks.
-    rows = [{"batch": 64, "budget": 16}, {"batch": 1, "budget": 256},
-            {"batch": 4, "budget": 128}]
+    rows = [
+        {"batch": 64, "budget": 16},
+        {"batch": 1, "budget": 256},
+        {"batch": 4, "budget": 128},
+    ]
     schedule = proj.budget_schedule(rows)
     assert schedule == [[1, 1, 256], [2, 4, 128], [5, 64, 16]]
     from vllm.v1.spec_decode.ddtree_config import parse_budget_schedule
@@ -899,21 +1292,31 @@ def test_projection_of_a_schedule():
     budget their schedule picks there; the report says whether each reaches
     DFlash."""
     schedule = [[1, 4, 32], [5, 1024, 15]]
-    cost = [_row("dflash", 1, decode_ms_per_step=6.4),
-            _row("dflash", 16, decode_ms_per_step=9.6),
-            _row("ddtree-auto", 1, decode_ms_per_step=6.7,
-                 tree_budget_per_batch_size=schedule),
-            _row("ddtree-auto", 16, decode_ms_per_step=10.0,
-                 tree_budget_per_batch_size=schedule)]
+    cost = [
+        _row("dflash", 1, decode_ms_per_step=6.4),
+        _row("dflash", 16, decode_ms_per_step=9.6),
+        _row(
+            "ddtree-auto",
+            1,
+            decode_ms_per_step=6.7,
+            tree_budget_per_batch_size=schedule,
+        ),
+        _row(
+            "ddtree-auto",
+            16,
+            decode_ms_per_step=10.0,
+            tree_budget_per_batch_size=schedule,
+        ),
+    ]
     steps, schedules = proj.step_times(cost, 0.0), proj.schedules_of(cost)
     assert schedules == {"ddtree-auto": schedule}
     taus = {"dflash": 4.1, "ddtree-32": 5.5, "ddtree-15": 4.0, "ddtree-auto": 99.0}
-    rows = {(r["config"], r["batch"]): r
-            for r in proj.project(steps, taus, schedules)}
+    rows = {(r["config"], r["batch"]): r for r in proj.project(steps, taus, schedules)}
     assert rows[("ddtree-auto", 1)]["tau"] == 5.5
     assert rows[("ddtree-auto", 16)]["tau"] == 4.0
-    assert math.isclose(rows[("ddtree-auto", 16)]["vs_dflash"],
-                        (4.0 / 10.0) / (4.1 / 9.6))
+    assert math.isclose(
+        rows[("ddtree-auto", 16)]["vs_dflash"], (4.0 / 10.0) / (4.1 / 9.6)
+    )
     lines = proj.schedule_verdicts(proj.project(steps, taus, schedules), schedules)
     assert lines == [
         "- ddtree-auto, batch 1 (budget 32): projected 1.281 x DFlash, >= DFlash: yes",
@@ -922,25 +1325,36 @@ def test_projection_of_a_schedule():
     # Without the budget's acceptance the batch is not projected.
     assert ("ddtree-auto", 16) not in {
         (r["config"], r["batch"])
-        for r in proj.project(steps, {"dflash": 4.1, "ddtree-32": 5.5}, schedules)}
+        for r in proj.project(steps, {"dflash": 4.1, "ddtree-32": 5.5}, schedules)
+    }
     # The auto-budget table only considers fixed budgets.
-    assert all(a["budget"] is not None for a in
-               proj.auto_budget(proj.project(steps, taus, schedules)))
+    assert all(
+        a["budget"] is not None
+        for a in proj.auto_budget(proj.project(steps, taus, schedules))
+    )
 
 
 def test_projection_ratios_stay_within_a_command(tmp_path):
     """Two cost commands with different DFlash steps: each config is compared with
     the DFlash of the command that measured it; the later command's step of a
     (config, batch) wins; the report names the command line and DFlash's spread."""
-    older = [_row("dflash", 1, decode_ms_per_step=6.0),
-             _row("ddtree-32", 1, decode_ms_per_step=6.6),
-             _row("ddtree-64", 1, decode_ms_per_step=9.9)]
-    newer = [_row("dflash", 1, decode_ms_per_step=5.0),
-             _row("ddtree-64", 1, decode_ms_per_step=7.5),
-             _row("ddtree-128", 1, decode_ms_per_step=9.0)]  # no none anywhere
+    older = [
+        _row("dflash", 1, decode_ms_per_step=6.0),
+        _row("ddtree-32", 1, decode_ms_per_step=6.6),
+        _row("ddtree-64", 1, decode_ms_per_step=9.9),
+    ]
+    newer = [
+        _row("dflash", 1, decode_ms_per_step=5.0),
+        _row("ddtree-64", 1, decode_ms_per_step=7.5),
+        _row("ddtree-128", 1, decode_ms_per_step=9.0),
+    ]  # no none anywhere
     steps, baselines = proj.command_steps([older, newer], 0.0)
-    assert steps == {("dflash", 1): 5.0, ("ddtree-32", 1): 6.6,
-                     ("ddtree-64", 1): 7.5, ("ddtree-128", 1): 9.0}
+    assert steps == {
+        ("dflash", 1): 5.0,
+        ("ddtree-32", 1): 6.6,
+        ("ddtree-64", 1): 7.5,
+        ("ddtree-128", 1): 9.0,
+    }
     taus = {"dflash": 4.0, "ddtree-32": 5.0, "ddtree-64": 6.0, "ddtree-128": 6.0}
     rows = {r["config"]: r for r in proj.project(steps, taus, None, baselines)}
     assert math.isclose(rows["ddtree-32"]["vs_dflash"], (5.0 / 6.6) / (4.0 / 6.0))
@@ -966,19 +1380,28 @@ def test_projection_ratios_stay_within_a_command(tmp_path):
 
 
 def test_pooled_tau():
-    rows = [_row("dflash", 1, num_drafts=10, num_accepted_tokens=50),
-            _row("dflash", 8, num_drafts=30, num_accepted_tokens=70),
-            _row("dflash", 1, 1.0, num_drafts=10, num_accepted_tokens=10),
-            _row("none", 1), _row("ddtree-64", 1, num_drafts=0)]
+    rows = [
+        _row("dflash", 1, num_drafts=10, num_accepted_tokens=50),
+        _row("dflash", 8, num_drafts=30, num_accepted_tokens=70),
+        _row("dflash", 1, 1.0, num_drafts=10, num_accepted_tokens=10),
+        _row("none", 1),
+        _row("ddtree-64", 1, num_drafts=0),
+    ]
     assert proj.pooled_tau(rows, 0.0) == {"none": 1.0, "dflash": 1 + 120 / 40}
 
 
 def test_projection_report_is_labelled(tmp_path, capsys):
     cost, e2e = tmp_path / "cost", tmp_path / "e2e"
-    for d, rows in ((cost, _cost_rows()),
-                    (e2e, [_row("dflash", 1, num_drafts=10, num_accepted_tokens=60),
-                           _row("ddtree-128", 1, num_drafts=10,
-                                num_accepted_tokens=80)])):
+    for d, rows in (
+        (cost, _cost_rows()),
+        (
+            e2e,
+            [
+                _row("dflash", 1, num_drafts=10, num_accepted_tokens=60),
+                _row("ddtree-128", 1, num_drafts=10, num_accepted_tokens=80),
+            ],
+        ),
+    ):
         d.mkdir()
         for r in rows:
             rep.append_row(d, r)
