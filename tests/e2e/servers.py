@@ -78,13 +78,23 @@ def metric(values: dict[str, float], name: str) -> list[float]:
     return [v for k, v in values.items() if k == name or k.startswith(name + "{")]
 
 
-def server_env(tmp: Path, name: str) -> dict:
+def server_env(tmp: Path, name: str, extra_env: dict | None = None) -> dict:
+    """The server's environment; ``extra_env``'s ``PYTHONPATH`` goes first."""
     env = dict(os.environ)
+    extra = dict(extra_env or {})
     # Servers started side by side must not share a compile cache folder.
     env["VLLM_CACHE_ROOT"] = str(tmp / "vllm_cache" / name)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(plugin_site(tmp / "site")), str(ROOT), env.get("PYTHONPATH", "")]
+        p
+        for p in [
+            extra.pop("PYTHONPATH", ""),
+            str(plugin_site(tmp / "site")),
+            str(ROOT),
+            env.get("PYTHONPATH", ""),
+        ]
+        if p
     )
+    env.update(extra)
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -94,7 +104,14 @@ def server_env(tmp: Path, name: str) -> dict:
 class Server:
     """One ``vllm serve`` process; ``base`` is its URL once :meth:`wait` returned."""
 
-    def __init__(self, tmp: Path, name: str, model: str, args: list[str]):
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        model: str,
+        args: list[str],
+        extra_env: dict | None = None,
+    ):
         self.name = name
         self.log_path = tmp / f"{name}.log"
         self.port = free_port()
@@ -114,7 +131,7 @@ class Server:
                 str(self.port),
             ],
             cwd=tmp,
-            env=server_env(tmp, name),
+            env=server_env(tmp, name, extra_env),
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
@@ -150,13 +167,15 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(tmp: Path, specs: dict[str, tuple[str, list[str]]]) -> Iterator[dict]:
+def serving(
+    tmp: Path, specs: dict[str, tuple[str, list[str]]], extra_env: dict | None = None
+) -> Iterator[dict]:
     """Start every ``name: (model, args)`` at once; yields ``name: Server`` once
     all answer, stops them all on exit."""
     servers = {}
     try:
         for name, (model, args) in specs.items():
-            servers[name] = Server(tmp, name, model, args)
+            servers[name] = Server(tmp, name, model, args, extra_env)
         for server in servers.values():
             server.wait()
         yield servers
