@@ -290,6 +290,16 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
         "over the timed prompts (results are labelled with the setting)",
     )
     p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="one engine setting on top of --settings, for every config, e.g. "
+        "max_num_seqs=1 or enable_prefix_caching=false (a JSON value; a bare "
+        "word is a string); repeatable; recorded in the setup, so the rows are "
+        "labelled with it",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=None,
@@ -383,6 +393,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             "--arrivals continuous runs one batch per command (the engine's "
             f"max_num_seqs is the concurrency); got --batches {args.batches}"
         )
+    parse_engine_args(getattr(args, "engine_arg", []))  # errors name the item
     check_run_options(args)
     if getattr(args, "prompts", None) is not None and not args.prompts.is_file():
         raise ValueError(f"--prompts {args.prompts}: no such file")
@@ -523,6 +534,24 @@ def settings_of(args) -> str:
     return getattr(args, "settings", "defaults")
 
 
+def parse_engine_args(items: list[str]) -> dict:
+    """``["max_num_seqs=1", "enable_prefix_caching=false"]`` -> a dict of
+    ``LLM`` keyword arguments."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--engine-arg {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    for key in ("model", "speculative_config"):
+        if key in out:
+            raise ValueError(f"--engine-arg {key}: set by the benchmark per config")
+    return out
+
+
 def engine_kwargs(args, config: str, max_batch: int) -> dict:
     """``LLM`` / ``vllm serve`` settings of one config. Under ``--settings
     defaults`` only what a user sets: the models, ``max_model_len``, the
@@ -544,12 +573,13 @@ def engine_kwargs(args, config: str, max_batch: int) -> dict:
     if settings_of(args) == "defaults":
         if arrivals_of(args) == "continuous":
             kwargs["max_num_seqs"] = max_batch
-        return kwargs
-    kwargs.update(max_num_seqs=max_batch, enable_prefix_caching=False)
-    kwargs.setdefault("gpu_memory_utilization", TUNED_GPU_MEMORY_UTILIZATION)
-    sizes = capture_sizes(config, max_batch)
-    if sizes is not None:
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+    else:
+        kwargs.update(max_num_seqs=max_batch, enable_prefix_caching=False)
+        kwargs.setdefault("gpu_memory_utilization", TUNED_GPU_MEMORY_UTILIZATION)
+        sizes = capture_sizes(config, max_batch)
+        if sizes is not None:
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+    kwargs.update(parse_engine_args(getattr(args, "engine_arg", [])))
     return kwargs
 
 
@@ -664,6 +694,8 @@ def setup_of(args) -> dict:
     if settings_of(args) == "defaults":
         # Absent for tuned, the settings every earlier setup was measured with.
         setup["settings"] = "defaults"
+    if getattr(args, "engine_arg", []):
+        setup["engine_args"] = parse_engine_args(args.engine_arg)
     if getattr(args, "request_rate", "inf") != "inf":
         setup["request_rate"] = args.request_rate
     if args.schedule is not None:
@@ -1125,6 +1157,14 @@ def serve_command(args, config: str, max_batch: int, port: int) -> list[str]:
         cmd += ["--gpu-memory-utilization", str(kw["gpu_memory_utilization"])]
     if kw.get("enable_prefix_caching") is False:
         cmd += ["--no-enable-prefix-caching"]
+    for key, value in parse_engine_args(getattr(args, "engine_arg", [])).items():
+        if key in ("max_num_seqs", "gpu_memory_utilization", "enable_prefix_caching"):
+            continue  # written above
+        flag = "--" + key.replace("_", "-")
+        if value is True or value is False:
+            cmd.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            cmd += [flag, value if isinstance(value, str) else json.dumps(value)]
     if "speculative_config" in kw:
         cmd += ["--speculative-config", json.dumps(kw["speculative_config"])]
     if "compilation_config" in kw:

@@ -285,6 +285,35 @@ def test_defaults_continuous_arrivals_set_only_the_concurrency(tmp_path):
     assert "settings" not in bd.setup_of(tuned)  # what earlier setups meant
 
 
+def test_engine_args_on_top_of_the_settings(tmp_path, capsys):
+    """--engine-arg sets one engine argument for every config, so one factor of
+    the defaults can be changed at a time; the setup records it."""
+    args = bd.parse_args(
+        ["e2e", "--out", str(tmp_path / "o"), *_pair(tmp_path), "--engine-arg",
+         "max_num_seqs=1", "--engine-arg", "enable_prefix_caching=false",
+         "--engine-arg", "kv_cache_dtype=auto"]
+    )
+    kw = bd.engine_kwargs(args, "ddtree-auto", 1)
+    assert kw["max_num_seqs"] == 1 and kw["enable_prefix_caching"] is False
+    assert kw["kv_cache_dtype"] == "auto"
+    assert bd.setup_of(args)["engine_args"] == {
+        "max_num_seqs": 1, "enable_prefix_caching": False, "kv_cache_dtype": "auto"
+    }
+    serve = bd.parse_args(
+        ["serve", "--out", str(tmp_path / "s"), *_pair(tmp_path), "--engine-arg",
+         "enable_prefix_caching=false", "--engine-arg", "max_num_batched_tokens=4096",
+         "--engine-arg", "enforce_eager=true"]
+    )
+    cmd = bd.serve_command(serve, "dflash", 8, 8000)
+    assert "--no-enable-prefix-caching" in cmd and "--enforce-eager" in cmd
+    assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "4096"
+    for bad in ("max_num_seqs", "=3", "model=x"):
+        with pytest.raises(SystemExit):
+            bd.parse_args(["e2e", "--out", str(tmp_path / "b"), *_pair(tmp_path),
+                           "--engine-arg", bad])
+        assert "--engine-arg" in capsys.readouterr().err
+
+
 def test_fresh_prompts_share_no_prefix_block():
     text = "def f(x):\n    return x\n"
     a, b = bd.fresh_prompt(text, 1), bd.fresh_prompt(text, 2)
