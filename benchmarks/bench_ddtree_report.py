@@ -136,7 +136,8 @@ def timing_stats(
         "decode_steps": decode_steps,
         "decode_ms_per_step": (
             1000 * decode_s / decode_steps
-            if decode_steps > 0 and decode_s > 0 else None
+            if decode_steps > 0 and decode_s > 0
+            else None
         ),
     }
 
@@ -367,16 +368,28 @@ def markdown_table(header: Sequence[str], body: Iterable[Sequence]) -> str:
 
 def main_table(rows: Sequence[Mapping]) -> str:
     header = [
-        "batch", "T", "config", "tok/s", "ms/step (decode)", "accept len",
-        "tok/s / DFlash", "tok/s / no-spec", "accept / DFlash", "step / DFlash",
+        "batch",
+        "T",
+        "config",
+        "tok/s",
+        "ms/step (decode)",
+        "accept len",
+        "tok/s / DFlash",
+        "tok/s / no-spec",
+        "accept / DFlash",
+        "step / DFlash",
     ]
     body = [
         [
-            r["batch"], fmt(float(r["temperature"]), 1),
+            r["batch"],
+            fmt(float(r["temperature"]), 1),
             r["config"] + ("" if r.get("same_run", True) else " *"),
-            fmt(r.get("tok_s"), 1), fmt(r.get("decode_ms_per_step")),
-            fmt(r.get("acceptance_length")), fmt(r.get("tok_s_vs_dflash"), 3),
-            fmt(r.get("tok_s_vs_none"), 3), fmt(r.get("tau_vs_dflash"), 3),
+            fmt(r.get("tok_s"), 1),
+            fmt(r.get("decode_ms_per_step")),
+            fmt(r.get("acceptance_length")),
+            fmt(r.get("tok_s_vs_dflash"), 3),
+            fmt(r.get("tok_s_vs_none"), 3),
+            fmt(r.get("tau_vs_dflash"), 3),
             fmt(r.get("step_vs_dflash"), 3),
         ]
         for r in rows
@@ -402,14 +415,27 @@ def latency_table(rows: Sequence[Mapping]) -> str | None:
     served = [r for r in rows if r.get("median_itl_ms") is not None]
     if not served:
         return None
-    header = ["batch", "T", "config", "median ITL ms", "p99 ITL ms",
-              "mean TPOT ms", "median TTFT ms", "median ITL / DFlash"]
+    header = [
+        "batch",
+        "T",
+        "config",
+        "median ITL ms",
+        "p99 ITL ms",
+        "mean TPOT ms",
+        "median TTFT ms",
+        "median ITL / DFlash",
+    ]
     body = [
-        [r["batch"], fmt(float(r["temperature"]), 1),
-         r["config"] + ("" if r.get("same_run", True) else " *"),
-         fmt(r.get("median_itl_ms")), fmt(r.get("p99_itl_ms")),
-         fmt(r.get("mean_tpot_ms")), fmt(r.get("median_ttft_ms")),
-         fmt(r.get("itl_vs_dflash"), 3)]
+        [
+            r["batch"],
+            fmt(float(r["temperature"]), 1),
+            r["config"] + ("" if r.get("same_run", True) else " *"),
+            fmt(r.get("median_itl_ms")),
+            fmt(r.get("p99_itl_ms")),
+            fmt(r.get("mean_tpot_ms")),
+            fmt(r.get("median_ttft_ms")),
+            fmt(r.get("itl_vs_dflash"), 3),
+        ]
         for r in served
     ]
     return markdown_table(header, body)
@@ -442,10 +468,19 @@ def markdown_report(rows: Sequence[Mapping], mode: str, setup: Mapping | None) -
         parts += ["Targets:", ""] + [f"- {c}" for c in checks] + [""]
     latency = latency_table(rows)
     if latency:
-        parts += ["Latency behind the server (`vllm bench serve`; one streamed chunk "
-                  "per engine step, so the median inter-token latency is the typical "
-                  "step):", "", latency, ""]
+        parts += [
+            "Latency behind the server (`vllm bench serve`; one streamed chunk "
+            "per engine step, so the median inter-token latency is the typical "
+            "step):",
+            "",
+            latency,
+            "",
+        ]
     if any(r.get("per_depth") for r in rows):
-        parts += ["Per-depth acceptance (drafts whose accepted path reached depth d):",
-                  "", depth_table(rows), ""]
+        parts += [
+            "Per-depth acceptance (drafts whose accepted path reached depth d):",
+            "",
+            depth_table(rows),
+            "",
+        ]
     return "\n".join(parts)

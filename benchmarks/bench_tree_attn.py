@@ -58,9 +58,17 @@ KV_BYTES_PER_TOKEN = NUM_KV_HEADS * HEAD_SIZE * 2 * DTYPE.itemsize
 PEAK_BF16_TFLOPS = 989.0  # H200 dense, for the compute-bound column only
 # Candidates --sweep compares with the kernel's default choice (keep in sync with
 # GPU_CONFIGS in tests/v1/attention/test_tree_attention.py).
-SWEEP_CONFIGS = ["default", "m128n64w8s5", "m128n64w8s7", "m128n64w8s3",
-                 "m128n32w8s5", "m64n64w4s5", "m64n64w8s5", "m64n32w4s5",
-                 "m128n128w8s3"]
+SWEEP_CONFIGS = [
+    "default",
+    "m128n64w8s5",
+    "m128n64w8s7",
+    "m128n64w8s3",
+    "m128n32w8s5",
+    "m64n64w4s5",
+    "m64n64w8s5",
+    "m64n32w4s5",
+    "m128n128w8s3",
+]
 
 
 def parse_args():
@@ -70,17 +78,25 @@ def parse_args():
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--configs", nargs="+", default=None,
-                   help="'default' and/or TreeAttentionConfig strings; the first "
-                        "one fills the main table")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        help="'default' and/or TreeAttentionConfig strings; the first "
+        "one fills the main table",
+    )
     p.add_argument("--quick", action="store_true", help="batch 1/8, budget 15/128, 4K")
-    p.add_argument("--sweep", action="store_true",
-                   help="compare SWEEP_CONFIGS (or --configs) at batch 1/8/64, "
-                        "budget 15/64/128/512, 4K, and batch 1 at 16K")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="compare SWEEP_CONFIGS (or --configs) at batch 1/8/64, "
+        "budget 15/64/128/512, 4K, and batch 1 at 16K",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args()
-    args.points = [(c, b, B) for c in args.contexts for b in args.batches
-                   for B in args.budgets]
+    args.points = [
+        (c, b, B) for c in args.contexts for b in args.batches for B in args.budgets
+    ]
     if args.quick:
         args.points = [(4096, b, B) for b in (1, 8) for B in (15, 128)]
     if args.sweep:
@@ -112,8 +128,10 @@ def time_graph(launch, num_rotations: int, iters: int, warmup: int = 1) -> float
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-        enable_timing=True)
+    start, end = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )
     start.record()
     for _ in range(iters):
         graph.replay()
@@ -171,18 +189,25 @@ class Problem:
         # Enough page sets that one graph replay streams > 3x L2 from HBM.
         self.num_rotations = max(1, min(64, math.ceil(3 * l2_bytes / kv_bytes)))
         num_blocks = self.num_rotations * batch * blocks_per_req
-        kv = torch.empty(num_blocks, block_size, NUM_KV_HEADS, 2 * HEAD_SIZE,
-                         dtype=DTYPE, device="cuda").normal_()
+        kv = torch.empty(
+            num_blocks,
+            block_size,
+            NUM_KV_HEADS,
+            2 * HEAD_SIZE,
+            dtype=DTYPE,
+            device="cuda",
+        ).normal_()
         self.key_cache, self.value_cache = kv.split(HEAD_SIZE, -1)
         perm = torch.randperm(num_blocks, generator=gen).to(torch.int32).cuda()
         self.block_tables = perm.view(self.num_rotations, batch, blocks_per_req)
-        self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32,
-                                   device="cuda")
-        self.query_start_loc = torch.arange(0, (batch + 1) * self.q_len, self.q_len,
-                                            dtype=torch.int32, device="cuda")
+        self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+        self.query_start_loc = torch.arange(
+            0, (batch + 1) * self.q_len, self.q_len, dtype=torch.int32, device="cuda"
+        )
         num_tokens = batch * self.q_len
-        self.q = torch.randn(num_tokens, NUM_Q_HEADS, HEAD_SIZE, generator=gen
-                             ).to("cuda", DTYPE)
+        self.q = torch.randn(num_tokens, NUM_Q_HEADS, HEAD_SIZE, generator=gen).to(
+            "cuda", DTYPE
+        )
         self.out = torch.empty_like(self.q)
         self.tree_mask = self.is_tree = None
         if not self.is_chain:
@@ -193,10 +218,19 @@ class Problem:
     def ours(self, config: TreeAttentionConfig | None):
         def launch(i):
             tree_attention(
-                self.q, self.key_cache, self.value_cache, self.out,
-                self.query_start_loc, self.seq_lens, self.block_tables[i],
-                HEAD_SIZE**-0.5, tree_mask=self.tree_mask, is_tree=self.is_tree,
-                config=config)
+                self.q,
+                self.key_cache,
+                self.value_cache,
+                self.out,
+                self.query_start_loc,
+                self.seq_lens,
+                self.block_tables[i],
+                HEAD_SIZE**-0.5,
+                tree_mask=self.tree_mask,
+                is_tree=self.is_tree,
+                config=config,
+            )
+
         return launch
 
     def cascade(self):
@@ -207,20 +241,42 @@ class Problem:
 
         def launch(i):
             context = flash_context_attention(
-                self.key_cache, self.value_cache, self.query_start_loc,
-                self.block_tables[i], HEAD_SIZE**-0.5, self.q_len,
-                int(self.seq_lens[0]), fa_version=3)
+                self.key_cache,
+                self.value_cache,
+                self.query_start_loc,
+                self.block_tables[i],
+                HEAD_SIZE**-0.5,
+                self.q_len,
+                int(self.seq_lens[0]),
+                fa_version=3,
+            )
             tree_attention_with_context(
-                self.q, self.key_cache, self.value_cache, self.out,
-                self.query_start_loc, self.seq_lens, self.block_tables[i],
-                HEAD_SIZE**-0.5, self.tree_mask, self.is_tree, context,
-                merge_attn_states)
+                self.q,
+                self.key_cache,
+                self.value_cache,
+                self.out,
+                self.query_start_loc,
+                self.seq_lens,
+                self.block_tables[i],
+                HEAD_SIZE**-0.5,
+                self.tree_mask,
+                self.is_tree,
+                context,
+                merge_attn_states,
+            )
+
         return launch
 
     def plan(self, config: TreeAttentionConfig | None) -> str:
         plan = plan_tree_attention(
-            self.q.shape[0], self.batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE,
-            torch.cuda.get_device_properties(0).multi_processor_count, config)
+            self.q.shape[0],
+            self.batch,
+            NUM_Q_HEADS,
+            NUM_KV_HEADS,
+            HEAD_SIZE,
+            torch.cuda.get_device_properties(0).multi_processor_count,
+            config,
+        )
         return f"{plan.config}x{plan.num_splits}"
 
     def fa3_launchers(self):
@@ -228,28 +284,45 @@ class Problem:
 
         out = torch.empty_like(self.q)
         common = dict(
-            q=self.q, k=self.key_cache, v=self.value_cache, out=out,
-            max_seqlen_q=self.q_len, cu_seqlens_q=self.query_start_loc,
-            max_seqlen_k=int(self.seq_lens[0]), seqused_k=self.seq_lens,
-            softmax_scale=HEAD_SIZE**-0.5, causal=True, fa_version=3,
+            q=self.q,
+            k=self.key_cache,
+            v=self.value_cache,
+            out=out,
+            max_seqlen_q=self.q_len,
+            cu_seqlens_q=self.query_start_loc,
+            max_seqlen_k=int(self.seq_lens[0]),
+            seqused_k=self.seq_lens,
+            softmax_scale=HEAD_SIZE**-0.5,
+            causal=True,
+            fa_version=3,
         )
         default = lambda i: flash_attn_varlen_func(  # noqa: E731
-            **common, block_table=self.block_tables[i])
+            **common, block_table=self.block_tables[i]
+        )
         try:
             metadata = get_scheduler_metadata(
-                batch_size=self.batch, max_seqlen_q=self.q_len,
-                max_seqlen_k=int(self.seq_lens[0]), num_heads_q=NUM_Q_HEADS,
-                num_heads_kv=NUM_KV_HEADS, headdim=HEAD_SIZE,
-                cache_seqlens=self.seq_lens, qkv_dtype=DTYPE,
+                batch_size=self.batch,
+                max_seqlen_q=self.q_len,
+                max_seqlen_k=int(self.seq_lens[0]),
+                num_heads_q=NUM_Q_HEADS,
+                num_heads_kv=NUM_KV_HEADS,
+                headdim=HEAD_SIZE,
+                cache_seqlens=self.seq_lens,
+                qkv_dtype=DTYPE,
                 cu_seqlens_q=self.query_start_loc,
-                page_size=self.key_cache.shape[1], causal=True, num_splits=32,
+                page_size=self.key_cache.shape[1],
+                causal=True,
+                num_splits=32,
             )
         except Exception as e:  # keep the run going on FA3 builds without it
             print(f"FA3 scheduler metadata unavailable ({e}); default heuristics")
             return out, [default]
         as_vllm = lambda i: flash_attn_varlen_func(  # noqa: E731
-            **common, block_table=self.block_tables[i], scheduler_metadata=metadata,
-            num_splits=32)
+            **common,
+            block_table=self.block_tables[i],
+            scheduler_metadata=metadata,
+            num_splits=32,
+        )
         return out, [as_vllm, default]
 
 
@@ -258,8 +331,7 @@ def random_tree_masks(batch, budget, gen, distinct=8):
     logits = 3 * torch.randn(min(batch, distinct), 15, 64, generator=gen)
     masks = build_ddtree_reference(logits, budget).attn_mask
     mask = masks.repeat(math.ceil(batch / masks.shape[0]), 1, 1)[:batch]
-    return mask.contiguous().cuda(), torch.ones(batch, dtype=torch.int32,
-                                                device="cuda")
+    return mask.contiguous().cuda(), torch.ones(batch, dtype=torch.int32, device="cuda")
 
 
 # ----------------------------------------------------------------- run
@@ -279,32 +351,48 @@ def run_point(batch, budget, context, args, l2_bytes, copy_bw, gen):
         if first_out is None:
             first_out = p.out.clone()
         row = dict(
-            config=name, plan=p.plan(config),
-            batch=batch, budget=budget, context=context,
-            kind="chain" if p.is_chain else "tree", q_len=p.q_len,
-            ours_us=t_ours * 1e6, fa3_us=t_fa3 * 1e6, ratio=t_ours / t_fa3,
+            config=name,
+            plan=p.plan(config),
+            batch=batch,
+            budget=budget,
+            context=context,
+            kind="chain" if p.is_chain else "tree",
+            q_len=p.q_len,
+            ours_us=t_ours * 1e6,
+            fa3_us=t_fa3 * 1e6,
+            ratio=t_ours / t_fa3,
             ours_kv_tbps=p.committed_kv_bytes / t_ours / 1e12,
             fa3_kv_tbps=p.committed_kv_bytes / t_fa3 / 1e12,
             ours_pct_copy=100 * p.committed_kv_bytes / t_ours / copy_bw,
             ours_tflops=p.committed_flops / t_ours / 1e12,
             # Bandwidth reachable if the committed-KV FLOPs ran at tensor-core
             # peak.
-            roofline_pct_copy=100 * min(1.0, p.committed_kv_bytes / copy_bw / (
-                p.committed_flops / (PEAK_BF16_TFLOPS * 1e12))),
+            roofline_pct_copy=100
+            * min(
+                1.0,
+                p.committed_kv_bytes
+                / copy_bw
+                / (p.committed_flops / (PEAK_BF16_TFLOPS * 1e12)),
+            ),
             # Every config computes the same attention.
-            max_abs_diff_vs_first=(p.out.float() - first_out.float()).abs().max()
+            max_abs_diff_vs_first=(p.out.float() - first_out.float())
+            .abs()
+            .max()
             .item(),
         )
         if p.is_chain:  # same semantics as FA3: check the numbers agree
-            row["max_abs_diff_vs_fa3"] = (p.out.float() - fa_out.float()).abs(
-            ).max().item()
+            row["max_abs_diff_vs_fa3"] = (
+                (p.out.float() - fa_out.float()).abs().max().item()
+            )
         rows.append(row)
     # The cascade form (FA3 context + kernel on the new keys), on the first row.
     t_cascade = time_graph(p.cascade(), p.num_rotations, args.iters)
     p.cascade()(0)
     rows[0].update(
-        cascade_us=t_cascade * 1e6, cascade_ratio=t_cascade / t_fa3,
-        max_abs_diff_cascade=(p.out.float() - first_out.float()).abs().max().item())
+        cascade_us=t_cascade * 1e6,
+        cascade_ratio=t_cascade / t_fa3,
+        max_abs_diff_cascade=(p.out.float() - first_out.float()).abs().max().item(),
+    )
     del p
     torch.cuda.empty_cache()
     return rows
@@ -313,26 +401,39 @@ def run_point(batch, budget, context, args, l2_bytes, copy_bw, gen):
 def write_results(rows, comparison, meta, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_tree_attn.json").write_text(
-        json.dumps(dict(meta=meta, rows=rows, configs=comparison), indent=1))
+        json.dumps(dict(meta=meta, rows=rows, configs=comparison), indent=1)
+    )
     text = markdown_table(rows, meta)
     if len(meta["configs"]) > 1:
         text += "\n" + comparison_markdown(comparison, meta["configs"])
     (out_dir / "bench_tree_attn.md").write_text(text)
 
 
-COLUMNS = [("batch", "{}"), ("context", "{}"), ("budget", "{}"), ("kind", "{}"),
-           ("ours_us", "{:.1f}"), ("fa3_us", "{:.1f}"), ("ratio", "{:.2f}"),
-           ("cascade_us", "{:.1f}"), ("cascade_ratio", "{:.2f}"),
-           ("ours_kv_tbps", "{:.2f}"), ("ours_pct_copy", "{:.0f}"),
-           ("roofline_pct_copy", "{:.0f}"), ("ours_tflops", "{:.0f}")]
+COLUMNS = [
+    ("batch", "{}"),
+    ("context", "{}"),
+    ("budget", "{}"),
+    ("kind", "{}"),
+    ("ours_us", "{:.1f}"),
+    ("fa3_us", "{:.1f}"),
+    ("ratio", "{:.2f}"),
+    ("cascade_us", "{:.1f}"),
+    ("cascade_ratio", "{:.2f}"),
+    ("ours_kv_tbps", "{:.2f}"),
+    ("ours_pct_copy", "{:.0f}"),
+    ("roofline_pct_copy", "{:.0f}"),
+    ("ours_tflops", "{:.0f}"),
+]
 
 
 def markdown_table(rows, meta) -> str:
-    head = (f"Tree attention ({meta['configs'][0]} config) vs FA3 on "
-            f"{meta['device']}, heads {meta['heads']}, {meta['dtype']}; copy "
-            f"bandwidth {meta['copy_tbps']:.2f} TB/s. ratio = ours / FA3 time; "
-            "pct_copy = committed-KV bandwidth / copy bandwidth; roofline = the "
-            "same at tensor-core peak.\n\n")
+    head = (
+        f"Tree attention ({meta['configs'][0]} config) vs FA3 on "
+        f"{meta['device']}, heads {meta['heads']}, {meta['dtype']}; copy "
+        f"bandwidth {meta['copy_tbps']:.2f} TB/s. ratio = ours / FA3 time; "
+        "pct_copy = committed-KV bandwidth / copy bandwidth; roofline = the "
+        "same at tensor-core peak.\n\n"
+    )
     names = [c for c, _ in COLUMNS]
     lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
     for row in rows:
@@ -352,8 +453,11 @@ def comparison_markdown(comparison, configs) -> str:
             cells.append(f"{us:.1f} ({us / point['fa3_us']:.2f})")
         cells.append(point["best"])
         lines.append("| " + " | ".join(cells) + " |")
-    return ("Configs: time in us (ours / FA3); plans are in the JSON.\n\n"
-            + "\n".join(lines) + "\n")
+    return (
+        "Configs: time in us (ours / FA3); plans are in the JSON.\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
 
 
 def print_table(rows):
@@ -361,25 +465,37 @@ def print_table(rows):
     widths = [max(len(n), 8) for n in names]
     print("  ".join(n.rjust(w) for n, w in zip(names, widths)))
     for row in rows:
-        print("  ".join(f.format(row[c]).rjust(w)
-                        for (c, f), w in zip(COLUMNS, widths)))
+        print(
+            "  ".join(f.format(row[c]).rjust(w) for (c, f), w in zip(COLUMNS, widths))
+        )
 
 
 def summarize_configs(comparison, configs):
     """Geometric-mean ours/FA3 per config over chain and tree points, and how
     often each config is the fastest."""
-    print(f"\n{'config':>14}  {'chain_vs_fa3':>12}  {'tree_vs_fa3':>11}  "
-          f"{'all_vs_fa3':>10}  {'best_at':>7}  worst_vs_first")
+    print(
+        f"\n{'config':>14}  {'chain_vs_fa3':>12}  {'tree_vs_fa3':>11}  "
+        f"{'all_vs_fa3':>10}  {'best_at':>7}  worst_vs_first"
+    )
     for name in configs:
-        ratios = {kind: [p["us"][name] / p["fa3_us"] for p in comparison
-                         if kind in ("all", p["kind"])]
-                  for kind in ("chain", "tree", "all")}
-        geo = {k: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")
-               for k, v in ratios.items()}
+        ratios = {
+            kind: [
+                p["us"][name] / p["fa3_us"]
+                for p in comparison
+                if kind in ("all", p["kind"])
+            ]
+            for kind in ("chain", "tree", "all")
+        }
+        geo = {
+            k: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")
+            for k, v in ratios.items()
+        }
         wins = sum(p["best"] == name for p in comparison)
         worst = max(p["us"][name] / p["us"][configs[0]] for p in comparison)
-        print(f"{name:>14}  {geo['chain']:12.3f}  {geo['tree']:11.3f}  "
-              f"{geo['all']:10.3f}  {wins:7d}  {worst:.2f}")
+        print(
+            f"{name:>14}  {geo['chain']:12.3f}  {geo['tree']:11.3f}  "
+            f"{geo['all']:10.3f}  {wins:7d}  {worst:.2f}"
+        )
 
 
 def main():
@@ -392,34 +508,55 @@ def main():
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     copy = copy_bandwidth()
     copy_bw = max(copy.values())
-    print("device-to-device copy (read + write): " + ", ".join(
-        f"{k} {v / 1e12:.2f} TB/s" for k, v in copy.items()), flush=True)
+    print(
+        "device-to-device copy (read + write): "
+        + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in copy.items()),
+        flush=True,
+    )
     rows, comparison = [], []
     for context, batch, budget in args.points:
         point_rows = run_point(batch, budget, context, args, l2_bytes, copy_bw, gen)
         rows.append(point_rows[0])
         us = {r["config"]: r["ours_us"] for r in point_rows}
-        comparison.append(dict(
-            batch=batch, context=context, budget=budget, kind=point_rows[0]["kind"],
-            fa3_us=point_rows[0]["fa3_us"], us=us, best=min(us, key=us.get),
-            plans={r["config"]: r["plan"] for r in point_rows},
-            max_abs_diff_vs_first={r["config"]: r["max_abs_diff_vs_first"]
-                                   for r in point_rows}))
+        comparison.append(
+            dict(
+                batch=batch,
+                context=context,
+                budget=budget,
+                kind=point_rows[0]["kind"],
+                fa3_us=point_rows[0]["fa3_us"],
+                us=us,
+                best=min(us, key=us.get),
+                plans={r["config"]: r["plan"] for r in point_rows},
+                max_abs_diff_vs_first={
+                    r["config"]: r["max_abs_diff_vs_first"] for r in point_rows
+                },
+            )
+        )
         bad = [r["config"] for r in point_rows if r["max_abs_diff_vs_first"] > 0.05]
         if point_rows[0]["max_abs_diff_cascade"] > 0.05:
             bad.append("cascade")
-        print(f"[{time.time() - started:6.1f}s] b={batch} ctx={context} "
-              f"B={budget}: FA3 {point_rows[0]['fa3_us']:.1f} us; "
-              + ", ".join(f"{r['config']} {r['ours_us']:.1f}" for r in point_rows)
-              + f", cascade {point_rows[0]['cascade_us']:.1f}"
-              + (f"; MISMATCH {bad}" if bad else ""), flush=True)
-    meta = dict(device=torch.cuda.get_device_name(), copy_tbps=copy_bw / 1e12,
-                copy_tbps_by_method={k: v / 1e12 for k, v in copy.items()},
-                heads=[NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE], dtype=str(DTYPE),
-                configs=args.configs)
+        print(
+            f"[{time.time() - started:6.1f}s] b={batch} ctx={context} "
+            f"B={budget}: FA3 {point_rows[0]['fa3_us']:.1f} us; "
+            + ", ".join(f"{r['config']} {r['ours_us']:.1f}" for r in point_rows)
+            + f", cascade {point_rows[0]['cascade_us']:.1f}"
+            + (f"; MISMATCH {bad}" if bad else ""),
+            flush=True,
+        )
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        copy_tbps=copy_bw / 1e12,
+        copy_tbps_by_method={k: v / 1e12 for k, v in copy.items()},
+        heads=[NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE],
+        dtype=str(DTYPE),
+        configs=args.configs,
+    )
     write_results(rows, comparison, meta, args.out)
-    print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; total "
-          f"{time.time() - started:.0f} s; results in {args.out}")
+    print(
+        f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; total "
+        f"{time.time() - started:.0f} s; results in {args.out}"
+    )
     if len(args.configs) > 1:
         print(comparison_markdown(comparison, args.configs))
         summarize_configs(comparison, args.configs)
@@ -428,14 +565,18 @@ def main():
     chain = [r for r in rows if r["kind"] == "chain"]
     if chain:
         worst = max(chain, key=lambda r: r["ratio"])
-        print(f"chain: worst ours/FA3 = {worst['ratio']:.2f} (target <= 1.15) at "
-              f"batch {worst['batch']}, context {worst['context']}; max |diff| vs "
-              f"FA3 {max(r['max_abs_diff_vs_fa3'] for r in chain):.3g}")
+        print(
+            f"chain: worst ours/FA3 = {worst['ratio']:.2f} (target <= 1.15) at "
+            f"batch {worst['batch']}, context {worst['context']}; max |diff| vs "
+            f"FA3 {max(r['max_abs_diff_vs_fa3'] for r in chain):.3g}"
+        )
     for r in rows:
         if r["budget"] == 128 and r["context"] == 4096:
-            print(f"B=128 ctx=4K batch {r['batch']}: {r['ours_pct_copy']:.0f}% of "
-                  f"copy bandwidth (target >= 70; roofline "
-                  f"{r['roofline_pct_copy']:.0f}%)")
+            print(
+                f"B=128 ctx=4K batch {r['batch']}: {r['ours_pct_copy']:.0f}% of "
+                f"copy bandwidth (target >= 70; roofline "
+                f"{r['roofline_pct_copy']:.0f}%)"
+            )
 
 
 if __name__ == "__main__":

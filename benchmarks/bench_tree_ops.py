@@ -62,12 +62,19 @@ def parse_args():
     p.add_argument(
         "--budgets", type=int, nargs="+", default=[16, 64, 128, 256, 512, 1024]
     )
-    p.add_argument("--logits", choices=["randn", "crowded"], default="randn",
-                   help="drafter logits: random, or crowded into the lowest ids "
-                   "like a trained model's over a BPE vocabulary")
-    p.add_argument("--vocab", type=int, default=QWEN3_VOCAB,
-                   help="vocabulary size (Qwen3's by default; the trained pair's "
-                   "is 4096)")
+    p.add_argument(
+        "--logits",
+        choices=["randn", "crowded"],
+        default="randn",
+        help="drafter logits: random, or crowded into the lowest ids "
+        "like a trained model's over a BPE vocabulary",
+    )
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=QWEN3_VOCAB,
+        help="vocabulary size (Qwen3's by default; the trained pair's is 4096)",
+    )
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--max-logits-gb", type=float, default=12.0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -102,9 +109,7 @@ class KVCaches:
         shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE)  # NHD memory
         self.layers = [
             kv_cache_as_kv_first(
-                torch.randn(shape, dtype=torch.bfloat16, device="cuda").transpose(
-                    1, 2
-                ),
+                torch.randn(shape, dtype=torch.bfloat16, device="cuda").transpose(1, 2),
                 HEAD_SIZE,
             )
             for _ in range(NUM_LAYERS)
@@ -129,8 +134,9 @@ def accepted_path(num_reqs: int, budget: int):
     return accepted.cuda(), num_accepted.cuda()
 
 
-def crowded_logits(logits: torch.Tensor, scale: float = 8.0,
-                   decay: float = 400.0) -> torch.Tensor:
+def crowded_logits(
+    logits: torch.Tensor, scale: float = 8.0, decay: float = 400.0
+) -> torch.Tensor:
     """Random logits plus ``scale * exp(-id / decay)``: each position's best
     tokens crowd into the first few hundred ids, as a trained model's do over a
     BPE vocabulary, whose frequent tokens were merged (numbered) first."""
@@ -159,9 +165,7 @@ def run_point(num_reqs: int, budget: int, args) -> dict:
     tree = build_ddtree(draft_logits, budget)
 
     num_logits = num_reqs * (budget + 1)
-    cu = torch.arange(
-        0, num_logits + 1, budget + 1, dtype=torch.int32, device="cuda"
-    )
+    cu = torch.arange(0, num_logits + 1, budget + 1, dtype=torch.int32, device="cuda")
     node_sampled = torch.randint(0, vocab, (num_logits,), device="cuda")
     # The step's input ids, which DDTree's sampler checks node tokens against.
     fed = torch.cat(
@@ -193,23 +197,44 @@ def run_point(num_reqs: int, budget: int, args) -> dict:
 
         def walk(temperature):
             return lambda: tree_rejection_sample(
-                logits, tree.token_ids, tree.parent_ids, cu, pos, idx_mapping,
-                temperature, seeds, DEPTH, fed_token_ids=fed,
+                logits,
+                tree.token_ids,
+                tree.parent_ids,
+                cu,
+                pos,
+                idx_mapping,
+                temperature,
+                seeds,
+                DEPTH,
+                fed_token_ids=fed,
             )
 
         t0 = torch.zeros(num_reqs, device="cuda")
         row["walk_t0_us"] = time_graph(walk(t0), args.iters)
-        row["walk_t1_us"] = time_graph(walk(torch.ones(num_reqs, device="cuda")),
-                                       args.iters)
+        row["walk_t1_us"] = time_graph(
+            walk(torch.ones(num_reqs, device="cuda")), args.iters
+        )
 
         def total():
             t = build_ddtree(draft_logits, budget)
             out = tree_rejection_sample(
-                logits, t.token_ids, t.parent_ids, cu, pos, idx_mapping, t0, seeds,
-                DEPTH, fed_token_ids=fed,
+                logits,
+                t.token_ids,
+                t.parent_ids,
+                cu,
+                pos,
+                idx_mapping,
+                t0,
+                seeds,
+                DEPTH,
+                fed_token_ids=fed,
             )
-            compactor(kv.slot_mapping, kv.query_start_loc, out.accepted_nodes,
-                      out.num_accepted)
+            compactor(
+                kv.slot_mapping,
+                kv.query_start_loc,
+                out.accepted_nodes,
+                out.num_accepted,
+            )
 
         row["total_t0_us"] = time_graph(total, args.iters)
         del logits
@@ -217,9 +242,18 @@ def run_point(num_reqs: int, budget: int, args) -> dict:
     return row
 
 
-COLUMNS = ["num_reqs", "budget", "build_us", "top_tokens_us", "torch_topk_us",
-           "walk_only_us", "walk_t0_us",
-           "walk_t1_us", "compact_us", "total_t0_us"]
+COLUMNS = [
+    "num_reqs",
+    "budget",
+    "build_us",
+    "top_tokens_us",
+    "torch_topk_us",
+    "walk_only_us",
+    "walk_t0_us",
+    "walk_t1_us",
+    "compact_us",
+    "total_t0_us",
+]
 
 
 def markdown(rows) -> str:
@@ -245,7 +279,9 @@ def main():
         "torch": torch.__version__,
         "python": platform.python_version(),
         "command": "python " + " ".join(sys.argv),
-        "vocab": args.vocab, "depth": DEPTH, "logits": args.logits,
+        "vocab": args.vocab,
+        "depth": DEPTH,
+        "logits": args.logits,
         "kv": f"{NUM_LAYERS} layers x {NUM_KV_HEADS} heads x {HEAD_SIZE}, bf16",
     }
     args.out.mkdir(parents=True, exist_ok=True)

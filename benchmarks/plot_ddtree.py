@@ -61,8 +61,14 @@ GRID = (225, 225, 225)
 REFERENCE = (110, 110, 110)
 # Matplotlib's tab10 colors: one per batch size, the same in every figure.
 PALETTE = [
-    (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40),
-    (148, 103, 189), (140, 86, 75), (227, 119, 194), (188, 189, 34),
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (188, 189, 34),
     (23, 190, 207),
 ]
 MARKER_RADIUS = 4
@@ -147,9 +153,14 @@ def _line(draw, points, color, dashed: bool, width: int = LINE_WIDTH) -> None:
         pos = 0.0
         while pos < length:
             end = min(pos + on, length)
-            draw.line([(x0 + (x1 - x0) * pos / length, y0 + (y1 - y0) * pos / length),
-                       (x0 + (x1 - x0) * end / length, y0 + (y1 - y0) * end / length)],
-                      fill=color, width=width)
+            draw.line(
+                [
+                    (x0 + (x1 - x0) * pos / length, y0 + (y1 - y0) * pos / length),
+                    (x0 + (x1 - x0) * end / length, y0 + (y1 - y0) * end / length),
+                ],
+                fill=color,
+                width=width,
+            )
             pos = end + off
 
 
@@ -158,8 +169,9 @@ def _marker(draw, x: float, y: float, color) -> None:
     draw.ellipse([x - r, y - r, x + r, y + r], fill=color)
 
 
-def drawn_labels(centers: Sequence[float], widths: Sequence[float],
-                 gap: float = 6) -> list[bool]:
+def drawn_labels(
+    centers: Sequence[float], widths: Sequence[float], gap: float = 6
+) -> list[bool]:
     """Which of the centred labels (ascending centres) to draw: each unless it
     would come within ``gap`` pixels of the last one drawn."""
     shown, last_right = [], float("-inf")
@@ -185,8 +197,14 @@ def _wrap(draw, text: str, font, width: int) -> list[str]:
     return lines
 
 
-def plot(path: Path, title: str, xlabel: str, ylabel: str,
-         series: Sequence[Series], caption: str = "") -> Axes:
+def plot(
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    series: Sequence[Series],
+    caption: str = "",
+) -> Axes:
     """Draw ``series`` into a PNG at ``path``; returns the axes used (for the
     data -> pixel transform)."""
     axes = layout(series)
@@ -226,11 +244,13 @@ def plot(path: Path, title: str, xlabel: str, ylabel: str,
 
     # Labels.
     draw.text((SIZE[0] // 2, 20), title, fill=INK, font=big, anchor="mm")
-    draw.text(((left + right) // 2, bottom + 30), xlabel, fill=INK, font=normal,
-              anchor="mt")
+    draw.text(
+        ((left + right) // 2, bottom + 30), xlabel, fill=INK, font=normal, anchor="mt"
+    )
     label = Image.new("RGB", (bottom - top, 20), BACKGROUND)
-    ImageDraw.Draw(label).text(((bottom - top) // 2, 10), ylabel, fill=INK,
-                               font=normal, anchor="mm")
+    ImageDraw.Draw(label).text(
+        ((bottom - top) // 2, 10), ylabel, fill=INK, font=normal, anchor="mm"
+    )
     image.paste(label.rotate(90, expand=True), (8, top))
 
     # Legend, right of the plot.
@@ -274,8 +294,9 @@ def batch_colors(rows: Iterable[Mapping]) -> dict[int, tuple[int, int, int]]:
     return {b: PALETTE[i % len(PALETTE)] for i, b in enumerate(batches)}
 
 
-def budget_series(rows: Sequence[Mapping], temperature: float, field: str,
-                  colors: Mapping[int, tuple]) -> dict[int, Series]:
+def budget_series(
+    rows: Sequence[Mapping], temperature: float, field: str, colors: Mapping[int, tuple]
+) -> dict[int, Series]:
     """Per batch, ``field`` of the ``ddtree-<B>`` rows at ``temperature`` against
     B; rows without the field are skipped, batches with no point left out."""
     points: dict[int, list[tuple[float, float]]] = {}
@@ -285,8 +306,9 @@ def budget_series(rows: Sequence[Mapping], temperature: float, field: str,
         if budget is None or t != temperature or r.get(field) is None:
             continue
         points.setdefault(batch, []).append((budget, float(r[field])))
-    return {b: Series(f"batch {b}", colors[b], tuple(p))
-            for b, p in sorted(points.items())}
+    return {
+        b: Series(f"batch {b}", colors[b], tuple(p)) for b, p in sorted(points.items())
+    }
 
 
 def _temp(t: float) -> str:
@@ -299,8 +321,9 @@ def figures(rows: Sequence[Mapping], modes: Mapping | None = None) -> list[Figur
     of its batch and temperature among ``rows`` (``load`` gives each directory's
     rows their own DFlash's first). ``modes`` maps a row's key to its mode when
     the row does not carry one (from the directory's setup)."""
-    rows = [r if RATIO_KEY in r else with_r
-            for r, with_r in zip(rows, with_ratios(rows))]
+    rows = [
+        r if RATIO_KEY in r else with_r for r, with_r in zip(rows, with_ratios(rows))
+    ]
     colors = batch_colors(rows)
     by_key = {row_key(r): r for r in rows}
     temps = sorted({row_key(r)[2] for r in rows})
@@ -312,19 +335,33 @@ def figures(rows: Sequence[Mapping], modes: Mapping | None = None) -> list[Figur
             series.append(s)
             tau = by_key.get(("dflash", b, t), {}).get("acceptance_length")
             if tau is not None:
-                series.append(Series(f"DFlash, batch {b}", colors[b],
-                                     hline=float(tau), dashed=True))
+                series.append(
+                    Series(
+                        f"DFlash, batch {b}", colors[b], hline=float(tau), dashed=True
+                    )
+                )
         if acc:
-            out.append(Figure(f"acceptance_vs_budget_T{_temp(t)}.png",
-                              f"DDTree acceptance length vs tree budget, T={_temp(t)}",
-                              "acceptance length (tokens per step)", tuple(series)))
+            out.append(
+                Figure(
+                    f"acceptance_vs_budget_T{_temp(t)}.png",
+                    f"DDTree acceptance length vs tree budget, T={_temp(t)}",
+                    "acceptance length (tokens per step)",
+                    tuple(series),
+                )
+            )
         speed = budget_series(rows, t, "tok_s_vs_dflash", colors)
         if speed:
-            out.append(Figure(
-                f"speedup_vs_budget_T{_temp(t)}.png",
-                f"DDTree throughput / DFlash's vs tree budget, T={_temp(t)}",
-                "tok/s / DFlash tok/s",
-                (*speed.values(), Series("DFlash", REFERENCE, hline=1.0, dashed=True))))
+            out.append(
+                Figure(
+                    f"speedup_vs_budget_T{_temp(t)}.png",
+                    f"DDTree throughput / DFlash's vs tree budget, T={_temp(t)}",
+                    "tok/s / DFlash tok/s",
+                    (
+                        *speed.values(),
+                        Series("DFlash", REFERENCE, hline=1.0, dashed=True),
+                    ),
+                )
+            )
     modes = modes or {}
     cost = [r for r in rows if (r.get("mode") or modes.get(row_key(r))) == "cost"]
     cost_temps = sorted({row_key(r)[2] for r in cost})
@@ -333,11 +370,14 @@ def figures(rows: Sequence[Mapping], modes: Mapping | None = None) -> list[Figur
         if not step:
             continue
         suffix = f"_T{_temp(t)}" if len(cost_temps) > 1 else ""
-        out.append(Figure(
-            f"step_vs_budget{suffix}.png",
-            f"DDTree decode step time / DFlash's vs tree budget (cost), T={_temp(t)}",
-            "decode ms/step / DFlash ms/step",
-            (*step.values(), Series("DFlash", REFERENCE, hline=1.0, dashed=True))))
+        out.append(
+            Figure(
+                f"step_vs_budget{suffix}.png",
+                f"DDTree decode step time / DFlash's vs tree budget (cost), T={_temp(t)}",
+                "decode ms/step / DFlash ms/step",
+                (*step.values(), Series("DFlash", REFERENCE, hline=1.0, dashed=True)),
+            )
+        )
     return out
 
 
@@ -354,8 +394,11 @@ def load(dirs: Sequence[Path]) -> tuple[list[dict], dict]:
     missing = [str(d) for d in dirs if not (Path(d) / RESULTS_FILE).is_file()]
     if missing:
         raise ValueError(f"no {RESULTS_FILE} in {', '.join(missing)}")
-    setups = [(d, json.loads((Path(d) / SETUP_FILE).read_text())) for d in dirs
-              if (Path(d) / SETUP_FILE).is_file()]
+    setups = [
+        (d, json.loads((Path(d) / SETUP_FILE).read_text()))
+        for d in dirs
+        if (Path(d) / SETUP_FILE).is_file()
+    ]
     for d, other in setups[1:]:
         check_setup(setups[0][1], other, str(d))
     modes, rows = {}, []
@@ -370,8 +413,9 @@ def load(dirs: Sequence[Path]) -> tuple[list[dict], dict]:
     return merge_rows(rows), modes
 
 
-def write_figures(rows: Sequence[Mapping], out: Path, caption: str,
-                  modes: Mapping | None = None) -> list[Path]:
+def write_figures(
+    rows: Sequence[Mapping], out: Path, caption: str, modes: Mapping | None = None
+) -> list[Path]:
     paths = []
     for fig in figures(rows, modes):
         path = Path(out) / fig.name
@@ -382,26 +426,35 @@ def write_figures(rows: Sequence[Mapping], out: Path, caption: str,
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("dirs", nargs="+", type=Path,
-                        help="bench_ddtree result directories (results.jsonl)")
+    parser.add_argument(
+        "dirs",
+        nargs="+",
+        type=Path,
+        help="bench_ddtree result directories (results.jsonl)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="PNG directory")
-    parser.add_argument("--caption", default=None,
-                        help="footer of every figure: the command and machine that "
-                        "produced the results (default: the directories' names)")
+    parser.add_argument(
+        "--caption",
+        default=None,
+        help="footer of every figure: the command and machine that "
+        "produced the results (default: the directories' names)",
+    )
     args = parser.parse_args(argv)
     try:
         rows, modes = load(args.dirs)
     except ValueError as e:
         parser.error(str(e))
-    caption = args.caption if args.caption is not None else default_caption(
-        args.dirs, rows)
+    caption = (
+        args.caption if args.caption is not None else default_caption(args.dirs, rows)
+    )
     paths = write_figures(rows, args.out, caption, modes)
     if not paths:
         parser.error(
             "nothing to plot in " + ", ".join(map(str, args.dirs)) + ": no ddtree-<B> "
             "row with acceptance_length, or with tok_s (or, in cost mode, "
             "decode_ms_per_step) next to a dflash row of the same batch and "
-            "temperature")
+            "temperature"
+        )
     for p in paths:
         print(p)
     return 0

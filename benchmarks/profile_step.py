@@ -102,44 +102,99 @@ CATEGORY_KEYS = tuple(key for key, _ in CATEGORIES)
 # that every @triton.jit ``*_kernel`` of those files is listed here.
 TREE_OPS_KERNELS = (
     # vllm/v1/spec_decode/dflash_tree_builder.py
-    "_rank_row_kernel", "_chunk_stats_kernel", "_top_threshold_kernel",
-    "_gather_top_kernel", "_sort_top_kernel", "_ddtree_select_kernel",
+    "_rank_row_kernel",
+    "_chunk_stats_kernel",
+    "_top_threshold_kernel",
+    "_gather_top_kernel",
+    "_sort_top_kernel",
+    "_ddtree_select_kernel",
     # vllm/v1/sample/tree_rejection_sampler.py
     "_tree_walk_kernel",
     # vllm/v1/attention/ops/tree_kv_compaction.py
     "_tree_kv_compaction_kernel",
     # vllm/v1/spec_decode/ddtree_inputs.py
-    "_write_tree_verify_inputs_kernel", "_prepare_draft_inputs_kernel",
+    "_write_tree_verify_inputs_kernel",
+    "_prepare_draft_inputs_kernel",
 )
 # vllm/v1/attention/ops/triton_tree_attention.py, and vLLM's merge_attn_states
 # (CUDA or Triton), which TREE_ATTN's cascade uses (FlashAttention's own cascade
 # needs prefix caching, off here).
-TREE_ATTN_KERNELS = ("_tree_attention_kernel", "_merge_splits_kernel",
-                     "merge_attn_states")
+TREE_ATTN_KERNELS = (
+    "_tree_attention_kernel",
+    "_merge_splits_kernel",
+    "merge_attn_states",
+)
 FLASH_ATTN_MARKS = ("flash::", "flash_fwd", "FlashAttn")
 # Lower-case substrings.
-GEMM_MARKS = ("gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma",
-              "splitkreduce", "matmul")
-INPUT_PREP_MARKS = ("slot_mapping", "eagle_", "copy_and_expand",
-                    "prepare_inputs", "prepare_next_token", "_prepare_",
-                    "block_table")
-SAMPLING_MARKS = ("rejection_", "sample_recovered_tokens", "expand_kernel",
-                  "topk", "top_k", "softmax", "argmax", "sort", "exponential",
-                  "multinomial", "gumbel", "sampl", "distribution_")
+GEMM_MARKS = (
+    "gemm",
+    "gemv",
+    "nvjet",
+    "cutlass",
+    "cublas",
+    "xmma",
+    "splitkreduce",
+    "matmul",
+)
+INPUT_PREP_MARKS = (
+    "slot_mapping",
+    "eagle_",
+    "copy_and_expand",
+    "prepare_inputs",
+    "prepare_next_token",
+    "_prepare_",
+    "block_table",
+)
+SAMPLING_MARKS = (
+    "rejection_",
+    "sample_recovered_tokens",
+    "expand_kernel",
+    "topk",
+    "top_k",
+    "softmax",
+    "argmax",
+    "sort",
+    "exponential",
+    "multinomial",
+    "gumbel",
+    "sampl",
+    "distribution_",
+)
 KV_CACHE_MARKS = ("reshape_and_cache", "concat_and_cache")
-ELEMENTWISE_MARKS = ("rms_norm", "rmsnorm", "layer_norm", "layernorm", "rotary",
-                     "rope", "act_and_mul", "silu", "gelu", "elementwise",
-                     "reduce_kernel", "fill", "copy", "index", "gather",
-                     "scatter", "catarray", "where", "arange", "cumsum", "scan")
+ELEMENTWISE_MARKS = (
+    "rms_norm",
+    "rmsnorm",
+    "layer_norm",
+    "layernorm",
+    "rotary",
+    "rope",
+    "act_and_mul",
+    "silu",
+    "gelu",
+    "elementwise",
+    "reduce_kernel",
+    "fill",
+    "copy",
+    "index",
+    "gather",
+    "scatter",
+    "catarray",
+    "where",
+    "arange",
+    "cumsum",
+    "scan",
+)
 # CUPTI synchronization records (kineto's cuda_sync): waiting, not kernels.
-SYNC_NAMES = frozenset({"Event Sync", "Stream Wait Event", "Stream Sync",
-                        "Context Sync", "Unknown"})
+SYNC_NAMES = frozenset(
+    {"Event Sync", "Stream Wait Event", "Stream Sync", "Context Sync", "Unknown"}
+)
 # CUDA runtime calls (CPU side) that launch work.
 GRAPH_LAUNCH_MARK = "GraphLaunch"  # cudaGraphLaunch, cuGraphLaunch, ..._v10000
 KERNEL_LAUNCH_MARKS = ("LaunchKernel", "LaunchCooperativeKernel")
 # CUDA runtime calls where the CPU waits for the GPU.
-HOST_SYNC_NAMES = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize",
-                             "cudaEventSynchronize"})
+HOST_SYNC_NAMES = frozenset(
+    {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
+)
 
 # Host (CPU) scopes of one engine step: methods of vLLM's engine and of the
 # speculators that the worker wraps in torch.profiler.record_function while it
@@ -155,44 +210,112 @@ _WALK = "rejection sampler / tree walk"
 _PROPOSE = "propose (drafter, tree build)"
 _EAGER_ATTN = "attention layers run outside full graphs (in execute_model / propose)"
 HOST_SCOPES = (
-    ("engine step (LLMEngine.step)", 0, "vllm.v1.engine.llm_engine", "LLMEngine",
-     "step"),
+    (
+        "engine step (LLMEngine.step)",
+        0,
+        "vllm.v1.engine.llm_engine",
+        "LLMEngine",
+        "step",
+    ),
     ("schedule", 1, "vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
-    ("execute_model (inputs, target forward launch)", 1, _MR, "GPUModelRunner",
-     "execute_model"),
+    (
+        "execute_model (inputs, target forward launch)",
+        1,
+        _MR,
+        "GPUModelRunner",
+        "execute_model",
+    ),
     ("prepare_inputs", 2, _MR, "GPUModelRunner", "prepare_inputs"),
-    ("block tables, slot mappings (runner prepare_attn)", 2, _MR,
-     "GPUModelRunner", "prepare_attn"),
-    (_ATTN, 2, "vllm.v1.worker.gpu.model_states.default", "DefaultModelState",
-     "prepare_attn"),
-    (_ATTN, 2, "vllm.v1.spec_decode.ddtree_verify", "DDTreeModelState",
-     "prepare_attn"),
-    ("sample_tokens (sampling / walk, drafting)", 1, _MR, "GPUModelRunner",
-     "sample_tokens"),
+    (
+        "block tables, slot mappings (runner prepare_attn)",
+        2,
+        _MR,
+        "GPUModelRunner",
+        "prepare_attn",
+    ),
+    (
+        _ATTN,
+        2,
+        "vllm.v1.worker.gpu.model_states.default",
+        "DefaultModelState",
+        "prepare_attn",
+    ),
+    (_ATTN, 2, "vllm.v1.spec_decode.ddtree_verify", "DDTreeModelState", "prepare_attn"),
+    (
+        "sample_tokens (sampling / walk, drafting)",
+        1,
+        _MR,
+        "GPUModelRunner",
+        "sample_tokens",
+    ),
     ("sample (logits to tokens)", 2, _MR, "GPUModelRunner", "sample"),
-    (_WALK, 3, "vllm.v1.worker.gpu.spec_decode.rejection_sampler",
-     "RejectionSampler", "__call__"),
-    (_WALK, 3, "vllm.v1.spec_decode.ddtree_verify", "DDTreeRejectionSampler",
-     "__call__"),
-    ("postprocess_sampled (request state, KV compaction)", 2, _MR,
-     "GPUModelRunner", "postprocess_sampled"),
-    (_PROPOSE, 2,
-     "vllm.v1.worker.gpu.spec_decode.dflash.speculator", "DFlashSpeculator",
-     "propose"),
+    (
+        _WALK,
+        3,
+        "vllm.v1.worker.gpu.spec_decode.rejection_sampler",
+        "RejectionSampler",
+        "__call__",
+    ),
+    (
+        _WALK,
+        3,
+        "vllm.v1.spec_decode.ddtree_verify",
+        "DDTreeRejectionSampler",
+        "__call__",
+    ),
+    (
+        "postprocess_sampled (request state, KV compaction)",
+        2,
+        _MR,
+        "GPUModelRunner",
+        "postprocess_sampled",
+    ),
+    (
+        _PROPOSE,
+        2,
+        "vllm.v1.worker.gpu.spec_decode.dflash.speculator",
+        "DFlashSpeculator",
+        "propose",
+    ),
     (_PROPOSE, 2, "vllm.v1.spec_decode.ddtree", "DDTreeSpeculator", "propose"),
-    ("wait for the step's tokens (AsyncOutput.get_output)", 1,
-     "vllm.v1.worker.gpu.async_utils", "AsyncOutput", "get_output"),
-    ("update_from_output", 1, "vllm.v1.core.sched.scheduler", "Scheduler",
-     "update_from_output"),
-    ("process_outputs (detokenize, request outputs)", 1,
-     "vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
+    (
+        "wait for the step's tokens (AsyncOutput.get_output)",
+        1,
+        "vllm.v1.worker.gpu.async_utils",
+        "AsyncOutput",
+        "get_output",
+    ),
+    (
+        "update_from_output",
+        1,
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler",
+        "update_from_output",
+    ),
+    (
+        "process_outputs (detokenize, request outputs)",
+        1,
+        "vllm.v1.engine.output_processor",
+        "OutputProcessor",
+        "process_outputs",
+    ),
     # Attention layers that run outside a full CUDA graph (piecewise or eager
     # steps, target or drafter): a replayed graph calls no Python, so the calls
     # per step say how many layers ran eagerly.
-    (_EAGER_ATTN, 1, "vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl",
-     "forward"),
-    (_EAGER_ATTN, 1, "vllm.v1.attention.backends.tree_attn", "TreeAttentionImpl",
-     "forward"),
+    (
+        _EAGER_ATTN,
+        1,
+        "vllm.v1.attention.backends.flash_attn",
+        "FlashAttentionImpl",
+        "forward",
+    ),
+    (
+        _EAGER_ATTN,
+        1,
+        "vllm.v1.attention.backends.tree_attn",
+        "TreeAttentionImpl",
+        "forward",
+    ),
 )
 # Scopes record only while this is set (the profiled generations), so the
 # unprofiled timing runs the methods as they are.
@@ -252,8 +375,14 @@ def aggregate(events: Iterable[Sequence]) -> dict:
         entry[1] += dur
         total += dur
         count += 1
-    return {"categories": categories, "kernels": kernels, "total_us": total,
-            "count": count, "memcpy_count": copies, "sync_count": sync}
+    return {
+        "categories": categories,
+        "kernels": kernels,
+        "total_us": total,
+        "count": count,
+        "memcpy_count": copies,
+        "sync_count": sync,
+    }
 
 
 def busy_us(intervals: Iterable[tuple[float, float]]) -> float:
@@ -270,35 +399,53 @@ def busy_us(intervals: Iterable[tuple[float, float]]) -> float:
     return busy
 
 
-def make_window(events: Sequence[Sequence], *, steps: int, wall_s: float,
-                graph_launches: int = 0, kernel_launches: int = 0,
-                graph_kernels: int = 0, linked_kernels: int = 0,
-                host_syncs: int = 0, host_sync_us: float = 0.0,
-                host_scopes: Mapping[str, float] | None = None,
-                host_scope_calls: Mapping[str, int] | None = None) -> dict:
+def make_window(
+    events: Sequence[Sequence],
+    *,
+    steps: int,
+    wall_s: float,
+    graph_launches: int = 0,
+    kernel_launches: int = 0,
+    graph_kernels: int = 0,
+    linked_kernels: int = 0,
+    host_syncs: int = 0,
+    host_sync_us: float = 0.0,
+    host_scopes: Mapping[str, float] | None = None,
+    host_scope_calls: Mapping[str, int] | None = None,
+) -> dict:
     """One profiled generation: ``events`` are ``(name, duration_us[, start_us])``;
     ``steps`` its engine steps (from vLLM's metrics); ``host_scopes`` the CPU
     time (us) of each host scope and ``host_scope_calls`` its calls,
     ``host_sync_us`` the CPU time spent in synchronizing CUDA calls."""
     window = aggregate(events)
-    spans = [(float(e[2]), float(e[2]) + float(e[1])) for e in events
-             if len(e) > 2 and not is_sync(str(e[0]))]
+    spans = [
+        (float(e[2]), float(e[2]) + float(e[1]))
+        for e in events
+        if len(e) > 2 and not is_sync(str(e[0]))
+    ]
     window.update(
-        steps=int(steps), wall_s=float(wall_s),
+        steps=int(steps),
+        wall_s=float(wall_s),
         busy_us=busy_us(spans) if spans else window["total_us"],
-        graph_launches=int(graph_launches), kernel_launches=int(kernel_launches),
-        graph_kernels=int(graph_kernels), linked_kernels=int(linked_kernels),
-        host_syncs=int(host_syncs), host_sync_us=float(host_sync_us),
+        graph_launches=int(graph_launches),
+        kernel_launches=int(kernel_launches),
+        graph_kernels=int(graph_kernels),
+        linked_kernels=int(linked_kernels),
+        host_syncs=int(host_syncs),
+        host_sync_us=float(host_sync_us),
         host_scopes={str(k): float(v) for k, v in (host_scopes or {}).items()},
-        host_scope_calls={str(k): int(v)
-                          for k, v in (host_scope_calls or {}).items()},
+        host_scope_calls={str(k): int(v) for k, v in (host_scope_calls or {}).items()},
     )
     return window
 
 
-def graph_status(graph_launches: float, graph_kernels: float,
-                 linked_kernels: float, kernels: float,
-                 kernel_launches: float) -> str:
+def graph_status(
+    graph_launches: float,
+    graph_kernels: float,
+    linked_kernels: float,
+    kernels: float,
+    kernel_launches: float,
+) -> str:
     """Did the profiler see the kernels replayed from CUDA graphs?
 
     Arguments are counts (or per-step counts) of one window: graph launches,
@@ -320,8 +467,9 @@ def graph_status(graph_launches: float, graph_kernels: float,
     return "unlinked" if kernels - kernel_launches >= graph_launches else "missing"
 
 
-def decode_breakdown(full: Mapping, prefill: Mapping, *, wall_us: float | None = None,
-                     top: int = 25) -> dict:
+def decode_breakdown(
+    full: Mapping, prefill: Mapping, *, wall_us: float | None = None, top: int = 25
+) -> dict:
     """Per decode step numbers: (``full`` - ``prefill``) / (their step difference).
 
     ``full`` and ``prefill`` are ``make_window`` dicts of the whole generation and
@@ -338,15 +486,21 @@ def decode_breakdown(full: Mapping, prefill: Mapping, *, wall_us: float | None =
     def per_step(key: str) -> float:
         return (float(full[key]) - float(prefill[key])) / steps
 
-    categories = {k: (full["categories"].get(k, 0.0)
-                      - prefill["categories"].get(k, 0.0)) / steps
-                  for k in CATEGORY_KEYS}
+    categories = {
+        k: (full["categories"].get(k, 0.0) - prefill["categories"].get(k, 0.0)) / steps
+        for k in CATEGORY_KEYS
+    }
     kernels = []
     for name, (count, us) in full["kernels"].items():
         p_count, p_us = prefill["kernels"].get(name, (0, 0.0))
-        kernels.append({"name": name, "category": categorize(name),
-                        "us_per_step": (us - p_us) / steps,
-                        "count_per_step": (count - p_count) / steps})
+        kernels.append(
+            {
+                "name": name,
+                "category": categorize(name),
+                "us_per_step": (us - p_us) / steps,
+                "count_per_step": (count - p_count) / steps,
+            }
+        )
     kernels.sort(key=lambda k: -k["us_per_step"])
     wall_profiled = 1e6 * (float(full["wall_s"]) - float(prefill["wall_s"])) / steps
     busy = per_step("busy_us")
@@ -366,15 +520,20 @@ def decode_breakdown(full: Mapping, prefill: Mapping, *, wall_us: float | None =
         "host_syncs": per_step("host_syncs"),
         "host_sync_us": per_step("host_sync_us"),
         "host_scopes_us": host_scope_breakdown(full, prefill, steps),
-        "host_scope_calls": host_scope_breakdown(full, prefill, steps,
-                                                 "host_scope_calls"),
+        "host_scope_calls": host_scope_breakdown(
+            full, prefill, steps, "host_scope_calls"
+        ),
         "top_kernels": kernels[:top],
     }
     base = wall_us if wall_us else wall_profiled
     out["busy_fraction"] = busy / base if base > 0 else None
     out["graph_kernels_status"] = graph_status(
-        out["graph_launches"], out["graph_kernels"], out["linked_kernels"],
-        out["kernels"], out["kernel_launches"])
+        out["graph_launches"],
+        out["graph_kernels"],
+        out["linked_kernels"],
+        out["kernels"],
+        out["kernel_launches"],
+    )
     return out
 
 
@@ -390,13 +549,16 @@ def repeated_timing(repeats: Sequence[Mapping]) -> dict:
     return timing
 
 
-def host_scope_breakdown(full: Mapping, prefill: Mapping, steps: int,
-                         key: str = "host_scopes") -> dict:
+def host_scope_breakdown(
+    full: Mapping, prefill: Mapping, steps: int, key: str = "host_scopes"
+) -> dict:
     """Per decode step, every scope either window recorded: its host time (us),
     or with ``key="host_scope_calls"`` its calls."""
     f, p = full.get(key) or {}, prefill.get(key) or {}
-    return {name: (f.get(name, 0.0) - p.get(name, 0.0)) / steps
-            for name in sorted(set(f) | set(p))}
+    return {
+        name: (f.get(name, 0.0) - p.get(name, 0.0)) / steps
+        for name in sorted(set(f) | set(p))
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -436,8 +598,7 @@ def summarize_samples(samples: Sequence[tuple]) -> dict | None:
     reasons = [r for _, _, r in samples if r is not None]
 
     def share(bits: int) -> float | None:
-        return (sum(1 for r in reasons if r & bits) / len(reasons)
-                if reasons else None)
+        return sum(1 for r in reasons if r & bits) / len(reasons) if reasons else None
 
     return {
         "samples": len(samples),
@@ -498,7 +659,8 @@ def nvml_reader(visible_index: int = 0):
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(
-            current_platform.visible_device_id_to_physical_device_id(visible_index))
+            current_platform.visible_device_id_to_physical_device_id(visible_index)
+        )
     except Exception as e:
         print(f"profile_step worker: GPU clocks not sampled ({e})", flush=True)
         return None
@@ -506,8 +668,10 @@ def nvml_reader(visible_index: int = 0):
     # The clock event reasons under their current name, else the older one
     # (drivers before 535), else none; chosen once, not per sample.
     reasons = None
-    for name in ("nvmlDeviceGetCurrentClocksEventReasons",
-                 "nvmlDeviceGetCurrentClocksThrottleReasons"):
+    for name in (
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetCurrentClocksThrottleReasons",
+    ):
         try:
             getattr(pynvml, name)(handle)
         except Exception:
@@ -516,9 +680,11 @@ def nvml_reader(visible_index: int = 0):
         break
 
     def read():
-        return (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
-                None if reasons is None else reasons(handle))
+        return (
+            pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+            pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+            None if reasons is None else reasons(handle),
+        )
 
     return read
 
@@ -532,7 +698,7 @@ def _ratio(a, b) -> str:
 
 
 def short_name(name: str, width: int = 90) -> str:
-    return name if len(name) <= width else name[:width - 3] + "..."
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
@@ -546,92 +712,128 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
     setup = results[0].get("setup", {})
     info = setup.get("info", {})
     gpus = sorted({str(r.get("info", {}).get("gpu", "?")) for r in results})
-    models = (f"{Path(str(info.get('target', 'target'))).name} / "
-              f"{Path(str(info.get('drafter', 'drafter'))).name}")
+    models = (
+        f"{Path(str(info.get('target', 'target'))).name} / "
+        f"{Path(str(info.get('drafter', 'drafter'))).name}"
+    )
     if "prompts" in info:
-        inputs = (f"held-out prompts of {info['prompts']}, stop at EOS, {models} "
-                  "(trained weights)")
+        inputs = (
+            f"held-out prompts of {info['prompts']}, stop at EOS, {models} "
+            "(trained weights)"
+        )
     else:
-        inputs = (f"{setup.get('input_len')}-token random prompts, {models} "
-                  "(dummy weights)")
+        inputs = (
+            f"{setup.get('input_len')}-token random prompts, {models} (dummy weights)"
+        )
     requests = setup.get("requests")
-    arrivals = ("" if requests is None else
-                f", {requests} requests arriving as others finish (output lengths "
-                "staggered)")
+    arrivals = (
+        ""
+        if requests is None
+        else f", {requests} requests arriving as others finish (output lengths "
+        "staggered)"
+    )
     lines = [
         "# Profile of one decode step",
         "",
-        (f"`benchmarks/profile_step.py`: batch {setup.get('batch')}{arrivals}, "
-         f"{setup.get('max_tokens')} output tokens, {inputs}, CUDA graphs on; "
-         f"GPU: {', '.join(gpus)}."),
+        (
+            f"`benchmarks/profile_step.py`: batch {setup.get('batch')}{arrivals}, "
+            f"{setup.get('max_tokens')} output tokens, {inputs}, CUDA graphs on; "
+            f"GPU: {', '.join(gpus)}."
+        ),
         "",
-        ("Microseconds per decode step = (whole generation - the same requests "
-         "with max_tokens=1) / (their step difference), from torch.profiler "
-         "(CUPTI) kernel durations. Kernel total is the sum of kernel durations, "
-         "GPU busy the union of their intervals; GPU-busy fraction = GPU busy / "
-         "unprofiled wall, so 1 - it is CPU, launch and synchronisation time the "
-         "GPU waited on."),
+        (
+            "Microseconds per decode step = (whole generation - the same requests "
+            "with max_tokens=1) / (their step difference), from torch.profiler "
+            "(CUPTI) kernel durations. Kernel total is the sum of kernel durations, "
+            "GPU busy the union of their intervals; GPU-busy fraction = GPU busy / "
+            "unprofiled wall, so 1 - it is CPU, launch and synchronisation time the "
+            "GPU waited on."
+        ),
         "",
     ]
-    missing = [c for c, d in zip(configs, decode)
-               if d.get("graph_kernels_status") == "missing"]
+    missing = [
+        c for c, d in zip(configs, decode) if d.get("graph_kernels_status") == "missing"
+    ]
     if missing:
         lines += ["**" + GRAPH_WARNING.format(configs=", ".join(missing)) + "**", ""]
     for config, d in zip(configs, decode):
         lines.append(f"Top kernels, {config} (us / step, calls / step):")
         lines.append("")
         for k in d.get("top_kernels", [])[:top]:
-            lines.append(f"* {k['us_per_step']:.1f} us, {k['count_per_step']:.2f}x "
-                         f"[{k['category']}] `{short_name(k['name'])}`")
+            lines.append(
+                f"* {k['us_per_step']:.1f} us, {k['count_per_step']:.2f}x "
+                f"[{k['category']}] `{short_name(k['name'])}`"
+            )
         lines.append("")
     base = decode[configs.index("dflash")] if "dflash" in configs else None
-    rows = [[label] + [_us(d["categories_us"].get(key)) for d in decode]
-            for key, label in CATEGORIES]
+    rows = [
+        [label] + [_us(d["categories_us"].get(key)) for d in decode]
+        for key, label in CATEGORIES
+    ]
     rows += [
         ["**kernel total**"] + [f"**{_us(d['kernel_us'])}**" for d in decode],
-        ["x DFlash (kernel total)"] + [
-            _ratio(d["kernel_us"], base and base["kernel_us"]) for d in decode],
+        ["x DFlash (kernel total)"]
+        + [_ratio(d["kernel_us"], base and base["kernel_us"]) for d in decode],
         ["GPU busy (union of kernels)"] + [_us(d["busy_us"]) for d in decode],
         ["wall / decode step, unprofiled"] + [_us(d.get("wall_us")) for d in decode],
-        ["x DFlash (wall)"] + [
-            _ratio(d.get("wall_us"), base and base.get("wall_us")) for d in decode],
+        ["x DFlash (wall)"]
+        + [_ratio(d.get("wall_us"), base and base.get("wall_us")) for d in decode],
     ]
-    runs = [(r.get("unprofiled") or {}).get("decode_ms_per_step_runs")
-            for r in results]
+    runs = [(r.get("unprofiled") or {}).get("decode_ms_per_step_runs") for r in results]
     if any(runs):
-        rows.append(["wall / decode step, unprofiled: runs (min - max)"] + [
-            "-" if not x or None in x else
-            f"{len(x)}: {1000 * min(x):.1f} - {1000 * max(x):.1f}" for x in runs])
+        rows.append(
+            ["wall / decode step, unprofiled: runs (min - max)"]
+            + [
+                "-"
+                if not x or None in x
+                else f"{len(x)}: {1000 * min(x):.1f} - {1000 * max(x):.1f}"
+                for x in runs
+            ]
+        )
     rows += [
-        ["wall / decode step, profiled"] + [
-            _us(d["wall_us_profiled"]) for d in decode],
-        ["GPU-busy fraction"] + [
-            "-" if d.get("busy_fraction") is None
-            else f"{100 * d['busy_fraction']:.0f}%" for d in decode],
+        ["wall / decode step, profiled"] + [_us(d["wall_us_profiled"]) for d in decode],
+        ["GPU-busy fraction"]
+        + [
+            "-"
+            if d.get("busy_fraction") is None
+            else f"{100 * d['busy_fraction']:.0f}%"
+            for d in decode
+        ],
         ["decode steps profiled"] + [str(d["steps"]) for d in decode],
         ["kernels / step"] + [f"{d['kernels']:.0f}" for d in decode],
-        ["eager kernel launches / step"] + [
-            f"{d['kernel_launches']:.0f}" for d in decode],
+        ["eager kernel launches / step"]
+        + [f"{d['kernel_launches']:.0f}" for d in decode],
         ["graph launches / step"] + [f"{d['graph_launches']:.1f}" for d in decode],
         ["host syncs / step"] + [f"{d.get('host_syncs', 0):.1f}" for d in decode],
-        ["graph kernels recorded"] + [
-            str(d.get("graph_kernels_status")) for d in decode],
+        ["graph kernels recorded"]
+        + [str(d.get("graph_kernels_status")) for d in decode],
         ["accept len"] + [rep.fmt(r.get("acceptance_length")) for r in results],
     ]
     clocks = [r.get("gpu_clocks") for r in results]
     if any(clocks):
         rows += [
-            ["SM clock, unprofiled run (MHz, mean / min)"] + [
-                "-" if c is None else
-                f"{c['sm_clock_mhz_mean']:.0f} / {c['sm_clock_mhz_min']:.0f}"
-                for c in clocks],
-            ["power, unprofiled run (W, mean / max)"] + [
-                "-" if c is None else
-                f"{c['power_w_mean']:.0f} / {c['power_w_max']:.0f}" for c in clocks],
-            ["samples held back by power (by heat)"] + [
-                "-" if c is None or c.get("power_limited_share") is None else
-                f"{100 * c['power_limited_share']:.0f}% "
-                f"({100 * c['thermal_limited_share']:.0f}%)" for c in clocks],
+            ["SM clock, unprofiled run (MHz, mean / min)"]
+            + [
+                "-"
+                if c is None
+                else f"{c['sm_clock_mhz_mean']:.0f} / {c['sm_clock_mhz_min']:.0f}"
+                for c in clocks
+            ],
+            ["power, unprofiled run (W, mean / max)"]
+            + [
+                "-"
+                if c is None
+                else f"{c['power_w_mean']:.0f} / {c['power_w_max']:.0f}"
+                for c in clocks
+            ],
+            ["samples held back by power (by heat)"]
+            + [
+                "-"
+                if c is None or c.get("power_limited_share") is None
+                else f"{100 * c['power_limited_share']:.0f}% "
+                f"({100 * c['thermal_limited_share']:.0f}%)"
+                for c in clocks
+            ],
         ]
     host = host_table(configs, decode)
     if host:
@@ -652,20 +854,23 @@ def host_table(configs: Sequence[str], decode: Sequence[Mapping]) -> str | None:
         if label in seen:
             continue
         seen.add(label)
-        rows.append(["&nbsp;&nbsp;" * indent + label] + [
-            _scope_cell(s, c, label) for s, c in zip(scopes, calls)])
+        rows.append(
+            ["&nbsp;&nbsp;" * indent + label]
+            + [_scope_cell(s, c, label) for s, c in zip(scopes, calls)]
+        )
     rows += [
-        ["CUDA synchronize calls (host waits for the GPU)"] + [
-            _us(d.get("host_sync_us")) for d in decode],
-        ["wall / decode step, profiled"] + [
-            _us(d["wall_us_profiled"]) for d in decode],
+        ["CUDA synchronize calls (host waits for the GPU)"]
+        + [_us(d.get("host_sync_us")) for d in decode],
+        ["wall / decode step, profiled"] + [_us(d["wall_us_profiled"]) for d in decode],
         ["GPU busy (union of kernels)"] + [_us(d["busy_us"]) for d in decode],
     ]
     text = rep.markdown_table(["host us / decode step (calls)"] + configs, rows)
-    return ("Host (CPU) time per decode step in vLLM's engine and the "
-            "speculator, from record_function scopes around their methods "
-            "(profiled run; a scope's time contains the scopes indented under "
-            "it; calls per step in parentheses):\n\n" + text)
+    return (
+        "Host (CPU) time per decode step in vLLM's engine and the "
+        "speculator, from record_function scopes around their methods "
+        "(profiled run; a scope's time contains the scopes indented under "
+        "it; calls per step in parentheses):\n\n" + text
+    )
 
 
 def _scope_cell(us: Mapping, calls: Mapping, label: str) -> str:
@@ -686,68 +891,133 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.set_defaults(mode="cost")  # what bench_ddtree's engine_kwargs reads
-    p.add_argument("--out", type=Path, required=True,
-                   help="output directory (created; reused to resume)")
-    p.add_argument("--resume-from", type=Path, nargs="*", default=[],
-                   help="earlier --out directories whose configs count as done")
-    p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help="comma list of none, dflash, ddtree-<B>, ddtree (every "
-                        f"budget of bench_ddtree), {rep.AUTO_CONFIG}, "
-                        f"{rep.SCHEDULE_CONFIG} (needs --schedule)")
-    p.add_argument("--schedule", default=None,
-                   help=f"{rep.SCHEDULE_CONFIG}'s tree_budget_per_batch_size "
-                        "(JSON or a file), as in bench_ddtree.py")
-    p.add_argument("--batch", type=int, default=1,
-                   help="requests generated at once (the decode batch)")
-    p.add_argument("--requests", type=int, default=None,
-                   help="requests per generation (default: --batch). More than "
-                        "--batch: all go in at once and the engine (max_num_seqs "
-                        "= --batch) admits one as one finishes, so steps mix "
-                        "prefill and decode as behind vllm serve; their output "
-                        "lengths are staggered over [max-tokens / 2, max-tokens]")
-    p.add_argument("--pair", type=Path, default=None,
-                   help="a trained pair's directory (benchmarks/train_pair: "
-                        "target/, drafter/, eval_prompts.json): real weights, its "
-                        "held-out prompts, stop at EOS, instead of the 8B shapes' "
-                        "dummy weights and random prompts")
-    p.add_argument("--max-tokens", type=int, default=64,
-                   help="output tokens per request (ignore_eos)")
-    p.add_argument("--input-len", type=int, default=1024,
-                   help="random prompt length in tokens")
-    p.add_argument("--target", type=Path, default=DEFAULT_TARGET,
-                   help="target model directory (config.json; dummy weights)")
-    p.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER,
-                   help="DFlash drafter directory (config.json; dummy weights)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="output directory (created; reused to resume)",
+    )
+    p.add_argument(
+        "--resume-from",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="earlier --out directories whose configs count as done",
+    )
+    p.add_argument(
+        "--configs",
+        default=DEFAULT_CONFIGS,
+        help="comma list of none, dflash, ddtree-<B>, ddtree (every "
+        f"budget of bench_ddtree), {rep.AUTO_CONFIG}, "
+        f"{rep.SCHEDULE_CONFIG} (needs --schedule)",
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        help=f"{rep.SCHEDULE_CONFIG}'s tree_budget_per_batch_size "
+        "(JSON or a file), as in bench_ddtree.py",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="requests generated at once (the decode batch)",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per generation (default: --batch). More than "
+        "--batch: all go in at once and the engine (max_num_seqs "
+        "= --batch) admits one as one finishes, so steps mix "
+        "prefill and decode as behind vllm serve; their output "
+        "lengths are staggered over [max-tokens / 2, max-tokens]",
+    )
+    p.add_argument(
+        "--pair",
+        type=Path,
+        default=None,
+        help="a trained pair's directory (benchmarks/train_pair: "
+        "target/, drafter/, eval_prompts.json): real weights, its "
+        "held-out prompts, stop at EOS, instead of the 8B shapes' "
+        "dummy weights and random prompts",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        help="output tokens per request (ignore_eos)",
+    )
+    p.add_argument(
+        "--input-len", type=int, default=1024, help="random prompt length in tokens"
+    )
+    p.add_argument(
+        "--target",
+        type=Path,
+        default=DEFAULT_TARGET,
+        help="target model directory (config.json; dummy weights)",
+    )
+    p.add_argument(
+        "--drafter",
+        type=Path,
+        default=DEFAULT_DRAFTER,
+        help="DFlash drafter directory (config.json; dummy weights)",
+    )
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="engine max_num_seqs and CUDA-graph ladder (default: "
-                        "--batch; bench_ddtree cost used 64, its largest batch, "
-                        "at the price of a longer start-up)")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="engine max_num_seqs and CUDA-graph ladder (default: "
+        "--batch; bench_ddtree cost used 64, its largest batch, "
+        "at the price of a longer start-up)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timing-repeats", type=int, default=1,
-                   help="time the unprofiled whole generation this many times in "
-                        "the config's process; the wall per decode step is their "
-                        "median, their range is reported (a host-bound step "
-                        "moves from run to run)")
-    p.add_argument("--top", type=int, default=25,
-                   help="kernels listed per config in its JSON")
-    p.add_argument("--trace", action="store_true",
-                   help="also write <config>" + TRACE_SUFFIX + " (Chrome trace of "
-                        "the profiled generation; large)")
-    p.add_argument("--init-profiler-early", action="store_true",
-                   help="start and stop an empty profiler before the engine "
-                        "captures its CUDA graphs (torch's workaround for "
-                        "profiling graphs; off by default)")
-    p.add_argument("--limit-seconds", type=float, default=0,
-                   help="stop before starting a config that would not finish in "
-                        "this many seconds from the start, kill one still running "
-                        "then (0: no limit)")
-    p.add_argument("--config-seconds", type=float, default=120,
-                   help="expected seconds per config before one was measured")
-    p.add_argument("--report-only", action="store_true",
-                   help="no GPU: rebuild profile.md from the JSONs in --out and "
-                        "--resume-from")
+    p.add_argument(
+        "--timing-repeats",
+        type=int,
+        default=1,
+        help="time the unprofiled whole generation this many times in "
+        "the config's process; the wall per decode step is their "
+        "median, their range is reported (a host-bound step "
+        "moves from run to run)",
+    )
+    p.add_argument(
+        "--top", type=int, default=25, help="kernels listed per config in its JSON"
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also write <config>" + TRACE_SUFFIX + " (Chrome trace of "
+        "the profiled generation; large)",
+    )
+    p.add_argument(
+        "--init-profiler-early",
+        action="store_true",
+        help="start and stop an empty profiler before the engine "
+        "captures its CUDA graphs (torch's workaround for "
+        "profiling graphs; off by default)",
+    )
+    p.add_argument(
+        "--limit-seconds",
+        type=float,
+        default=0,
+        help="stop before starting a config that would not finish in "
+        "this many seconds from the start, kill one still running "
+        "then (0: no limit)",
+    )
+    p.add_argument(
+        "--config-seconds",
+        type=float,
+        default=120,
+        help="expected seconds per config before one was measured",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="no GPU: rebuild profile.md from the JSONs in --out and --resume-from",
+    )
     return p
 
 
@@ -763,15 +1033,15 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"--pair {args.pair}: no eval_prompts.json there")
         args.mode = "e2e"  # bench_ddtree.engine_kwargs: real weights, tokenizer
     args.schedule = bd.parse_schedule(args.schedule)
-    args.configs = bd.parse_configs(args.configs, list(bd.ALL_BUDGETS),
-                                    args.schedule)
+    args.configs = bd.parse_configs(args.configs, list(bd.ALL_BUDGETS), args.schedule)
     if args.batch < 1:
         raise ValueError("--batch must be >= 1")
     if args.max_num_seqs is None:
         args.max_num_seqs = args.batch
     if args.max_num_seqs < args.batch:
-        raise ValueError(f"--max-num-seqs {args.max_num_seqs} is below --batch "
-                         f"{args.batch}")
+        raise ValueError(
+            f"--max-num-seqs {args.max_num_seqs} is below --batch {args.batch}"
+        )
     if args.requests is None:
         args.requests = args.batch
     if args.requests < args.batch:
@@ -779,10 +1049,13 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.requests > args.batch and args.max_num_seqs != args.batch:
         raise ValueError(
             f"--requests {args.requests} > --batch {args.batch} runs them "
-            f"{args.batch} at a time (max_num_seqs = --batch); drop --max-num-seqs")
+            f"{args.batch} at a time (max_num_seqs = --batch); drop --max-num-seqs"
+        )
     if args.max_tokens < 2:
-        raise ValueError("--max-tokens must be >= 2 (the decode phase is the "
-                         "difference to a max_tokens=1 generation)")
+        raise ValueError(
+            "--max-tokens must be >= 2 (the decode phase is the "
+            "difference to a max_tokens=1 generation)"
+        )
     if args.input_len < 1:
         raise ValueError("--input-len must be >= 1")
     if args.input_len + args.max_tokens > args.max_model_len:
@@ -859,8 +1132,7 @@ def request_prompts(args) -> list:
     """The generation's prompts: the pair's held-out prompts in order (cycled), or
     bench_ddtree cost's random prompts of this batch (its seed)."""
     if args.pair is None:
-        return bd.random_prompts(args.requests, args.input_len,
-                                 args.seed + args.batch)
+        return bd.random_prompts(args.requests, args.input_len, args.seed + args.batch)
     prompts = bd.load_prompts(args.prompts)
     return [prompts[i % len(prompts)] for i in range(args.requests)]
 
@@ -919,7 +1191,7 @@ def prepare_out(args, setup: Mapping) -> dict:
 
 def worker_spec(args, config: str, gpu: str) -> dict:
     """What the worker process of one config needs (JSON)."""
-    trace = (str(args.out / f"{config}{TRACE_SUFFIX}") if args.trace else None)
+    trace = str(args.out / f"{config}{TRACE_SUFFIX}") if args.trace else None
     return {
         "config": config,
         "llm": bd.engine_kwargs(args, config, args.max_num_seqs),
@@ -958,21 +1230,31 @@ def run_config(args, config: str, gpu: str, time_left: float) -> bool:
         spec_path = Path(tmp) / f"{config}.spec.json"
         spec_path.write_text(json.dumps(worker_spec(args, config, gpu)))
         with log_path.open("a") as log:
-            log.write(f"\n===== {config} ({time.strftime('%Y-%m-%dT%H:%M:%S')}) "
-                      "=====\n")
+            log.write(
+                f"\n===== {config} ({time.strftime('%Y-%m-%dT%H:%M:%S')}) =====\n"
+            )
             log.flush()
             offset = log.tell()
             ok = bd._run_logged(
-                [sys.executable, str(Path(__file__).resolve()), "_worker",
-                 str(spec_path)],
-                log, time_left, _child_env(),
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "_worker",
+                    str(spec_path),
+                ],
+                log,
+                time_left,
+                _child_env(),
             )
     ok = ok and result_path(args.out, config).is_file()
     if not ok and time_left <= 1.0 + (time.monotonic() - start):
         # Killed when --limit-seconds ran out (bd._run_logged): a cut, not a
         # failure; the worker writes its JSON at the end, so nothing is kept.
-        print(f"    {config}: --limit-seconds ran out before it finished (not "
-              "kept); rerun with --resume-from this --out", flush=True)
+        print(
+            f"    {config}: --limit-seconds ran out before it finished (not "
+            "kept); rerun with --resume-from this --out",
+            flush=True,
+        )
         raise ConfigCut(config)
     if not ok:
         with log_path.open() as log:
@@ -993,14 +1275,19 @@ def run_profiles(args, gpu: str) -> int:
             print(f"{tag}: profiled already ({result_path(args.out, config)})")
             continue
         if not clock.can_start():
-            left = [c for c in args.configs[i - 1:] if c not in done]
-            print(f"{tag}: stopping, {clock.remaining():.0f} s left of "
-                  f"--limit-seconds, a config takes ~{max(clock.config_s):.0f} s; "
-                  f"not started: {', '.join(left)}. Rerun with --resume-from "
-                  "this --out to continue.", flush=True)
+            left = [c for c in args.configs[i - 1 :] if c not in done]
+            print(
+                f"{tag}: stopping, {clock.remaining():.0f} s left of "
+                f"--limit-seconds, a config takes ~{max(clock.config_s):.0f} s; "
+                f"not started: {', '.join(left)}. Rerun with --resume-from "
+                "this --out to continue.",
+                flush=True,
+            )
             break
-        print(f"{tag}: starting (batch {args.batch}, {args.max_tokens} tokens)",
-              flush=True)
+        print(
+            f"{tag}: starting (batch {args.batch}, {args.max_tokens} tokens)",
+            flush=True,
+        )
         start = time.monotonic()
         try:
             ok = run_config(args, config, gpu, clock.remaining())
@@ -1012,21 +1299,27 @@ def run_profiles(args, gpu: str) -> int:
             failed.append(config)
             continue
         d = json.loads(result_path(args.out, config).read_text())["decode"]
-        print(f"    {config}: {time.monotonic() - start:.0f} s; {d['steps']} decode "
-              f"steps, kernels {d['kernel_us']:.0f} us/step, wall "
-              f"{_us(d.get('wall_us'))} us/step, graph kernels "
-              f"{d['graph_kernels_status']}", flush=True)
+        print(
+            f"    {config}: {time.monotonic() - start:.0f} s; {d['steps']} decode "
+            f"steps, kernels {d['kernel_us']:.0f} us/step, wall "
+            f"{_us(d.get('wall_us'))} us/step, graph kernels "
+            f"{d['graph_kernels_status']}",
+            flush=True,
+        )
     if cut:
-        print(f"profile_step: --limit-seconds ran out while profiling {cut}; "
-              f"rerun with --resume-from {args.out} to profile it")
+        print(
+            f"profile_step: --limit-seconds ran out while profiling {cut}; "
+            f"rerun with --resume-from {args.out} to profile it"
+        )
     if failed:
         print(f"profile_step: failed configs (see {args.out / LOG_FILE}): {failed}")
     write_report(args.out, load_results([args.out]), args.configs)
     return 1 if failed else 0
 
 
-def write_report(out: Path, results: Mapping[str, dict],
-                 configs: Sequence[str] | None = None) -> str:
+def write_report(
+    out: Path, results: Mapping[str, dict], configs: Sequence[str] | None = None
+) -> str:
     """Write and print ``profile.md`` (the configs asked for, or all)."""
     chosen = [r for c, r in results.items() if configs is None or c in configs]
     text = markdown_report(chosen)
@@ -1074,8 +1367,10 @@ def window_from_profiler(prof, *, steps: int, wall_s: float) -> dict:
 
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     if results is None:
-        raise RuntimeError("torch.profiler kept no kineto results (was CUDA "
-                           "activity profiling available?)")
+        raise RuntimeError(
+            "torch.profiler kept no kineto results (was CUDA "
+            "activity profiling available?)"
+        )
     events, correlations = [], []
     graph_ids, launch_ids, graph_launches, launches, syncs = set(), set(), 0, 0, 0
     sync_us, scopes, scope_calls = 0.0, {}, {}
@@ -1102,16 +1397,23 @@ def window_from_profiler(prof, *, steps: int, wall_s: float) -> dict:
             syncs += 1
             sync_us += e.duration_ns() / 1e3
     return make_window(
-        events, steps=steps, wall_s=wall_s, graph_launches=graph_launches,
+        events,
+        steps=steps,
+        wall_s=wall_s,
+        graph_launches=graph_launches,
         kernel_launches=launches,
         graph_kernels=sum(1 for c in correlations if c in graph_ids),
         linked_kernels=sum(1 for c in correlations if c in launch_ids),
-        host_syncs=syncs, host_sync_us=sync_us, host_scopes=scopes,
-        host_scope_calls=scope_calls)
+        host_syncs=syncs,
+        host_sync_us=sync_us,
+        host_scopes=scopes,
+        host_scope_calls=scope_calls,
+    )
 
 
-def instrument_host_scopes(scopes: Sequence[tuple] = HOST_SCOPES,
-                           on: threading.Event = _HOST_SCOPES_ON) -> list[str]:
+def instrument_host_scopes(
+    scopes: Sequence[tuple] = HOST_SCOPES, on: threading.Event = _HOST_SCOPES_ON
+) -> list[str]:
     """Wrap each scope's method (where its class defines it) in
     ``torch.profiler.record_function(label)``, recording while ``on`` is set;
     returns ``module.Class.method`` of the scopes this vLLM lacks (their rows
@@ -1167,8 +1469,11 @@ def run_worker(spec: dict) -> None:
     vllm_ddtree.register()
     missing_scopes = instrument_host_scopes()
     if missing_scopes:
-        print("profile_step worker: host scopes not in this vLLM (rows left "
-              "empty): " + ", ".join(missing_scopes), flush=True)
+        print(
+            "profile_step worker: host scopes not in this vLLM (rows left "
+            "empty): " + ", ".join(missing_scopes),
+            flush=True,
+        )
     if spec["init_profiler_early"]:
         from torch.profiler._utils import _init_for_cuda_graphs
 
@@ -1183,9 +1488,15 @@ def run_worker(spec: dict) -> None:
     def params(max_tokens: int):
         """One SamplingParams per request: max_tokens caps each staggered
         length (1: prefill only)."""
-        return [SamplingParams(temperature=0.0, max_tokens=min(max_tokens, n),
-                               ignore_eos=spec.get("ignore_eos", True),
-                               detokenize=False) for n in lengths]
+        return [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=min(max_tokens, n),
+                ignore_eos=spec.get("ignore_eos", True),
+                detokenize=False,
+            )
+            for n in lengths
+        ]
 
     def generate(max_tokens: int, prof=None):
         """(wall seconds, metric delta, output tokens) of one generation."""
@@ -1223,8 +1534,7 @@ def run_worker(spec: dict) -> None:
     repeats = [timing]
     for _ in range(spec.get("timing_repeats", 1) - 1):
         r_wall, r_delta, r_tokens = generate(max_tokens)
-        repeats.append(rep.timing_stats(r_delta, pre_delta, r_wall, pre_wall,
-                                        r_tokens))
+        repeats.append(rep.timing_stats(r_delta, pre_delta, r_wall, pre_wall, r_tokens))
     timing = repeated_timing(repeats)
     print("profile_step worker: unprofiled " + json.dumps(timing), flush=True)
     generate(1, profiler())  # the profiler's own start-up, outside the windows
@@ -1233,14 +1543,19 @@ def run_worker(spec: dict) -> None:
         prof = profiler()
         w_wall, w_delta, _ = generate(n, prof)
         windows[name] = window_from_profiler(
-            prof, steps=int(w_delta.get(rep.STEPS, 0)), wall_s=w_wall)
+            prof, steps=int(w_delta.get(rep.STEPS, 0)), wall_s=w_wall
+        )
         if name == "full" and spec["trace"]:
             prof.export_chrome_trace(spec["trace"])
         del prof
-    wall_us = (None if timing["decode_ms_per_step"] is None
-               else 1000 * timing["decode_ms_per_step"])
-    decode = decode_breakdown(windows["full"], windows["prefill"],
-                              wall_us=wall_us, top=spec["top"])
+    wall_us = (
+        None
+        if timing["decode_ms_per_step"] is None
+        else 1000 * timing["decode_ms_per_step"]
+    )
+    decode = decode_breakdown(
+        windows["full"], windows["prefill"], wall_us=wall_us, top=spec["top"]
+    )
     spec_numbers = rep.spec_stats(delta)
     result = {
         "config": spec["config"],
@@ -1250,13 +1565,20 @@ def run_worker(spec: dict) -> None:
         "unprofiled": timing,
         # SM clock and power over the unprofiled generation (None: no NVML).
         "gpu_clocks": clocks,
-        "windows": {k: {key: v for key, v in w.items() if key != "kernels"}
-                    for k, w in windows.items()},
-        "info": {"gpu": spec["gpu"], "torch": torch.__version__,
-                 "vllm": vllm.__version__, "engine": engine,
-                 "trace": spec["trace"], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                 "init_profiler_early": spec["init_profiler_early"],
-                 "host_scopes_missing": missing_scopes},
+        "windows": {
+            k: {key: v for key, v in w.items() if key != "kernels"}
+            for k, w in windows.items()
+        },
+        "info": {
+            "gpu": spec["gpu"],
+            "torch": torch.__version__,
+            "vllm": vllm.__version__,
+            "engine": engine,
+            "trace": spec["trace"],
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "init_profiler_early": spec["init_profiler_early"],
+            "host_scopes_missing": missing_scopes,
+        },
     }
     Path(spec["out_json"]).write_text(json.dumps(result, indent=1))
     print(f"profile_step worker: wrote {spec['out_json']}", flush=True)

@@ -66,8 +66,9 @@ def step_times(rows: Sequence[Mapping], temperature: float) -> dict:
     return out
 
 
-def command_steps(dir_rows: Sequence[Sequence[Mapping]], temperature: float
-                  ) -> tuple[dict, dict]:
+def command_steps(
+    dir_rows: Sequence[Sequence[Mapping]], temperature: float
+) -> tuple[dict, dict]:
     """Step times of several cost commands (one row list per result directory):
     ``{(config, batch): ms}`` with a later command's number winning, and per
     ``(config, batch)`` the ``{"dflash": ms, "none": ms}`` steps measured by the
@@ -78,13 +79,16 @@ def command_steps(dir_rows: Sequence[Sequence[Mapping]], temperature: float
         own = step_times(rows, temperature)
         for (config, batch), ms in own.items():
             steps[(config, batch)] = ms
-            baselines[(config, batch)] = {"dflash": own.get(("dflash", batch)),
-                                          "none": own.get(("none", batch))}
+            baselines[(config, batch)] = {
+                "dflash": own.get(("dflash", batch)),
+                "none": own.get(("none", batch)),
+            }
     return steps, baselines
 
 
-def _baseline(steps: Mapping, baselines: Mapping | None, config: str, batch: int,
-              which: str) -> float | None:
+def _baseline(
+    steps: Mapping, baselines: Mapping | None, config: str, batch: int, which: str
+) -> float | None:
     if baselines is None:
         return steps.get((which, batch))
     return baselines.get((config, batch), {}).get(which)
@@ -92,8 +96,11 @@ def _baseline(steps: Mapping, baselines: Mapping | None, config: str, batch: int
 
 def schedules_of(rows: Sequence[Mapping]) -> dict[str, list]:
     """{config: tree_budget_per_batch_size} of ddtree-schedule / ddtree-auto rows."""
-    return {r["config"]: r["tree_budget_per_batch_size"] for r in rows
-            if r.get("tree_budget_per_batch_size")}
+    return {
+        r["config"]: r["tree_budget_per_batch_size"]
+        for r in rows
+        if r.get("tree_budget_per_batch_size")
+    }
 
 
 def pooled_tau(rows: Sequence[Mapping], temperature: float) -> dict[str, float]:
@@ -115,9 +122,12 @@ def pooled_tau(rows: Sequence[Mapping], temperature: float) -> dict[str, float]:
     return taus
 
 
-def project(steps: Mapping, taus: Mapping[str, float],
-            schedules: Mapping[str, list] | None = None,
-            baselines: Mapping | None = None) -> list[dict]:
+def project(
+    steps: Mapping,
+    taus: Mapping[str, float],
+    schedules: Mapping[str, list] | None = None,
+    baselines: Mapping | None = None,
+) -> list[dict]:
     """Projected throughput and speedups for every (config, batch) with both a
     step time and an acceptance length. A config with a budget schedule
     (``schedules``) takes at each batch the acceptance length of the fixed budget
@@ -134,13 +144,21 @@ def project(steps: Mapping, taus: Mapping[str, float],
         per_s = tau / ms * 1000  # tokens per second per request
         none_ms = _baseline(steps, baselines, config, batch, "none")
         dflash_ms = _baseline(steps, baselines, config, batch, "dflash")
-        rows.append({
-            "config": config, "batch": batch, "tau": tau, "step_ms": ms,
-            "tok_s": batch * per_s,
-            "vs_none": per_s / (1000 / none_ms) if none_ms else None,
-            "vs_dflash": (per_s / (taus["dflash"] / dflash_ms * 1000)
-                          if dflash_ms and "dflash" in taus else None),
-        })
+        rows.append(
+            {
+                "config": config,
+                "batch": batch,
+                "tau": tau,
+                "step_ms": ms,
+                "tok_s": batch * per_s,
+                "vs_none": per_s / (1000 / none_ms) if none_ms else None,
+                "vs_dflash": (
+                    per_s / (taus["dflash"] / dflash_ms * 1000)
+                    if dflash_ms and "dflash" in taus
+                    else None
+                ),
+            }
+        )
     return sorted(rows, key=lambda r: (r["batch"], config_order(r["config"])))
 
 
@@ -154,8 +172,13 @@ def auto_budget(projected: Sequence[Mapping]) -> list[dict]:
         if r["batch"] not in best or r["tok_s"] > best[r["batch"]]["tok_s"]:
             best[r["batch"]] = r
     return [
-        {"batch": b, "budget": budget_of(r["config"]), "tok_s": r["tok_s"],
-         "vs_dflash": r["vs_dflash"], "vs_none": r["vs_none"]}
+        {
+            "batch": b,
+            "budget": budget_of(r["config"]),
+            "tok_s": r["tok_s"],
+            "vs_dflash": r["vs_dflash"],
+            "vs_none": r["vs_none"],
+        }
         for b, r in sorted(best.items())
     ]
 
@@ -180,24 +203,45 @@ def step_table(steps: Mapping, baselines: Mapping | None = None) -> str:
         cells = []
         for b in batches:
             ms, d = steps.get((c, b)), _baseline(steps, baselines, c, b, "dflash")
-            cells.append("-" if ms is None else
-                         f"{ms:.2f}" + (f" ({ms / d:.2f}x)" if d else ""))
+            cells.append(
+                "-" if ms is None else f"{ms:.2f}" + (f" ({ms / d:.2f}x)" if d else "")
+            )
         body.append([c] + cells)
-    return markdown_table(["config"] + [f"batch {b}: ms/step (x DFlash)"
-                                        for b in batches], body)
+    return markdown_table(
+        ["config"] + [f"batch {b}: ms/step (x DFlash)" for b in batches], body
+    )
 
 
 def projection_table(projected: Sequence[Mapping]) -> str:
-    body = [[r["batch"], r["config"], fmt(r["tau"]), fmt(r["step_ms"]),
-             fmt(r["tok_s"], 0), fmt(r["vs_none"]), fmt(r["vs_dflash"], 3)]
-            for r in projected]
+    body = [
+        [
+            r["batch"],
+            r["config"],
+            fmt(r["tau"]),
+            fmt(r["step_ms"]),
+            fmt(r["tok_s"], 0),
+            fmt(r["vs_none"]),
+            fmt(r["vs_dflash"], 3),
+        ]
+        for r in projected
+    ]
     return markdown_table(
-        ["batch", "config", "accept len", "ms/step (measured)",
-         "projected tok/s", "projected x no-spec", "projected x DFlash"], body)
+        [
+            "batch",
+            "config",
+            "accept len",
+            "ms/step (measured)",
+            "projected tok/s",
+            "projected x no-spec",
+            "projected x DFlash",
+        ],
+        body,
+    )
 
 
-def schedule_verdicts(projected: Sequence[Mapping],
-                      schedules: Mapping[str, list]) -> list[str]:
+def schedule_verdicts(
+    projected: Sequence[Mapping], schedules: Mapping[str, list]
+) -> list[str]:
     """One line per (schedule config, batch): projected x DFlash, and whether it
     reaches DFlash (what ``tree_budget="auto"`` must do at every batch)."""
     lines = []
@@ -206,17 +250,34 @@ def schedule_verdicts(projected: Sequence[Mapping],
             continue
         budget = schedule_budget(schedules[r["config"]], r["batch"])
         verdict = "yes" if r["vs_dflash"] >= 1.0 else "NO"
-        lines.append(f"- {r['config']}, batch {r['batch']} (budget {budget}): "
-                     f"projected {r['vs_dflash']:.3f} x DFlash, >= DFlash: {verdict}")
+        lines.append(
+            f"- {r['config']}, batch {r['batch']} (budget {budget}): "
+            f"projected {r['vs_dflash']:.3f} x DFlash, >= DFlash: {verdict}"
+        )
     return lines
 
 
 def auto_table(rows: Sequence[Mapping]) -> str:
-    body = [[r["batch"], r["budget"], fmt(r["tok_s"], 0), fmt(r["vs_dflash"], 3),
-             "yes" if (r["vs_dflash"] or 0) >= 1.0 else "NO"] for r in rows]
+    body = [
+        [
+            r["batch"],
+            r["budget"],
+            fmt(r["tok_s"], 0),
+            fmt(r["vs_dflash"], 3),
+            "yes" if (r["vs_dflash"] or 0) >= 1.0 else "NO",
+        ]
+        for r in rows
+    ]
     return markdown_table(
-        ["batch", "best budget (projected)", "projected tok/s",
-         "projected x DFlash", ">= DFlash"], body)
+        [
+            "batch",
+            "best budget (projected)",
+            "projected tok/s",
+            "projected x DFlash",
+            ">= DFlash",
+        ],
+        body,
+    )
 
 
 def dflash_spread(dir_rows: Sequence[Sequence[Mapping]], temperature: float) -> str:
@@ -227,14 +288,19 @@ def dflash_spread(dir_rows: Sequence[Sequence[Mapping]], temperature: float) -> 
             if config == "dflash":
                 by_batch.setdefault(batch, []).append(ms)
     return "; ".join(
-        f"batch {b}: {min(v):.2f}" + (f"-{max(v):.2f}" if len(v) > 1 else "")
+        f"batch {b}: {min(v):.2f}"
+        + (f"-{max(v):.2f}" if len(v) > 1 else "")
         + f" ms ({len(v)} command{'s' if len(v) > 1 else ''})"
-        for b, v in sorted(by_batch.items()))
+        for b, v in sorted(by_batch.items())
+    )
 
 
-def report(cost_dirs: Sequence[Sequence[Mapping]],
-           sources: Sequence[tuple[str, dict]], temperature: float,
-           command: str | None = None) -> str:
+def report(
+    cost_dirs: Sequence[Sequence[Mapping]],
+    sources: Sequence[tuple[str, dict]],
+    temperature: float,
+    command: str | None = None,
+) -> str:
     """The markdown report. ``cost_dirs``: the rows of each cost command, oldest
     first; a later command's step of a (config, batch) replaces an older one's."""
     steps, baselines = command_steps(cost_dirs, temperature)
@@ -258,27 +324,51 @@ def report(cost_dirs: Sequence[Sequence[Mapping]],
             parts += ["(no config has both a step time and an acceptance length)", ""]
             continue
         auto = auto_budget(projected)
-        parts += [projection_table(projected), "",
-                  "Projected auto budget (best DDTree budget per batch):", "",
-                  auto_table(auto), "",
-                  "As a speculative-config schedule (projected): "
-                  f'`"tree_budget_per_batch_size": {budget_schedule(auto)}`', ""]
+        parts += [
+            projection_table(projected),
+            "",
+            "Projected auto budget (best DDTree budget per batch):",
+            "",
+            auto_table(auto),
+            "",
+            "As a speculative-config schedule (projected): "
+            f'`"tree_budget_per_batch_size": {budget_schedule(auto)}`',
+            "",
+        ]
         verdicts = schedule_verdicts(projected, schedules)
         if verdicts:
-            parts += ["Measured schedules (step times measured, acceptance of the "
-                      "budget each batch gets; projected):", "", *verdicts, ""]
+            parts += [
+                "Measured schedules (step times measured, acceptance of the "
+                "budget each batch gets; projected):",
+                "",
+                *verdicts,
+                "",
+            ]
     return "\n".join(parts)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cost", type=Path, nargs="+", required=True,
-                   help="bench_ddtree.py cost --out directories")
-    p.add_argument("--e2e", type=Path, nargs="*", default=[],
-                   help="bench_ddtree.py e2e --out directories (trained pair)")
+    p.add_argument(
+        "--cost",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="bench_ddtree.py cost --out directories",
+    )
+    p.add_argument(
+        "--e2e",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="bench_ddtree.py e2e --out directories (trained pair)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--no-paper", action="store_true",
-                   help="leave out the paper's acceptance lengths")
+    p.add_argument(
+        "--no-paper",
+        action="store_true",
+        help="leave out the paper's acceptance lengths",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the markdown here")
     args = p.parse_args(argv)
     missing = [d for d in [*args.cost, *args.e2e] if not (d / RESULTS_FILE).is_file()]

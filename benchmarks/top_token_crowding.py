@@ -45,19 +45,19 @@ def candidate_counts(logits: torch.Tensor, num_top: int) -> torch.Tensor:
     rows, vocab = logits.shape
     plan = top_search_plan(vocab, num_top)
     padded = torch.nn.functional.pad(
-        logits.float(), (0, plan.num_chunks * plan.chunk - vocab),
-        value=float("-inf"))
+        logits.float(), (0, plan.num_chunks * plan.chunk - vocab), value=float("-inf")
+    )
     chunks = padded.view(rows, plan.num_chunks, plan.chunk)
     # Distinct values: sort each chunk, blank repeats, take the largest.
     ordered = chunks.sort(dim=-1, descending=True).values
     repeat = torch.zeros_like(ordered, dtype=torch.bool)
     repeat[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
-    ordered = ordered.masked_fill(repeat, float("-inf")).sort(
-        dim=-1, descending=True).values
+    ordered = (
+        ordered.masked_fill(repeat, float("-inf")).sort(dim=-1, descending=True).values
+    )
     reported = ordered[..., : plan.per_chunk].flatten(1)
     # Fewer than num_top reported values: -inf, every token is a candidate.
-    threshold = reported.sort(dim=-1, descending=True).values[
-        :, num_top - 1 : num_top]
+    threshold = reported.sort(dim=-1, descending=True).values[:, num_top - 1 : num_top]
     return (logits.float() >= threshold).sum(dim=-1)
 
 
@@ -70,8 +70,10 @@ def search_paths(logits: torch.Tensor, num_top: int) -> dict[str, torch.Tensor]:
         none = torch.zeros(logits.shape[0], dtype=torch.bool)
         return {"spill": none, "exact": none}
     count = candidate_counts(logits, num_top)
-    return {"spill": (count > plan.cap) & (count <= plan.spill),
-            "exact": count > plan.spill}
+    return {
+        "spill": (count > plan.cap) & (count <= plan.spill),
+        "exact": count > plan.spill,
+    }
 
 
 def drafter_logits(pair: Path, num_prompts: int, max_len: int, stride: int):
@@ -99,8 +101,14 @@ def drafter_logits(pair: Path, num_prompts: int, max_len: int, stride: int):
                 continue
             anchors = torch.arange(stride, ids.shape[1] - block, stride)[None]
             feats = target_features(target, ids, drafter.shape.target_layer_ids)
-            logits, _ = draft_logits(drafter, target.model.embed_tokens,
-                                     target.lm_head.weight, ids, feats, anchors)
+            logits, _ = draft_logits(
+                drafter,
+                target.model.embed_tokens,
+                target.lm_head.weight,
+                ids,
+                feats,
+                anchors,
+            )
             rows.append(logits[0, :, 1:].flatten(0, 1).half())
     return torch.cat(rows)
 
@@ -122,18 +130,25 @@ def main(argv=None) -> int:
         num_top = min(budget, vocab)
         plan = top_search_plan(vocab, num_top)
         paths = search_paths(logits, num_top)
-        rows.append({
-            "budget": budget, "cap": plan.cap, "spill": plan.spill,
-            "spill_path_share": round(float(paths["spill"].float().mean()), 4),
-            "exact_path_share": round(float(paths["exact"].float().mean()), 4),
-            "max_candidates": int(candidate_counts(logits, num_top).max()),
-        })
+        rows.append(
+            {
+                "budget": budget,
+                "cap": plan.cap,
+                "spill": plan.spill,
+                "spill_path_share": round(float(paths["spill"].float().mean()), 4),
+                "exact_path_share": round(float(paths["exact"].float().mean()), 4),
+                "max_candidates": int(candidate_counts(logits, num_top).max()),
+            }
+        )
     top = logits.float().topk(15, dim=-1).indices
     result = {
         "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
-        "pair": str(args.pair), "positions": int(logits.shape[0]), "vocab": vocab,
+        "pair": str(args.pair),
+        "positions": int(logits.shape[0]),
+        "vocab": vocab,
         "top15_ids_below_512": round(float((top < 512).float().mean()), 4),
-        "rows": rows, "seconds": round(time.monotonic() - start, 1),
+        "rows": rows,
+        "seconds": round(time.monotonic() - start, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "top_token_crowding.json").write_text(json.dumps(result, indent=1))
@@ -141,12 +156,17 @@ def main(argv=None) -> int:
         f"`{result['command']}`: {result['positions']} draft positions of "
         f"{args.pair.name}'s drafter, vocabulary {vocab}; "
         f"{100 * result['top15_ids_below_512']:.1f} % of their top-15 ids are < 512.",
-        "", "| budget | cap | spill | positions on the spill path | on the exact "
-        "path | most candidates of a position |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['budget']} | {r['cap']} | {r['spill']} | "
-              f"{100 * r['spill_path_share']:.1f} % | "
-              f"{100 * r['exact_path_share']:.1f} % | {r['max_candidates']} |"
-              for r in rows]
+        "",
+        "| budget | cap | spill | positions on the spill path | on the exact "
+        "path | most candidates of a position |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['budget']} | {r['cap']} | {r['spill']} | "
+        f"{100 * r['spill_path_share']:.1f} % | "
+        f"{100 * r['exact_path_share']:.1f} % | {r['max_candidates']} |"
+        for r in rows
+    ]
     text = "\n".join(lines) + "\n"
     (args.out / "top_token_crowding.md").write_text(text)
     print(text)

@@ -64,8 +64,9 @@ def unpack_tests(sdist: Path, out: Path) -> Path:
         subprocess.run(["cp", "-r", str(sdist / "tests"), str(dest)], check=True)
         return dest
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers()
-                   if m.name.split("/", 2)[1:2] == ["tests"]]
+        members = [
+            m for m in tar.getmembers() if m.name.split("/", 2)[1:2] == ["tests"]
+        ]
         for m in members:
             m.name = m.name.split("/", 1)[1]
         tar.extractall(dest, members=members, filter="data")
@@ -89,19 +90,39 @@ def run(tests_root: Path, files: list[str], plugin: bool, out: Path) -> dict:
     xml = out / f"junit_{mode}.xml"
     # Nothing is downloaded: tests that need a hub model fail the same way in
     # both runs instead of waiting on the network.
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tests_root}",
-               VLLM_PLUGINS="ddtree" if plugin else "", HF_HUB_OFFLINE="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{ROOT}{os.pathsep}{tests_root}",
+        VLLM_PLUGINS="ddtree" if plugin else "",
+        HF_HUB_OFFLINE="1",
+    )
     (tests_root / "ddtree_cpu_shim.py").write_text(CPU_SHIM)
     start = time.perf_counter()
     with open(out / f"pytest_{mode}.log", "w") as log:
         subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             "-p", "ddtree_cpu_shim", f"--junitxml={xml}", *files],
-            cwd=tests_root, env=env, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "ddtree_cpu_shim",
+                f"--junitxml={xml}",
+                *files,
+            ],
+            cwd=tests_root,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             check=False,
         )
-    print(f"plugin {mode}: {time.perf_counter() - start:.0f} s "
-          f"(log {out / f'pytest_{mode}.log'})", flush=True)
+    print(
+        f"plugin {mode}: {time.perf_counter() - start:.0f} s "
+        f"(log {out / f'pytest_{mode}.log'})",
+        flush=True,
+    )
     if not xml.exists():
         tail = (out / f"pytest_{mode}.log").read_text()[-2000:]
         raise SystemExit(f"pytest wrote no report (plugin {mode}):\n{tail}")
@@ -113,25 +134,38 @@ def outcomes(xml: Path) -> dict[str, str]:
     for case in ET.parse(xml).getroot().iter("testcase"):
         test = f"{case.get('classname')}::{case.get('name')}"
         kinds = {child.tag for child in case}
-        outcome = next((k for k in ("error", "failure", "skipped") if k in kinds),
-                       "passed")
+        outcome = next(
+            (k for k in ("error", "failure", "skipped") if k in kinds), "passed"
+        )
         result[test] = outcome
     return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sdist", type=Path, required=True,
-                        help="vllm-0.26.0.tar.gz or its unpacked folder")
+    parser.add_argument(
+        "--sdist",
+        type=Path,
+        required=True,
+        help="vllm-0.26.0.tar.gz or its unpacked folder",
+    )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tests", nargs="*", default=list(DEFAULT_TESTS),
-                        help="test files, relative to the sdist's root")
-    parser.add_argument("--install-test-deps", action="store_true",
-                        help=f"pip install {' '.join(TEST_DEPS)} first")
+    parser.add_argument(
+        "--tests",
+        nargs="*",
+        default=list(DEFAULT_TESTS),
+        help="test files, relative to the sdist's root",
+    )
+    parser.add_argument(
+        "--install-test-deps",
+        action="store_true",
+        help=f"pip install {' '.join(TEST_DEPS)} first",
+    )
     args = parser.parse_args()
     if args.install_test_deps:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *TEST_DEPS],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", *TEST_DEPS], check=True
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     tests_root = unpack_tests(args.sdist, args.out)
     files = [f for f in args.tests if (tests_root / f).exists()]

@@ -32,8 +32,6 @@ def _use_source_checkout() -> None:
     if not (root / "setup.py").is_file() or not (root / "vllm").is_dir():
         return
     for init_dir in sorted({p.parent for p in (root / "vllm").rglob("*.py")}):
-        package = importlib.import_module(
-            ".".join(init_dir.relative_to(root).parts)
-        )
+        package = importlib.import_module(".".join(init_dir.relative_to(root).parts))
         if str(init_dir) not in package.__path__:
             package.__path__.insert(0, str(init_dir))

@@ -17,8 +17,12 @@ def test_crowded_logits_crowd_the_best_tokens_into_low_ids():
     # The chunk search reports one value per chunk at this vocabulary, so its
     # threshold (the 31st largest chunk maximum) lets far more than the
     # default cap of 64 candidates through: the spill sort runs.
-    chunk_max = torch.nn.functional.pad(
-        logits, (0, 2048 * 75 - bto.QWEN3_VOCAB), value=float("-inf")
-    ).unflatten(-1, (75, 2048)).amax(-1)
+    chunk_max = (
+        torch.nn.functional.pad(
+            logits, (0, 2048 * 75 - bto.QWEN3_VOCAB), value=float("-inf")
+        )
+        .unflatten(-1, (75, 2048))
+        .amax(-1)
+    )
     threshold = chunk_max.topk(31, dim=-1).values[..., -1:]
     assert ((logits >= threshold).sum(-1) > 64).all()

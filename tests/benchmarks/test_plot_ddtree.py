@@ -18,8 +18,7 @@ BUDGETS = (16, 64, 256)
 
 
 def _row(config, batch, temperature=0.0, run="r1", **kw):
-    row = {"config": config, "batch": batch, "temperature": temperature,
-           "run_id": run}
+    row = {"config": config, "batch": batch, "temperature": temperature, "run_id": run}
     row.update(kw)
     return row
 
@@ -40,15 +39,30 @@ def _e2e_rows():
     T=1 row with no ratio (no DFlash at T=1)."""
     rows = []
     for batch, tau, speed in ((1, 5.0, 1.2), (8, 4.0, 0.9)):
-        rows += [_row("none", batch, tok_s=50.0 * batch),
-                 _row("dflash", batch, tok_s=100.0 * batch, acceptance_length=tau,
-                      decode_ms_per_step=6.0)]
+        rows += [
+            _row("none", batch, tok_s=50.0 * batch),
+            _row(
+                "dflash",
+                batch,
+                tok_s=100.0 * batch,
+                acceptance_length=tau,
+                decode_ms_per_step=6.0,
+            ),
+        ]
         for b in BUDGETS:
             extra = {} if (batch, b) == (8, 256) else {"tok_s": speed * 100.0 * batch}
-            rows.append(_row(f"ddtree-{b}", batch, decode_ms_per_step=7.0,
-                             acceptance_length=tau + math.log2(b / 16), **extra))
-        rows.append(_row(rep.SCHEDULE_CONFIG, batch, tok_s=999.0,
-                         acceptance_length=50.0))
+            rows.append(
+                _row(
+                    f"ddtree-{b}",
+                    batch,
+                    decode_ms_per_step=7.0,
+                    acceptance_length=tau + math.log2(b / 16),
+                    **extra,
+                )
+            )
+        rows.append(
+            _row(rep.SCHEDULE_CONFIG, batch, tok_s=999.0, acceptance_length=50.0)
+        )
     rows.append(_row("ddtree-64", 1, 1.0, tok_s=10.0, acceptance_length=3.0))
     return rows
 
@@ -56,17 +70,22 @@ def _e2e_rows():
 def _color_near(image, x, y, color, radius=2):
     """Does ``color`` appear within ``radius`` pixels of (x, y)?"""
     px = image.load()
-    return any(px[round(x) + dx, round(y) + dy] == color
-               for dx in range(-radius, radius + 1)
-               for dy in range(-radius, radius + 1))
+    return any(
+        px[round(x) + dx, round(y) + dy] == color
+        for dx in range(-radius, radius + 1)
+        for dy in range(-radius, radius + 1)
+    )
 
 
 def _marker_at(image, x, y, color):
     """A filled marker of ``color`` at (x, y): every pixel within 2 of it (a line
     alone, 2 pixels wide, does not fill that square)."""
     px = image.load()
-    return all(px[round(x) + dx, round(y) + dy] == color
-               for dx in range(-2, 3) for dy in range(-2, 3))
+    return all(
+        px[round(x) + dx, round(y) + dy] == color
+        for dx in range(-2, 3)
+        for dy in range(-2, 3)
+    )
 
 
 def _figure(figs, name):
@@ -78,8 +97,10 @@ def test_e2e_figures(tmp_path):
     rows, modes = pd.load([d])
     paths = pd.write_figures(rows, tmp_path / "png", "cmd on H200", modes)
     assert [p.name for p in paths] == [
-        "acceptance_vs_budget_T0.png", "speedup_vs_budget_T0.png",
-        "acceptance_vs_budget_T1.png"]  # no DFlash at T=1: no speedup; no step plot
+        "acceptance_vs_budget_T0.png",
+        "speedup_vs_budget_T0.png",
+        "acceptance_vs_budget_T1.png",
+    ]  # no DFlash at T=1: no speedup; no step plot
     for p in paths:
         with Image.open(p) as im:
             assert im.format == "PNG" and im.size == pd.SIZE
@@ -87,7 +108,11 @@ def test_e2e_figures(tmp_path):
     figs = pd.figures(rows, modes)
     acc = _figure(figs, "acceptance_vs_budget_T0.png")
     assert [s.label for s in acc.series] == [
-        "batch 1", "DFlash, batch 1", "batch 8", "DFlash, batch 8"]
+        "batch 1",
+        "DFlash, batch 1",
+        "batch 8",
+        "DFlash, batch 8",
+    ]
     blue, orange = pd.PALETTE[:2]
     assert [s.color for s in acc.series] == [blue, blue, orange, orange]
     # Only ddtree-<B> rows are points (the schedule row's 50.0 is not one).
@@ -126,16 +151,18 @@ def test_speedup_skips_rows_without_a_ratio(tmp_path):
     # Nothing of batch 8 in the column of budget 256.
     x, _ = axes.to_pixel(256, 1.0)
     _, top, _, bottom = axes.box
-    assert not any(_color_near(image, x, y, eight.color, 3)
-                   for y in range(top + 4, bottom - 4, 3))
+    assert not any(
+        _color_near(image, x, y, eight.color, 3) for y in range(top + 4, bottom - 4, 3)
+    )
 
 
 def test_cost_step_figure(tmp_path):
-    rows = [_row("dflash", 1, decode_ms_per_step=6.0, acceptance_length=1.1,
-                 mode="cost"),
-            _row("ddtree-128", 1, decode_ms_per_step=6.6, mode="cost"),
-            _row("ddtree-512", 1, decode_ms_per_step=7.8, mode="cost"),
-            _row("ddtree-512", 4, decode_ms_per_step=9.0, mode="cost")]  # no DFlash
+    rows = [
+        _row("dflash", 1, decode_ms_per_step=6.0, acceptance_length=1.1, mode="cost"),
+        _row("ddtree-128", 1, decode_ms_per_step=6.6, mode="cost"),
+        _row("ddtree-512", 1, decode_ms_per_step=7.8, mode="cost"),
+        _row("ddtree-512", 4, decode_ms_per_step=9.0, mode="cost"),
+    ]  # no DFlash
     d = _results(tmp_path / "cost", rows)
     rows, modes = pd.load([d])
     paths = pd.write_figures(rows, tmp_path / "png", "c", modes)
@@ -158,12 +185,22 @@ def test_cost_step_figure(tmp_path):
 def test_ratios_stay_within_their_directory(tmp_path):
     """Two GPU commands, each with its own DFlash: every DDTree point is a ratio to
     the DFlash of its own command, though the merge keeps one DFlash row."""
-    first = _results(tmp_path / "a", [
-        _row("dflash", 1, run="a", tok_s=100.0, decode_ms_per_step=6.0),
-        _row("ddtree-16", 1, run="a", tok_s=120.0, decode_ms_per_step=6.6)], "e2e")
-    second = _results(tmp_path / "b", [
-        _row("dflash", 1, run="b", tok_s=200.0, decode_ms_per_step=3.0),
-        _row("ddtree-64", 1, run="b", tok_s=150.0, decode_ms_per_step=4.5)], "e2e")
+    first = _results(
+        tmp_path / "a",
+        [
+            _row("dflash", 1, run="a", tok_s=100.0, decode_ms_per_step=6.0),
+            _row("ddtree-16", 1, run="a", tok_s=120.0, decode_ms_per_step=6.6),
+        ],
+        "e2e",
+    )
+    second = _results(
+        tmp_path / "b",
+        [
+            _row("dflash", 1, run="b", tok_s=200.0, decode_ms_per_step=3.0),
+            _row("ddtree-64", 1, run="b", tok_s=150.0, decode_ms_per_step=4.5),
+        ],
+        "e2e",
+    )
     rows, modes = pd.load([first, second])
     assert [r["run_id"] for r in rows if r["config"] == "dflash"] == ["b"]
     fig = _figure(pd.figures(rows, modes), "speedup_vs_budget_T0.png")
@@ -173,8 +210,7 @@ def test_ratios_stay_within_their_directory(tmp_path):
     assert by_config["ddtree-16"]["step_vs_dflash"] == pytest.approx(1.1)
     assert by_config["ddtree-64"]["step_vs_dflash"] == pytest.approx(1.5)
     # A directory without its own DFlash gets none (no ratio to another's).
-    lone = _results(tmp_path / "c", [_row("ddtree-256", 1, run="c", tok_s=90.0)],
-                    "e2e")
+    lone = _results(tmp_path / "c", [_row("ddtree-256", 1, run="c", tok_s=90.0)], "e2e")
     rows, modes = pd.load([first, lone])
     fig = _figure(pd.figures(rows, modes), "speedup_vs_budget_T0.png")
     assert [x for x, _ in fig.series[0].points] == [16]
@@ -200,7 +236,8 @@ def test_same_input_same_bytes(tmp_path, capsys):
 def test_default_caption():
     rows = [_row("dflash", 1, gpu="NVIDIA H200"), _row("none", 1, gpu="NVIDIA H200")]
     assert pd.default_caption([pd.Path("x/bench_ddtree_cost")], rows) == (
-        "results: bench_ddtree_cost; GPU: NVIDIA H200")
+        "results: bench_ddtree_cost; GPU: NVIDIA H200"
+    )
     assert pd.default_caption([pd.Path("a"), pd.Path("b")], []) == "results: a, b"
 
 
@@ -217,14 +254,23 @@ def test_ticks_and_transform():
     assert x128 == pytest.approx(x16 + (x1024 - x16) / 2)  # log2 axis
 
 
-@pytest.mark.parametrize("rows, match", [
-    ([_row("dflash", 1, tok_s=1.0, acceptance_length=5.0), _row("none", 1)],
-     "nothing to plot in .*no ddtree-<B> row"),
-    ([_row(rep.SCHEDULE_CONFIG, 1, tok_s=1.0, acceptance_length=5.0)],
-     "nothing to plot"),
-    ([_row("ddtree-64", 1, decode_ms_per_step=7.0, mode="cost")],
-     "nothing to plot"),  # no DFlash row: no ratio
-])
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        (
+            [_row("dflash", 1, tok_s=1.0, acceptance_length=5.0), _row("none", 1)],
+            "nothing to plot in .*no ddtree-<B> row",
+        ),
+        (
+            [_row(rep.SCHEDULE_CONFIG, 1, tok_s=1.0, acceptance_length=5.0)],
+            "nothing to plot",
+        ),
+        (
+            [_row("ddtree-64", 1, decode_ms_per_step=7.0, mode="cost")],
+            "nothing to plot",
+        ),  # no DFlash row: no ratio
+    ],
+)
 def test_nothing_to_plot(tmp_path, capsys, rows, match):
     d = _results(tmp_path / "r", rows)
     with pytest.raises(SystemExit) as err:
@@ -251,5 +297,10 @@ def test_overlapping_tick_labels_are_left_out():
     """15 and 16 sit 0.09 log2 steps apart: the second label is dropped, the
     next one far enough away is drawn again."""
     assert pd.drawn_labels([100, 110, 200, 204, 300], [14, 14, 14, 14, 20]) == [
-        True, False, True, False, True]
+        True,
+        False,
+        True,
+        False,
+        True,
+    ]
     assert pd.drawn_labels([], []) == []

@@ -33,26 +33,42 @@ def test_defaults(tmp_path):
     assert args.drafter == MODEL_CONFIGS / "dflash_qwen3_8b"
     assert not args.trace and not args.report_only and args.limit_seconds == 0
     assert args.gpu_memory_utilization == 0.85 and args.top == 25
-    args = ps.parse_args(["--out", str(tmp_path), "--configs", "ddtree-512,none",
-                          "--batch", "4", "--max-num-seqs", "64"])
+    args = ps.parse_args(
+        [
+            "--out",
+            str(tmp_path),
+            "--configs",
+            "ddtree-512,none",
+            "--batch",
+            "4",
+            "--max-num-seqs",
+            "64",
+        ]
+    )
     assert args.configs == ["none", "ddtree-512"]
     assert args.batch == 4 and args.max_num_seqs == 64
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--configs", "eagle"], "unknown config 'eagle'"),
-    (["--configs", "ddtree-0"], r"tree_budget must be in \[1, 1024\]"),
-    (["--configs", "ddtree-schedule"], "ddtree-schedule needs --schedule"),
-    (["--batch", "0"], "--batch must be >= 1"),
-    (["--batch", "8", "--max-num-seqs", "4"], "--max-num-seqs 4 is below --batch 8"),
-    (["--max-tokens", "1"], "--max-tokens must be >= 2"),
-    (["--input-len", "4090"], "exceed --max-model-len 4096"),
-    (["--top", "0"], "--top must be >= 1"),
-    (["--timing-repeats", "0"], "--timing-repeats must be >= 1"),
-    (["--limit-seconds", "-1"], "--limit-seconds must be >= 0"),
-    (["--gpu-memory-utilization", "1.5"], r"must be in \(0, 1\]"),
-    (["--target", "/nonexistent"], "--target /nonexistent: no config.json"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--configs", "eagle"], "unknown config 'eagle'"),
+        (["--configs", "ddtree-0"], r"tree_budget must be in \[1, 1024\]"),
+        (["--configs", "ddtree-schedule"], "ddtree-schedule needs --schedule"),
+        (["--batch", "0"], "--batch must be >= 1"),
+        (
+            ["--batch", "8", "--max-num-seqs", "4"],
+            "--max-num-seqs 4 is below --batch 8",
+        ),
+        (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+        (["--input-len", "4090"], "exceed --max-model-len 4096"),
+        (["--top", "0"], "--top must be >= 1"),
+        (["--timing-repeats", "0"], "--timing-repeats must be >= 1"),
+        (["--limit-seconds", "-1"], "--limit-seconds must be >= 0"),
+        (["--gpu-memory-utilization", "1.5"], r"must be in \(0, 1\]"),
+        (["--target", "/nonexistent"], "--target /nonexistent: no config.json"),
+    ],
+)
 def test_bad_arguments(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
         ps.parse_args(["--out", str(tmp_path), *extra])
@@ -81,14 +97,19 @@ def test_worker_spec_is_bench_ddtrees_cost_engine(tmp_path):
     spec = ps.worker_spec(args, "dflash", "H200")
     assert spec["llm"]["compilation_config"] == {"cudagraph_capture_sizes": [16, 32]}
     assert spec["llm"]["speculative_config"]["num_speculative_tokens"] == 15
-    assert ps.worker_spec(args, "ddtree-128", "H200")["llm"][
-        "speculative_config"]["tree_budget"] == 128
+    assert (
+        ps.worker_spec(args, "ddtree-128", "H200")["llm"]["speculative_config"][
+            "tree_budget"
+        ]
+        == 128
+    )
     # bench_ddtree cost's first wave at this batch: same seed, same prompts.
     assert spec["prompts"] == bd.random_prompts(2, 1024, 0 + 2)
     assert len(spec["prompts"]) == 2 and len(spec["prompts"][0]) == 1024
     traced = ps.parse_args(["--out", str(tmp_path), "--trace"])
     assert ps.worker_spec(traced, "dflash", "H200")["trace"] == str(
-        tmp_path / "dflash.trace.json.gz")
+        tmp_path / "dflash.trace.json.gz"
+    )
 
 
 PAIR = Path(bd.__file__).parent / "models" / "pycode"
@@ -98,8 +119,18 @@ def test_continuous_requests_and_the_pair(tmp_path, capsys):
     """--requests > --batch: staggered output lengths within [max/2, max], in the
     setup (absent at the default); --pair: the pair's models, held-out prompts
     (cycled), real weights, stop at EOS."""
-    args = ps.parse_args(["--out", str(tmp_path), "--batch", "4",
-                          "--requests", "16", "--max-tokens", "64"])
+    args = ps.parse_args(
+        [
+            "--out",
+            str(tmp_path),
+            "--batch",
+            "4",
+            "--requests",
+            "16",
+            "--max-tokens",
+            "64",
+        ]
+    )
     spec = ps.worker_spec(args, "dflash", "H200")
     lengths = spec["output_lengths"]
     assert len(lengths) == 16 and len(spec["prompts"]) == 16
@@ -111,8 +142,20 @@ def test_continuous_requests_and_the_pair(tmp_path, capsys):
     assert "requests" not in ps.setup_of(one_wave)
     assert ps.worker_spec(one_wave, "dflash", "H200")["output_lengths"] == [64] * 4
 
-    pair = ps.parse_args(["--out", str(tmp_path), "--pair", str(PAIR), "--batch",
-                          "2", "--requests", "5", "--configs", "dflash,ddtree-auto"])
+    pair = ps.parse_args(
+        [
+            "--out",
+            str(tmp_path),
+            "--pair",
+            str(PAIR),
+            "--batch",
+            "2",
+            "--requests",
+            "5",
+            "--configs",
+            "dflash,ddtree-auto",
+        ]
+    )
     assert (pair.target, pair.drafter) == (PAIR / "target", PAIR / "drafter")
     spec = ps.worker_spec(pair, "ddtree-auto", "H200")
     held_out = bd.load_prompts(PAIR / "eval_prompts.json")
@@ -129,12 +172,14 @@ def test_continuous_requests_and_the_pair(tmp_path, capsys):
     assert "held-out prompts of" in report and "trained weights" in report
 
     for extra, message in (
-            (["--batch", "4", "--requests", "2"], "--requests 2 is below --batch 4"),
-            (["--batch", "4", "--requests", "8", "--max-num-seqs", "8"],
-             "drop --max-num-seqs"),
-            (["--pair", str(PAIR), "--target", str(PAIR / "target")],
-             "--pair or --target"),
-            (["--pair", str(tmp_path)], "no eval_prompts.json")):
+        (["--batch", "4", "--requests", "2"], "--requests 2 is below --batch 4"),
+        (
+            ["--batch", "4", "--requests", "8", "--max-num-seqs", "8"],
+            "drop --max-num-seqs",
+        ),
+        (["--pair", str(PAIR), "--target", str(PAIR / "target")], "--pair or --target"),
+        (["--pair", str(tmp_path)], "no eval_prompts.json"),
+    ):
         with pytest.raises(SystemExit):
             ps.parse_args(["--out", str(tmp_path), *extra])
         assert message in capsys.readouterr().err
@@ -152,84 +197,155 @@ def test_child_env_keeps_the_engine_in_process(monkeypatch):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, category", [
-    (("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1"
-      "_execute_segment_k_off_kernel__5x_cublas"), "gemm"),
-    ("nvjet_tst_128x64_64x8_1x1_v_bz_TNT", "gemm"),
-    ("nvjet_hsh_192x8_64x6_2x1_v_bz_splitK_TNN", "gemm"),
-    (("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4"
-      "_tn_align8>(cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8"
-      "::Params)"), "gemm"),
-    ("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x3_tn", "gemm"),
-    (("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, "
-      "__nv_bfloat16, true, false, false>(cublasLt::cublasSplitKParams<float>, ...)"),
-     "gemm"),
-    ("triton_tem_fused_mm_0", "gemm"),
-    (("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, "
-      "false, cutlass::bfloat16_t>, false, true, false>(flash::Flash_fwd_params)"),
-     "flash_attn"),
-    ("void flash::flash_fwd_splitkv_combine_kernel<Flash_fwd_kernel_traits<128>>()",
-     "flash_attn"),
-    (("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90"
-      "<flash::CollectiveMainloopFwdSm90<2, cute::tuple<cute::C<1>>, cute::tuple<cute::"
-      "C<128>>, 128, cutlass::bfloat16_t, float, cutlass::arch::Sm90, true, false>>>>"
-      "(flash::FlashAttnFwdSm90<...>::Params)"), "flash_attn"),
-    (("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::"
-      "FlashAttnFwdCombine<cute::tuple<cute::C<8>, cute::C<128>>, 7, 256, 1, false, "
-      "true, cutlass::bfloat16_t, float, cutlass::arch::Sm90>>>(...)"), "flash_attn"),
-    ("void flash::prepare_varlen_num_blocks_kernel<1, true>(int, int, int, ...)",
-     "flash_attn"),
-    ("_tree_attention_kernel", "tree_attn"),
-    ("_merge_splits_kernel", "tree_attn"),
-    ("void vllm::merge_attn_states_kernel<__nv_bfloat16, 128u>(...)", "tree_attn"),
-    ("_rank_row_kernel", "tree_ops"),
-    ("_chunk_stats_kernel", "tree_ops"),
-    ("_top_threshold_kernel", "tree_ops"),
-    ("_gather_top_kernel", "tree_ops"),
-    ("_sort_top_kernel", "tree_ops"),
-    ("_ddtree_select_kernel", "tree_ops"),
-    ("_tree_walk_kernel", "tree_ops"),
-    ("_tree_kv_compaction_kernel", "tree_ops"),
-    ("_write_tree_verify_inputs_kernel", "tree_ops"),
-    ("_prepare_draft_inputs_kernel", "tree_ops"),
-    ("copy_and_expand_dflash_inputs_kernel", "input_prep"),
-    ("eagle_prepare_inputs_padded_kernel", "input_prep"),
-    ("_compute_slot_mapping_kernel", "input_prep"),
-    ("_gather_block_tables_kernel", "input_prep"),
-    ("_prepare_pos_seq_lens_kernel", "input_prep"),
-    ("rejection_greedy_sample_kernel", "sampling"),
-    ("sample_recovered_tokens_kernel", "sampling"),
-    ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(...)",
-     "sampling"),
-    (("void at::native::mbtopk::radixFindKthValues<float, unsigned int, unsigned int,"
-      " 2>(...)"), "sampling"),
-    (("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, "
-      "float, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(...)"),
-     "sampling"),
-    (("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
-      "at::native::ArgMaxOps<float>, unsigned int, long, 4, 4>>(...)"), "sampling"),
-    (("void at::native::bitonicSortKVInPlace<2, -1, 16, 16, float, long, "
-      "at::native::LTOp<float, true>, unsigned int>(...)"), "sampling"),
-    (("void at::native::(anonymous namespace)::distribution_elementwise_grid_stride_"
-      "kernel<float, 4, at::native::templates::cuda::exponential_kernel<...>>(...)"),
-     "sampling"),
-    (("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, "
-      "(vllm::Fp8KVCacheDataType)0>(...)"), "kv_cache"),
-    ("triton_poi_fused__to_copy_add_mul_silu_slice_1", "elementwise"),
-    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "elementwise"),
-    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_2", "elementwise"),
-    ("void vllm::rms_norm_kernel<c10::BFloat16, 8, 4>(...)", "elementwise"),
-    ("void vllm::rotary_embedding_kernel<c10::BFloat16, true>(...)", "elementwise"),
-    (("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>,"
-      " std::array<char*, 1ul>>(int, at::native::FillFunctor<int>, ...)"),
-     "elementwise"),
-    ("void at::native::index_elementwise_kernel<128, 4, ...>(long, ...)",
-     "elementwise"),
-    ("Memcpy DtoD (Device -> Device)", "memcpy"),
-    ("Memcpy HtoD (Pinned -> Device)", "memcpy"),
-    ("Memset (Device)", "memcpy"),
-    ("some_unknown_kernel", "other"),
-])
+@pytest.mark.parametrize(
+    "name, category",
+    [
+        (
+            (
+                "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1"
+                "_execute_segment_k_off_kernel__5x_cublas"
+            ),
+            "gemm",
+        ),
+        ("nvjet_tst_128x64_64x8_1x1_v_bz_TNT", "gemm"),
+        ("nvjet_hsh_192x8_64x6_2x1_v_bz_splitK_TNN", "gemm"),
+        (
+            (
+                "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4"
+                "_tn_align8>(cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8"
+                "::Params)"
+            ),
+            "gemm",
+        ),
+        ("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x3_tn", "gemm"),
+        (
+            (
+                "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, "
+                "__nv_bfloat16, true, false, false>(cublasLt::cublasSplitKParams<float>, ...)"
+            ),
+            "gemm",
+        ),
+        ("triton_tem_fused_mm_0", "gemm"),
+        (
+            (
+                "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, "
+                "false, cutlass::bfloat16_t>, false, true, false>(flash::Flash_fwd_params)"
+            ),
+            "flash_attn",
+        ),
+        (
+            "void flash::flash_fwd_splitkv_combine_kernel<Flash_fwd_kernel_traits<128>>()",
+            "flash_attn",
+        ),
+        (
+            (
+                "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90"
+                "<flash::CollectiveMainloopFwdSm90<2, cute::tuple<cute::C<1>>, cute::tuple<cute::"
+                "C<128>>, 128, cutlass::bfloat16_t, float, cutlass::arch::Sm90, true, false>>>>"
+                "(flash::FlashAttnFwdSm90<...>::Params)"
+            ),
+            "flash_attn",
+        ),
+        (
+            (
+                "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::"
+                "FlashAttnFwdCombine<cute::tuple<cute::C<8>, cute::C<128>>, 7, 256, 1, false, "
+                "true, cutlass::bfloat16_t, float, cutlass::arch::Sm90>>>(...)"
+            ),
+            "flash_attn",
+        ),
+        (
+            "void flash::prepare_varlen_num_blocks_kernel<1, true>(int, int, int, ...)",
+            "flash_attn",
+        ),
+        ("_tree_attention_kernel", "tree_attn"),
+        ("_merge_splits_kernel", "tree_attn"),
+        ("void vllm::merge_attn_states_kernel<__nv_bfloat16, 128u>(...)", "tree_attn"),
+        ("_rank_row_kernel", "tree_ops"),
+        ("_chunk_stats_kernel", "tree_ops"),
+        ("_top_threshold_kernel", "tree_ops"),
+        ("_gather_top_kernel", "tree_ops"),
+        ("_sort_top_kernel", "tree_ops"),
+        ("_ddtree_select_kernel", "tree_ops"),
+        ("_tree_walk_kernel", "tree_ops"),
+        ("_tree_kv_compaction_kernel", "tree_ops"),
+        ("_write_tree_verify_inputs_kernel", "tree_ops"),
+        ("_prepare_draft_inputs_kernel", "tree_ops"),
+        ("copy_and_expand_dflash_inputs_kernel", "input_prep"),
+        ("eagle_prepare_inputs_padded_kernel", "input_prep"),
+        ("_compute_slot_mapping_kernel", "input_prep"),
+        ("_gather_block_tables_kernel", "input_prep"),
+        ("_prepare_pos_seq_lens_kernel", "input_prep"),
+        ("rejection_greedy_sample_kernel", "sampling"),
+        ("sample_recovered_tokens_kernel", "sampling"),
+        (
+            "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(...)",
+            "sampling",
+        ),
+        (
+            (
+                "void at::native::mbtopk::radixFindKthValues<float, unsigned int, unsigned int,"
+                " 2>(...)"
+            ),
+            "sampling",
+        ),
+        (
+            (
+                "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, "
+                "float, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(...)"
+            ),
+            "sampling",
+        ),
+        (
+            (
+                "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
+                "at::native::ArgMaxOps<float>, unsigned int, long, 4, 4>>(...)"
+            ),
+            "sampling",
+        ),
+        (
+            (
+                "void at::native::bitonicSortKVInPlace<2, -1, 16, 16, float, long, "
+                "at::native::LTOp<float, true>, unsigned int>(...)"
+            ),
+            "sampling",
+        ),
+        (
+            (
+                "void at::native::(anonymous namespace)::distribution_elementwise_grid_stride_"
+                "kernel<float, 4, at::native::templates::cuda::exponential_kernel<...>>(...)"
+            ),
+            "sampling",
+        ),
+        (
+            (
+                "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, "
+                "(vllm::Fp8KVCacheDataType)0>(...)"
+            ),
+            "kv_cache",
+        ),
+        ("triton_poi_fused__to_copy_add_mul_silu_slice_1", "elementwise"),
+        ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "elementwise"),
+        ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_2", "elementwise"),
+        ("void vllm::rms_norm_kernel<c10::BFloat16, 8, 4>(...)", "elementwise"),
+        ("void vllm::rotary_embedding_kernel<c10::BFloat16, true>(...)", "elementwise"),
+        (
+            (
+                "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>,"
+                " std::array<char*, 1ul>>(int, at::native::FillFunctor<int>, ...)"
+            ),
+            "elementwise",
+        ),
+        (
+            "void at::native::index_elementwise_kernel<128, 4, ...>(long, ...)",
+            "elementwise",
+        ),
+        ("Memcpy DtoD (Device -> Device)", "memcpy"),
+        ("Memcpy HtoD (Pinned -> Device)", "memcpy"),
+        ("Memset (Device)", "memcpy"),
+        ("some_unknown_kernel", "other"),
+    ],
+)
 def test_categorize(name, category):
     assert ps.categorize(name) == category
 
@@ -242,11 +358,13 @@ def _triton_kernels(path: Path) -> list[str]:
 def test_every_ddtree_triton_kernel_has_its_category():
     """A renamed or new kernel of the DDTree modules must not fall into 'other'."""
     files = {
-        "tree_ops": ["vllm/v1/spec_decode/dflash_tree_builder.py",
-                     "vllm/v1/sample/tree_rejection_sampler.py",
-                     "vllm/v1/attention/ops/tree_kv_compaction.py",
-                     "vllm/v1/spec_decode/ddtree_inputs.py",
-                     "vllm/v1/spec_decode/ddtree_verify.py"],
+        "tree_ops": [
+            "vllm/v1/spec_decode/dflash_tree_builder.py",
+            "vllm/v1/sample/tree_rejection_sampler.py",
+            "vllm/v1/attention/ops/tree_kv_compaction.py",
+            "vllm/v1/spec_decode/ddtree_inputs.py",
+            "vllm/v1/spec_decode/ddtree_verify.py",
+        ],
         "tree_attn": ["vllm/v1/attention/ops/triton_tree_attention.py"],
     }
     seen = []
@@ -272,8 +390,16 @@ COPY = "Memcpy DtoD (Device -> Device)"
 
 
 def test_aggregate_and_busy():
-    agg = ps.aggregate([(GEMM, 10.0), (GEMM, 5.0), (FA, 2.0), (COPY, 1.0),
-                        ("Stream Wait Event", 500.0), ("mystery", 0.5)])
+    agg = ps.aggregate(
+        [
+            (GEMM, 10.0),
+            (GEMM, 5.0),
+            (FA, 2.0),
+            (COPY, 1.0),
+            ("Stream Wait Event", 500.0),
+            ("mystery", 0.5),
+        ]
+    )
     assert agg["categories"]["gemm"] == 15.0
     assert agg["categories"]["flash_attn"] == 2.0
     assert agg["categories"]["memcpy"] == 1.0
@@ -284,37 +410,55 @@ def test_aggregate_and_busy():
     # Overlapping streams count once; gaps are idle.
     assert ps.busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
     assert ps.busy_us([]) == 0
-    w = ps.make_window([(GEMM, 10.0, 0.0), (FA, 4.0, 8.0), (NORM, 1.0, 30.0)],
-                       steps=3, wall_s=0.001, graph_launches=2)
+    w = ps.make_window(
+        [(GEMM, 10.0, 0.0), (FA, 4.0, 8.0), (NORM, 1.0, 30.0)],
+        steps=3,
+        wall_s=0.001,
+        graph_launches=2,
+    )
     assert w["total_us"] == 15.0 and w["busy_us"] == 13.0
     assert w["steps"] == 3 and w["graph_launches"] == 2
     # Without start times (synthetic events), busy is the kernel sum.
     assert ps.make_window([(GEMM, 10.0)], steps=1, wall_s=1)["busy_us"] == 10.0
 
 
-def _windows(decode_events, prefill_events, steps, *, wall_s=0.01, prefill_steps=1,
-             graph=(0, 0)):
+def _windows(
+    decode_events, prefill_events, steps, *, wall_s=0.01, prefill_steps=1, graph=(0, 0)
+):
     """(full, prefill) windows: the full one is prefill + ``steps`` decode steps;
     ``graph``: (graph launches, kernels linked to them) per step; 3 eager
     launches per decode step, with their kernels linked."""
-    prefill = ps.make_window(prefill_events, steps=prefill_steps, wall_s=wall_s,
-                             graph_launches=graph[0], graph_kernels=graph[1])
-    full = ps.make_window(prefill_events + decode_events * steps,
-                          steps=prefill_steps + steps,
-                          wall_s=wall_s + steps * 0.0001,
-                          graph_launches=graph[0] * (1 + steps),
-                          graph_kernels=graph[1] * (1 + steps),
-                          kernel_launches=3 * steps, linked_kernels=3 * steps,
-                          host_syncs=steps)
+    prefill = ps.make_window(
+        prefill_events,
+        steps=prefill_steps,
+        wall_s=wall_s,
+        graph_launches=graph[0],
+        graph_kernels=graph[1],
+    )
+    full = ps.make_window(
+        prefill_events + decode_events * steps,
+        steps=prefill_steps + steps,
+        wall_s=wall_s + steps * 0.0001,
+        graph_launches=graph[0] * (1 + steps),
+        graph_kernels=graph[1] * (1 + steps),
+        kernel_launches=3 * steps,
+        linked_kernels=3 * steps,
+        host_syncs=steps,
+    )
     return full, prefill
 
 
 def test_decode_breakdown_subtracts_the_prefill():
     prefill_events = [(GEMM, 900.0), (FA, 300.0), (NORM, 50.0)]
-    decode_events = [(GEMM, 40.0), (GEMM, 20.0), (TREE, 8.0), (WALK, 2.0),
-                     (NORM, 4.0), (COPY, 1.0)]
-    full, prefill = _windows(decode_events, prefill_events, steps=10,
-                             graph=(2, 30))
+    decode_events = [
+        (GEMM, 40.0),
+        (GEMM, 20.0),
+        (TREE, 8.0),
+        (WALK, 2.0),
+        (NORM, 4.0),
+        (COPY, 1.0),
+    ]
+    full, prefill = _windows(decode_events, prefill_events, steps=10, graph=(2, 30))
     d = ps.decode_breakdown(full, prefill, wall_us=125.0, top=3)
     assert d["steps"] == 10
     cats = d["categories_us"]
@@ -352,19 +496,31 @@ def test_decode_breakdown_needs_decode_steps():
 def test_decode_breakdown_of_host_scopes():
     """Host scopes per decode step: (whole - prefill-only) / steps, a scope only
     one window saw counting as 0 in the other."""
-    prefill = ps.make_window([(GEMM, 1.0)], steps=2, wall_s=0.01,
-                             host_sync_us=10.0,
-                             host_scopes={"schedule": 100.0, "gone": 5.0})
-    full = ps.make_window([(GEMM, 1.0)] * 5, steps=6, wall_s=0.02,
-                          host_sync_us=50.0,
-                          host_scopes={"schedule": 300.0, "propose": 80.0},
-                          host_scope_calls={"schedule": 6, "propose": 4})
+    prefill = ps.make_window(
+        [(GEMM, 1.0)],
+        steps=2,
+        wall_s=0.01,
+        host_sync_us=10.0,
+        host_scopes={"schedule": 100.0, "gone": 5.0},
+    )
+    full = ps.make_window(
+        [(GEMM, 1.0)] * 5,
+        steps=6,
+        wall_s=0.02,
+        host_sync_us=50.0,
+        host_scopes={"schedule": 300.0, "propose": 80.0},
+        host_scope_calls={"schedule": 6, "propose": 4},
+    )
     d = ps.decode_breakdown(full, prefill)
-    assert d["host_scope_calls"] == {"schedule": pytest.approx(1.5),
-                                     "propose": pytest.approx(1.0)}
-    assert d["host_scopes_us"] == {"schedule": pytest.approx(50.0),
-                                   "propose": pytest.approx(20.0),
-                                   "gone": pytest.approx(-1.25)}
+    assert d["host_scope_calls"] == {
+        "schedule": pytest.approx(1.5),
+        "propose": pytest.approx(1.0),
+    }
+    assert d["host_scopes_us"] == {
+        "schedule": pytest.approx(50.0),
+        "propose": pytest.approx(20.0),
+        "gone": pytest.approx(-1.25),
+    }
     assert d["host_sync_us"] == pytest.approx(10.0)
 
 
@@ -381,8 +537,7 @@ def test_graph_status():
 
 
 class _FakeKinetoEvent:
-    def __init__(self, name, device, dur_ns=0, start_ns=0, corr=0,
-                 annotation=False):
+    def __init__(self, name, device, dur_ns=0, start_ns=0, corr=0, annotation=False):
         self._v = (name, device, dur_ns, start_ns, corr, annotation)
 
     def name(self):
@@ -417,19 +572,20 @@ def test_window_from_profiler_reads_kineto_events():
         _FakeKinetoEvent(FA, gpu, 2_000, 10_000, corr=7),
         _FakeKinetoEvent("cudaLaunchKernel", cpu, corr=8),
         _FakeKinetoEvent(WALK, gpu, 1_000, 20_000, corr=8),
-        _FakeKinetoEvent("gpu_model_runner: forward", gpu, 50_000, 0,
-                         annotation=True),
+        _FakeKinetoEvent("gpu_model_runner: forward", gpu, 50_000, 0, annotation=True),
         _FakeKinetoEvent("Stream Sync", gpu, 90_000, 0),
         _FakeKinetoEvent("aten::mm", cpu, corr=3),
         _FakeKinetoEvent("cudaStreamSynchronize", cpu, 3_000, corr=9),
         # Host scopes (record_function on the CPU): summed per name.
         _FakeKinetoEvent("schedule", cpu, 40_000, annotation=True),
         _FakeKinetoEvent("schedule", cpu, 20_000, annotation=True),
-        _FakeKinetoEvent("propose (drafter, tree build)", cpu, 7_000,
-                         annotation=True),
+        _FakeKinetoEvent("propose (drafter, tree build)", cpu, 7_000, annotation=True),
     ]
-    prof = types.SimpleNamespace(profiler=types.SimpleNamespace(
-        kineto_results=types.SimpleNamespace(events=lambda: events)))
+    prof = types.SimpleNamespace(
+        profiler=types.SimpleNamespace(
+            kineto_results=types.SimpleNamespace(events=lambda: events)
+        )
+    )
     w = ps.window_from_profiler(prof, steps=2, wall_s=0.5)
     assert w["count"] == 3 and w["total_us"] == 13.0 and w["busy_us"] == 13.0
     assert w["graph_launches"] == 1 and w["graph_kernels"] == 2
@@ -437,14 +593,11 @@ def test_window_from_profiler_reads_kineto_events():
     assert w["linked_kernels"] == 1
     assert w["categories"]["tree_ops"] == 1.0
     # The GPU-side annotation is neither a kernel nor a host scope.
-    assert w["host_scopes"] == {"schedule": 60.0,
-                                "propose (drafter, tree build)": 7.0}
-    assert w["host_scope_calls"] == {"schedule": 2,
-                                     "propose (drafter, tree build)": 1}
+    assert w["host_scopes"] == {"schedule": 60.0, "propose (drafter, tree build)": 7.0}
+    assert w["host_scope_calls"] == {"schedule": 2, "propose (drafter, tree build)": 1}
     assert w["host_sync_us"] == 3.0
     with pytest.raises(RuntimeError, match="no kineto results"):
-        ps.window_from_profiler(types.SimpleNamespace(profiler=None), steps=1,
-                                wall_s=1)
+        ps.window_from_profiler(types.SimpleNamespace(profiler=None), steps=1, wall_s=1)
 
 
 @pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
@@ -493,16 +646,21 @@ def test_instrument_host_scopes(monkeypatch):
         monkeypatch.setattr(_Engine, name, _Engine.__dict__[name])
     monkeypatch.setattr(_Override, "step", _Override.__dict__["step"])
     mod = __name__
-    scopes = (("engine step", 0, mod, "_Engine", "step"),
-              ("inner part", 1, mod, "_Engine", "inner"),
-              ("engine step", 0, mod, "_Override", "step"),
-              ("child step", 0, mod, "_Child", "step"),
-              ("no such class", 0, mod, "_Nope", "step"),
-              ("no such module", 0, "benchmarks.no_such_module", "X", "f"))
+    scopes = (
+        ("engine step", 0, mod, "_Engine", "step"),
+        ("inner part", 1, mod, "_Engine", "inner"),
+        ("engine step", 0, mod, "_Override", "step"),
+        ("child step", 0, mod, "_Child", "step"),
+        ("no such class", 0, mod, "_Nope", "step"),
+        ("no such module", 0, "benchmarks.no_such_module", "X", "f"),
+    )
     on = threading.Event()
     missing = ps.instrument_host_scopes(scopes, on)
-    assert missing == [f"{mod}._Child.step", f"{mod}._Nope.step",
-                       "benchmarks.no_such_module.X.f"]
+    assert missing == [
+        f"{mod}._Child.step",
+        f"{mod}._Nope.step",
+        "benchmarks.no_such_module.X.f",
+    ]
     # Twice is harmless: already wrapped methods are left alone.
     assert ps.instrument_host_scopes(scopes[:2], on) == []
     assert _Engine.step.__wrapped__ is not None
@@ -552,26 +710,44 @@ def test_host_scopes_name_existing_methods_of_this_vllm():
 # Result files and the markdown table
 # ---------------------------------------------------------------------------
 
-SETUP = {"batch": 1, "max_tokens": 64, "input_len": 1024,
-         "info": {"target": "/m/qwen3_8b", "drafter": "/m/dflash_qwen3_8b"}}
+SETUP = {
+    "batch": 1,
+    "max_tokens": 64,
+    "input_len": 1024,
+    "info": {"target": "/m/qwen3_8b", "drafter": "/m/dflash_qwen3_8b"},
+}
 
 
-def _result(config, gemm_us=60.0, tree_us=0.0, wall_us=7000.0, graph=(2, 30),
-            setup=SETUP):
+def _result(
+    config, gemm_us=60.0, tree_us=0.0, wall_us=7000.0, graph=(2, 30), setup=SETUP
+):
     decode_events = [(GEMM, gemm_us), (NORM, 4.0)]
     if tree_us:
         decode_events += [(TREE, tree_us), (WALK, 1.0)]
     full, prefill = _windows(decode_events, [(GEMM, 900.0)], steps=10, graph=graph)
     decode = ps.decode_breakdown(full, prefill, wall_us=wall_us)
-    return {"config": config, "setup": setup, "decode": decode,
-            "acceptance_length": 1.05, "info": {"gpu": "NVIDIA H200"}}
+    return {
+        "config": config,
+        "setup": setup,
+        "decode": decode,
+        "acceptance_length": 1.05,
+        "info": {"gpu": "NVIDIA H200"},
+    }
 
 
 def test_markdown_report():
-    text = ps.markdown_report([_result("ddtree-128", 90.0, 20.0, 8400.0),
-                               _result("dflash", 60.0, 0.0, 7000.0)])
-    assert "batch 1, 64 output tokens, 1024-token random prompts, " \
-           "qwen3_8b / dflash_qwen3_8b" in text and "NVIDIA H200" in text
+    text = ps.markdown_report(
+        [
+            _result("ddtree-128", 90.0, 20.0, 8400.0),
+            _result("dflash", 60.0, 0.0, 7000.0),
+        ]
+    )
+    assert (
+        "batch 1, 64 output tokens, 1024-token random prompts, "
+        "qwen3_8b / dflash_qwen3_8b"
+        in text
+        and "NVIDIA H200" in text
+    )
     lines = text.splitlines()
     assert "| us / decode step | dflash | ddtree-128 |" in lines  # config order
     gemm_label = dict(ps.CATEGORIES)["gemm"]
@@ -615,8 +791,9 @@ def test_markdown_report_shows_the_repeats_range():
     assert "runs (min - max)" not in ps.markdown_report([a, b])
     a["unprofiled"] = {"decode_ms_per_step_runs": [4.0, 3.5, 5.25]}
     lines = ps.markdown_report([a, b]).splitlines()
-    assert ("| wall / decode step, unprofiled: runs (min - max) | 3: 3500.0 - "
-            "5250.0 | - |") in lines
+    assert (
+        "| wall / decode step, unprofiled: runs (min - max) | 3: 3500.0 - 5250.0 | - |"
+    ) in lines
 
 
 def test_markdown_report_host_table():
@@ -624,8 +801,9 @@ def test_markdown_report_host_table():
     # Older results have no host scopes: no host table.
     assert "Host (CPU) time" not in ps.markdown_report([ddtree, dflash])
     step, propose = ps.HOST_SCOPES[0][0], "propose (drafter, tree build)"
-    ddtree["decode"].update(host_scopes_us={step: 5000.0, propose: 900.0},
-                            host_sync_us=120.0)
+    ddtree["decode"].update(
+        host_scopes_us={step: 5000.0, propose: 900.0}, host_sync_us=120.0
+    )
     dflash["decode"].update(host_scopes_us={step: 4000.0}, host_sync_us=100.0)
     text = ps.markdown_report([ddtree, dflash])
     lines = text.splitlines()
@@ -637,16 +815,21 @@ def test_markdown_report_host_table():
     # indented child rows; one row for the label two classes share
     assert f"| &nbsp;&nbsp;&nbsp;&nbsp;{propose} | - | 900.0 (1.0) |" in lines
     assert sum(propose in line for line in lines) == 1
-    assert "| CUDA synchronize calls (host waits for the GPU) | 100.0 | 120.0 |" \
-        in lines
+    assert (
+        "| CUDA synchronize calls (host waits for the GPU) | 100.0 | 120.0 |" in lines
+    )
     # the kernel table stays last
     assert lines[-1].startswith("| accept len")
     assert text.index("host us / decode step") < text.index("| us / decode step")
 
 
 def test_summarize_clock_samples():
-    samples = [(1980, 500.0, 0), (1800, 700.0, 0x4), (1700, 690.0, 0x4 | 0x20),
-               (1900, 610.0, None)]
+    samples = [
+        (1980, 500.0, 0),
+        (1800, 700.0, 0x4),
+        (1700, 690.0, 0x4 | 0x20),
+        (1900, 610.0, None),
+    ]
     out = ps.summarize_samples(samples)
     assert out["samples"] == 4
     assert out["sm_clock_mhz_mean"] == pytest.approx(1845)
@@ -687,8 +870,7 @@ def test_gpu_sampler_samples_until_the_block_ends():
 
 def test_markdown_report_shows_clocks_where_sampled():
     clocked = _result("ddtree-15", 90.0, 20.0, 8400.0)
-    clocked["gpu_clocks"] = ps.summarize_samples([(1700, 690.0, 0x4),
-                                                  (1900, 650.0, 0)])
+    clocked["gpu_clocks"] = ps.summarize_samples([(1700, 690.0, 0x4), (1900, 650.0, 0)])
     text = ps.markdown_report([clocked, _result("dflash", 60.0, 0.0, 7000.0)])
     lines = text.splitlines()
     assert "| SM clock, unprofiled run (MHz, mean / min) | - | 1800 / 1700 |" in lines
@@ -710,8 +892,11 @@ def fake_gpu(monkeypatch):
 
     def fake(args, config, gpu, time_left):
         calls.append((config, gpu))
-        result = _result(config, gemm_us=60.0 if config == "dflash" else 80.0,
-                         setup=ps.setup_of(args))
+        result = _result(
+            config,
+            gemm_us=60.0 if config == "dflash" else 80.0,
+            setup=ps.setup_of(args),
+        )
         ps.result_path(args.out, config).write_text(json.dumps(result))
         return True
 
@@ -732,29 +917,63 @@ def test_run_writes_results_and_resumes(tmp_path, fake_gpu, capsys):
     assert len(fake_gpu) == 2  # nothing to redo
     assert "profiled already" in capsys.readouterr().out
     part2 = tmp_path / "part2"
-    assert ps.main(["--out", str(part2), "--resume-from", str(out),
-                    "--configs", "dflash,ddtree-32,ddtree-128"]) == 0
+    assert (
+        ps.main(
+            [
+                "--out",
+                str(part2),
+                "--resume-from",
+                str(out),
+                "--configs",
+                "dflash,ddtree-32,ddtree-128",
+            ]
+        )
+        == 0
+    )
     assert fake_gpu[2:] == [("ddtree-128", "FakeGPU")]
     assert sorted(p.name for p in part2.glob("*.json")) == [
-        "ddtree-128.json", "ddtree-32.json", "dflash.json"]
-    assert "| us / decode step | dflash | ddtree-32 | ddtree-128 |" in (
-        part2 / "profile.md").read_text()
+        "ddtree-128.json",
+        "ddtree-32.json",
+        "dflash.json",
+    ]
+    assert (
+        "| us / decode step | dflash | ddtree-32 | ddtree-128 |"
+        in (part2 / "profile.md").read_text()
+    )
 
 
 def test_run_refuses_another_setup(tmp_path, fake_gpu, capsys):
     out = tmp_path / "out"
     assert ps.main(["--out", str(out), "--configs", "dflash"]) == 0
-    assert ps.main(["--out", str(out), "--configs", "dflash",
-                    "--max-tokens", "32"]) == 2
+    assert (
+        ps.main(["--out", str(out), "--configs", "dflash", "--max-tokens", "32"]) == 2
+    )
     assert "different setup (max_tokens: 64 there, 32 now)" in capsys.readouterr().err
-    assert ps.main(["--out", str(tmp_path / "new"), "--resume-from",
-                    str(tmp_path / "nothing")]) == 2
+    assert (
+        ps.main(
+            ["--out", str(tmp_path / "new"), "--resume-from", str(tmp_path / "nothing")]
+        )
+        == 2
+    )
     assert "no such directory" in capsys.readouterr().err
 
 
 def test_run_stops_at_the_time_limit(tmp_path, fake_gpu, capsys):
-    assert ps.main(["--out", str(tmp_path), "--configs", "dflash,ddtree-32",
-                    "--limit-seconds", "50", "--config-seconds", "100"]) == 0
+    assert (
+        ps.main(
+            [
+                "--out",
+                str(tmp_path),
+                "--configs",
+                "dflash,ddtree-32",
+                "--limit-seconds",
+                "50",
+                "--config-seconds",
+                "100",
+            ]
+        )
+        == 0
+    )
     assert fake_gpu == []
     assert "not started: dflash, ddtree-32" in capsys.readouterr().out
 
@@ -802,8 +1021,7 @@ def test_failed_config_prints_its_log(tmp_path, monkeypatch, capsys):
     assert "===== dflash" in (tmp_path / ps.LOG_FILE).read_text()
 
 
-def test_config_cut_by_the_time_limit_is_not_a_failure(tmp_path, monkeypatch,
-                                                      capsys):
+def test_config_cut_by_the_time_limit_is_not_a_failure(tmp_path, monkeypatch, capsys):
     """A worker killed when --limit-seconds runs out: reported as cut (rerun
     hint, exit 0), the configs after it not started; a worker failing before
     the limit is still a failure."""
@@ -817,8 +1035,16 @@ def test_config_cut_by_the_time_limit_is_not_a_failure(tmp_path, monkeypatch,
         return False
 
     monkeypatch.setattr(ps.bd, "_run_logged", killed_at_the_limit)
-    argv = ["--out", str(tmp_path / "a"), "--configs", "dflash,ddtree-15",
-            "--limit-seconds", "1.5", "--config-seconds", "1"]
+    argv = [
+        "--out",
+        str(tmp_path / "a"),
+        "--configs",
+        "dflash,ddtree-15",
+        "--limit-seconds",
+        "1.5",
+        "--config-seconds",
+        "1",
+    ]
     assert ps.main(argv) == 0
     printed = capsys.readouterr().out
     assert "dflash: --limit-seconds ran out before it finished" in printed
@@ -832,8 +1058,9 @@ def test_config_cut_by_the_time_limit_is_not_a_failure(tmp_path, monkeypatch,
 
 
 @pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(),
-                    reason="needs a CUDA GPU")
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU"
+)
 def test_profiler_sees_cuda_graph_kernels():
     """CUPTI records the kernels a CUDA-graph replay runs, correlated with the
     graph launch (the 'graph kernels recorded' row of the report). On the GPU
@@ -861,9 +1088,13 @@ def test_profiler_sees_cuda_graph_kernels():
     w = ps.window_from_profiler(prof, steps=3, wall_s=1.0)
     assert w["graph_launches"] == 3
     assert w["categories"]["gemm"] > 0  # the graph's GEMM, nothing runs eagerly
-    status = ps.graph_status(w["graph_launches"], w["graph_kernels"],
-                             w["linked_kernels"], w["count"] - w["memcpy_count"],
-                             w["kernel_launches"])
+    status = ps.graph_status(
+        w["graph_launches"],
+        w["graph_kernels"],
+        w["linked_kernels"],
+        w["count"] - w["memcpy_count"],
+        w["kernel_launches"],
+    )
     assert status == "recorded", (status, w["count"], w["kernel_launches"])
 
 

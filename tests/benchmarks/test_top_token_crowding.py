@@ -17,8 +17,9 @@ def _kernel_counts(monkeypatch, logits, k):
     (they do not depend on spill; a small one keeps the interpreter quick)."""
     spill = 2 * builder.top_search_plan(logits.shape[-1], k).cap
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    _, count = ranked_top_with_counts(monkeypatch, logits[None].to(device), k,
-                                      spill=spill)
+    _, count = ranked_top_with_counts(
+        monkeypatch, logits[None].to(device), k, spill=spill
+    )
     return count
 
 

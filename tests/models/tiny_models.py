@@ -105,7 +105,8 @@ def make_tiny_dflash(
     torch.manual_seed(seed)
     body = Qwen3Model(cfg).to(DTYPE)
     weights = {
-        k: v.contiguous() for k, v in body.state_dict().items()
+        k: v.contiguous()
+        for k, v in body.state_dict().items()
         if not k.startswith("embed_tokens")
     }
     hidden = cfg.hidden_size

@@ -29,13 +29,21 @@ def _scheduler_lookahead(vllm_config) -> int:
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                             dtype=vllm_config.model_config.dtype)
-    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    spec = FullAttentionSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=vllm_config.model_config.dtype,
+    )
+    kv = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
     vllm_config.cache_config.num_gpu_blocks = 64
-    sched = Scheduler(vllm_config, kv, StructuredOutputManager(vllm_config),
-                      block_size=16)
+    sched = Scheduler(
+        vllm_config, kv, StructuredOutputManager(vllm_config), block_size=16
+    )
     return sched.num_lookahead_tokens
 
 
@@ -52,7 +60,9 @@ def summarize(engine_args: dict) -> dict:
     comp = vllm_config.compilation_config
     custom = AttentionBackendEnum.CUSTOM
     return {
-        "speculative": None if spec is None else {
+        "speculative": None
+        if spec is None
+        else {
             "method": spec.method,
             "num_speculative_tokens": spec.num_speculative_tokens,
             "parallel_drafting": getattr(spec, "parallel_drafting", None),

@@ -41,8 +41,13 @@ def _env(plugin: bool) -> dict:
 
 def _python(code: str, plugin: bool) -> str:
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=_env(plugin),
-        capture_output=True, text=True, timeout=600, check=False,
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=_env(plugin),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
@@ -65,12 +70,25 @@ def test_loading_imports_little():
     )
     result = json.loads(out)
     new = result["new"]
-    print(f"plugin load: {result['seconds'] * 1e3:.1f} ms, {len(new)} new modules: "
-          f"{new}")
-    heavy = [m for m in new if m.startswith((
-        "vllm.v1.worker", "vllm.v1.core.sched", "vllm.v1.engine",
-        "vllm.v1.spec_decode.d", "vllm.v1.attention.backends.tree_attn",
-        "vllm.v1.attention.ops.", "vllm.v1.sample.tree", "triton"))]
+    print(
+        f"plugin load: {result['seconds'] * 1e3:.1f} ms, {len(new)} new modules: {new}"
+    )
+    heavy = [
+        m
+        for m in new
+        if m.startswith(
+            (
+                "vllm.v1.worker",
+                "vllm.v1.core.sched",
+                "vllm.v1.engine",
+                "vllm.v1.spec_decode.d",
+                "vllm.v1.attention.backends.tree_attn",
+                "vllm.v1.attention.ops.",
+                "vllm.v1.sample.tree",
+                "triton",
+            )
+        )
+    ]
     assert not heavy, heavy
     assert len(new) <= 12, new
 
@@ -105,9 +123,13 @@ def models(tmp_path_factory) -> dict[str, str]:
     eagle = root / "eagle3"
     eagle.mkdir()
     cfg = json.loads((target / "config.json").read_text())
-    cfg.update(architectures=["Eagle3LlamaForCausalLM"], model_type="llama",
-               num_hidden_layers=1, layer_types=["full_attention"],
-               draft_vocab_size=cfg["vocab_size"])
+    cfg.update(
+        architectures=["Eagle3LlamaForCausalLM"],
+        model_type="llama",
+        num_hidden_layers=1,
+        layer_types=["full_attention"],
+        draft_vocab_size=cfg["vocab_size"],
+    )
     (eagle / "config.json").write_text(json.dumps(cfg))
     return {"target": str(target), "drafter": str(drafter), "eagle3": str(eagle)}
 
@@ -116,35 +138,59 @@ def _configs(models) -> dict[str, dict]:
     base = {"model": models["target"], "max_model_len": 1024}
     specs = {
         "none": None,
-        "dflash": {"method": "dflash", "model": models["drafter"],
-                   "num_speculative_tokens": 15},
-        "eagle3": {"method": "eagle3", "model": models["eagle3"],
-                   "num_speculative_tokens": 3},
-        "ngram": {"method": "ngram", "num_speculative_tokens": 4,
-                  "prompt_lookup_max": 4},
-        "draft_model": {"method": "draft_model", "model": models["target"],
-                        "num_speculative_tokens": 3},
+        "dflash": {
+            "method": "dflash",
+            "model": models["drafter"],
+            "num_speculative_tokens": 15,
+        },
+        "eagle3": {
+            "method": "eagle3",
+            "model": models["eagle3"],
+            "num_speculative_tokens": 3,
+        },
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_max": 4,
+        },
+        "draft_model": {
+            "method": "draft_model",
+            "model": models["target"],
+            "num_speculative_tokens": 3,
+        },
     }
-    configs = {name: {**base, "speculative_config": spec}
-               for name, spec in specs.items()}
+    configs = {
+        name: {**base, "speculative_config": spec} for name, spec in specs.items()
+    }
     lookalike = {"method": "ddtree", "tree_budget": 4, "draft_depth": 15}
     configs["ngram_with_ddtree_keys"] = {
         **configs["ngram"],
         "additional_config": {"ddtree": lookalike, "vllm_ddtree": lookalike},
     }
-    configs["ddtree"] = {**base, "speculative_config": {
-        "method": "ddtree", "model": models["drafter"], "tree_budget": 32}}
+    configs["ddtree"] = {
+        **base,
+        "speculative_config": {
+            "method": "ddtree",
+            "model": models["drafter"],
+            "tree_budget": 32,
+        },
+    }
     return configs
 
 
 def _summaries(models, tmp_path, plugin: bool, custom_backend=None) -> dict:
     tag = f"{'on' if plugin else 'off'}_{'custom' if custom_backend else 'free'}"
     src, dst = tmp_path / f"{tag}.in.json", tmp_path / f"{tag}.out.json"
-    src.write_text(json.dumps({"configs": _configs(models),
-                               "custom_backend": custom_backend}))
+    src.write_text(
+        json.dumps({"configs": _configs(models), "custom_backend": custom_backend})
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "tests.plugins.engine_summary", str(src), str(dst)],
-        cwd=ROOT, env=_env(plugin), capture_output=True, text=True, timeout=900,
+        cwd=ROOT,
+        env=_env(plugin),
+        capture_output=True,
+        text=True,
+        timeout=900,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -195,8 +195,8 @@ def prepare_draft_inputs_reference(
             context_rows[ctx_start + c] = row
             context_positions[ctx_start + c] = pos[row]
             keep = c < len(ctx)
-            context_slot_mapping[ctx_start + c] = slot(r, pos[row]) if keep else (
-                PAD_SLOT_ID
+            context_slot_mapping[ctx_start + c] = (
+                slot(r, pos[row]) if keep else (PAD_SLOT_ID)
             )
         last_pos = pos[tree_start] + k
         if int(num_sampled[r]) > 0:

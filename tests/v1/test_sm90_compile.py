@@ -100,8 +100,13 @@ PROBE = textwrap.dedent("""
 def test_ddtree_kernels_compile_for_sm90():
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    result = subprocess.run([sys.executable, "-c", PROBE, str(root)],
-                            capture_output=True, text=True, env=env, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, str(root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     compiled = set(json.loads(result.stdout.strip().splitlines()[-1]))
     assert compiled >= {

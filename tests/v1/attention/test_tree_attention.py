@@ -60,9 +60,17 @@ def causal_visibility(q_len: int) -> torch.Tensor:
 
 
 def reference_attention(
-    q, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
-    new_token_visibility: list[torch.Tensor], context: bool = True,
-    new_tokens: bool = True, with_lse: bool = False,
+    q,
+    key_cache,
+    value_cache,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    scale,
+    new_token_visibility: list[torch.Tensor],
+    context: bool = True,
+    new_tokens: bool = True,
+    with_lse: bool = False,
 ):
     """Float32 attention: row i of request r sees every committed token and the
     new tokens j with new_token_visibility[r][i, j]. ``context=False`` /
@@ -101,8 +109,17 @@ def reference_attention(
 class Batch:
     """Random paged KV cache (vLLM 0.26 FLASH_ATTN layout) and queries."""
 
-    def __init__(self, ctx_lens, q_lens, num_q_heads, num_kv_heads, head_size,
-                 block_size, dtype, seed=0):
+    def __init__(
+        self,
+        ctx_lens,
+        q_lens,
+        num_q_heads,
+        num_kv_heads,
+        head_size,
+        block_size,
+        dtype,
+        seed=0,
+    ):
         gen = torch.Generator().manual_seed(seed)
         seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
         blocks_per_req = [-(-s // block_size) for s in seq_lens]
@@ -110,41 +127,77 @@ class Batch:
         num_blocks = sum(blocks_per_req) + 3
         # Logical [num_blocks, num_kv_heads, block_size, 2 * head_size] over
         # physical [num_blocks, block_size, num_kv_heads, 2 * head_size].
-        kv = torch.randn(num_blocks, block_size, num_kv_heads, 2 * head_size,
-                         generator=gen).to(dtype).to(DEVICE)
+        kv = (
+            torch.randn(
+                num_blocks, block_size, num_kv_heads, 2 * head_size, generator=gen
+            )
+            .to(dtype)
+            .to(DEVICE)
+        )
         self.kv_cache = kv.permute(0, 2, 1, 3)
         self.key_cache, self.value_cache = self.kv_cache.transpose(1, 2).split(
-            head_size, -1)
+            head_size, -1
+        )
         # Scattered pages; unused table entries point at a real block.
         perm = torch.randperm(num_blocks, generator=gen)
         table = torch.zeros(len(q_lens), max_blocks, dtype=torch.int32)
         used = 0
         for r, n in enumerate(blocks_per_req):
-            table[r, :n] = perm[used:used + n]
+            table[r, :n] = perm[used : used + n]
             used += n
         self.block_table = table.to(DEVICE)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         self.query_start_loc = torch.tensor(
-            [0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
-            device=DEVICE)
-        self.q = torch.randn(sum(q_lens), num_q_heads, head_size,
-                             generator=gen).to(dtype).to(DEVICE)
+            [0] + torch.tensor(q_lens).cumsum(0).tolist(),
+            dtype=torch.int32,
+            device=DEVICE,
+        )
+        self.q = (
+            torch.randn(sum(q_lens), num_q_heads, head_size, generator=gen)
+            .to(dtype)
+            .to(DEVICE)
+        )
         self.scale = head_size**-0.5
 
-    def run(self, tree_mask=None, is_tree=None, num_splits=None, out=None,
-            config=None, tail_lse=None):
+    def run(
+        self,
+        tree_mask=None,
+        is_tree=None,
+        num_splits=None,
+        out=None,
+        config=None,
+        tail_lse=None,
+    ):
         if out is None:
             out = torch.full_like(self.q, float("nan"))
         return tree_attention(
-            self.q, self.key_cache, self.value_cache, out, self.query_start_loc,
-            self.seq_lens, self.block_table, self.scale, tree_mask=tree_mask,
-            is_tree=is_tree, num_splits=num_splits, config=config,
-            tail_lse=tail_lse)
+            self.q,
+            self.key_cache,
+            self.value_cache,
+            out,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_table,
+            self.scale,
+            tree_mask=tree_mask,
+            is_tree=is_tree,
+            num_splits=num_splits,
+            config=config,
+            tail_lse=tail_lse,
+        )
 
     def reference(self, visibility, **kwargs):
         return reference_attention(
-            self.q, self.key_cache, self.value_cache, self.query_start_loc,
-            self.seq_lens, self.block_table, self.scale, visibility, **kwargs)
+            self.q,
+            self.key_cache,
+            self.value_cache,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_table,
+            self.scale,
+            visibility,
+            **kwargs,
+        )
 
 
 def random_tree(kind: str, budget: int, seed: int) -> DDTree:
@@ -153,8 +206,9 @@ def random_tree(kind: str, budget: int, seed: int) -> DDTree:
         logits = 3 * torch.randn(1, 15, 40, generator=gen)
         return build_ddtree_reference(logits, budget)
     if kind == "parents":
-        parents = [int(torch.randint(0, i + 1, (1,), generator=gen))
-                   for i in range(budget)]
+        parents = [
+            int(torch.randint(0, i + 1, (1,), generator=gen)) for i in range(budget)
+        ]
         return tree_from_parents(torch.arange(budget)[None], [parents])
     assert kind == "chain"
     return tree_from_parents(torch.arange(budget)[None], [list(range(budget))])
@@ -181,10 +235,22 @@ def visibilities(trees, q_lens):
     ]
 
 
-def check_trees(ctx_lens, trees, q_lens, num_q_heads, num_kv_heads, head_size,
-                block_size, dtype, num_splits=None, seed=0, config=None):
-    batch = Batch(ctx_lens, q_lens, num_q_heads, num_kv_heads, head_size,
-                  block_size, dtype, seed)
+def check_trees(
+    ctx_lens,
+    trees,
+    q_lens,
+    num_q_heads,
+    num_kv_heads,
+    head_size,
+    block_size,
+    dtype,
+    num_splits=None,
+    seed=0,
+    config=None,
+):
+    batch = Batch(
+        ctx_lens, q_lens, num_q_heads, num_kv_heads, head_size, block_size, dtype, seed
+    )
     mask, is_tree = pack_masks(trees, q_lens)
     out = batch.run(mask, is_tree, num_splits=num_splits, config=config)
     ref = batch.reference(visibilities(trees, q_lens))
@@ -219,14 +285,14 @@ def test_tree_nodes_equal_path_attention_cpu(kind, shape):
         budgets, ctx_lens = [15, 1, 40], [200, 17, 1]
     trees = [random_tree(kind, b, seed=i) for i, b in enumerate(budgets)]
     q_lens = [b + 1 for b in budgets]
-    check_trees(ctx_lens, trees, q_lens, hq, hkv, head_size, block_size, dtype,
-                num_splits=4)
+    check_trees(
+        ctx_lens, trees, q_lens, hq, hkv, head_size, block_size, dtype, num_splits=4
+    )
 
 
 def test_budget_128_cpu():
     trees = [random_tree("heap", 128, seed=1), random_tree("parents", 128, seed=2)]
-    check_trees([300, 17], trees, [129, 129], 4, 2, 64, 32, torch.float16,
-                num_splits=2)
+    check_trees([300, 17], trees, [129, 129], 4, 2, 64, 32, torch.float16, num_splits=2)
 
 
 @needs_gpu
@@ -291,8 +357,18 @@ def test_explicit_configs_cpu(config):
     start mid-word (contexts not multiples of 32), causal rows, empty splits."""
     trees = [random_tree("heap", 70, seed=6), None, random_tree("parents", 9, seed=7)]
     q_lens, ctx_lens = [71, 5, 10], [45, 300, 1]
-    check_trees(ctx_lens, trees, q_lens, 2, 1, 32, 16, torch.float32, num_splits=8,
-                config=TreeAttentionConfig.parse(config))
+    check_trees(
+        ctx_lens,
+        trees,
+        q_lens,
+        2,
+        1,
+        32,
+        16,
+        torch.float32,
+        num_splits=8,
+        config=TreeAttentionConfig.parse(config),
+    )
 
 
 def test_config_strings():
@@ -307,8 +383,14 @@ def test_config_strings():
 
 @pytest.mark.parametrize(
     "num_tokens,num_reqs,block_m,num_splits",
-    [(16, 1, 64, 16), (129, 1, 128, 3), (513, 1, 128, 4), (129 * 64, 64, 128, 1),
-     (1, 1, 16, 32), (64, 64, 16, 1)],
+    [
+        (16, 1, 64, 16),
+        (129, 1, 128, 3),
+        (513, 1, 128, 4),
+        (129 * 64, 64, 128, 1),
+        (1, 1, 16, 32),
+        (64, 64, 16, 1),
+    ],
 )
 def test_plan_fills_the_gpu(num_tokens, num_reqs, block_m, num_splits):
     """Qwen3-8B heads on 132 SMs: a chain at batch 1 splits its context 16 ways
@@ -324,16 +406,24 @@ def test_plan_fills_the_gpu(num_tokens, num_reqs, block_m, num_splits):
     # 132 SMs one program each -> 8 warps; batch 64 (512 tiles) -> 4 warps, two
     # programs per SM. 128-row tiles always get 8 warps.
     # Single-token decodes (16-row tiles) keep 4.
-    [(16, 1, 8), (16 * 8, 8, 8), (16 * 64, 64, 4), (129, 1, 8), (129 * 64, 64, 8),
-     (1, 1, 4), (64, 64, 4)],
+    [
+        (16, 1, 8),
+        (16 * 8, 8, 8),
+        (16 * 64, 64, 4),
+        (129, 1, 8),
+        (129 * 64, 64, 8),
+        (1, 1, 4),
+        (64, 64, 4),
+    ],
 )
 def test_plan_warps(num_tokens, num_reqs, num_warps):
     plan = plan_tree_attention(num_tokens, num_reqs, 32, 8, 128, num_sms=132)
     assert plan.config.num_warps == num_warps
     # An explicit config is launched as given.
     cfg = TreeAttentionConfig.parse("m64n64w4s5")
-    plan = plan_tree_attention(num_tokens, num_reqs, 32, 8, 128, num_sms=132,
-                               config=cfg)
+    plan = plan_tree_attention(
+        num_tokens, num_reqs, 32, 8, 128, num_sms=132, config=cfg
+    )
     assert plan.config.num_warps == 4
 
 
@@ -342,8 +432,16 @@ def test_plan_warps(num_tokens, num_reqs, num_warps):
     # (tree budget, query tiles per request, share of the tiles' rows holding
     # queries). A budget B verifies B + 1 tokens: one past a power of two opens a
     # tile for a single token (or doubles the tile), one below fills them.
-    [(15, 1, 1.0), (16, 1, 17 / 32), (31, 1, 1.0), (32, 2, 33 / 64),
-     (63, 2, 1.0), (64, 3, 65 / 96), (127, 4, 1.0), (128, 5, 129 / 160)],
+    [
+        (15, 1, 1.0),
+        (16, 1, 17 / 32),
+        (31, 1, 1.0),
+        (32, 2, 33 / 64),
+        (63, 2, 1.0),
+        (64, 3, 65 / 96),
+        (127, 4, 1.0),
+        (128, 5, 129 / 160),
+    ],
 )
 @pytest.mark.parametrize("batch", [1, 64])
 def test_plan_tiles_per_tree(budget, tiles, rows_used, batch):
@@ -359,32 +457,60 @@ def test_tail_plan_streams_few_keys_unpipelined(budget, block_n):
     """The cascade's suffix half reads only the new keys: key blocks about the
     query length and one pipeline stage, so more programs share an SM."""
     full = plan_tree_attention(64 * (budget + 1), 64, 32, 8, 128, num_sms=132)
-    tail = plan_tree_attention(64 * (budget + 1), 64, 32, 8, 128, num_sms=132,
-                               tail_only=True)
+    tail = plan_tree_attention(
+        64 * (budget + 1), 64, 32, 8, 128, num_sms=132, tail_only=True
+    )
     assert (tail.config.block_n, tail.config.num_stages) == (block_n, 1)
     assert tail.config.block_m == full.config.block_m
     assert tail.num_splits == 1 and full.config.num_stages == 5
     # An explicit config is taken as given.
     cfg = TreeAttentionConfig.parse("m64n64w4s5")
-    assert plan_tree_attention(1024, 64, 32, 8, 128, num_sms=132, config=cfg,
-                               tail_only=True).config == cfg
+    assert (
+        plan_tree_attention(
+            1024, 64, 32, 8, 128, num_sms=132, config=cfg, tail_only=True
+        ).config
+        == cfg
+    )
 
 
 # The tile shapes bench_tree_attn.py sweeps by default, at full size.
-GPU_CONFIGS = ["m128n64w8s5", "m128n64w8s7", "m128n64w8s3", "m128n32w8s5",
-               "m64n64w4s5", "m64n64w8s5", "m64n32w4s5", "m128n128w8s3"]
+GPU_CONFIGS = [
+    "m128n64w8s5",
+    "m128n64w8s7",
+    "m128n64w8s3",
+    "m128n32w8s5",
+    "m64n64w4s5",
+    "m64n64w8s5",
+    "m64n32w4s5",
+    "m128n128w8s3",
+]
 
 
 @needs_gpu
 @pytest.mark.parametrize("config", GPU_CONFIGS)
 def test_explicit_configs_gpu(config):
-    trees = [random_tree("heap", 128, seed=0), random_tree("parents", 512, seed=1),
-             None, None, random_tree("heap", 15, seed=2)]
+    trees = [
+        random_tree("heap", 128, seed=0),
+        random_tree("parents", 512, seed=1),
+        None,
+        None,
+        random_tree("heap", 15, seed=2),
+    ]
     q_lens, ctx_lens = [129, 513, 16, 1, 16], [4097, 1000, 300, 2000, 0]
     cfg = TreeAttentionConfig.parse(config)
     for num_splits in [None, 5]:
-        check_trees(ctx_lens, trees, q_lens, 32, 8, 128, 16, torch.bfloat16,
-                    num_splits=num_splits, config=cfg)
+        check_trees(
+            ctx_lens,
+            trees,
+            q_lens,
+            32,
+            8,
+            128,
+            16,
+            torch.bfloat16,
+            num_splits=num_splits,
+            config=cfg,
+        )
 
 
 # Compiles the tile shape of a budget-128 tree (Qwen3-8B heads) for sm90 without
@@ -438,8 +564,13 @@ def test_sm90_kernel_uses_wgmma_and_prefetches_kv():
     serialise loads and math."""
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    result = subprocess.run([sys.executable, "-c", SM90_PROBE, str(root)],
-                            capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", SM90_PROBE, str(root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     probe = json.loads(result.stdout.strip().splitlines()[-1])
     assert probe["wgmma"] > 0
@@ -451,8 +582,9 @@ def test_sm90_kernel_uses_wgmma_and_prefetches_kv():
 def test_split_kv_matches_single_pass(num_splits):
     trees = [random_tree("heap", 15, seed=5), None]
     q_lens, ctx_lens = [16, 1], [1000, 777]
-    batch, one_pass = check_trees(ctx_lens, trees, q_lens, 4, 2, 64, 16,
-                                  torch.float32, num_splits=1)
+    batch, one_pass = check_trees(
+        ctx_lens, trees, q_lens, 4, 2, 64, 16, torch.float32, num_splits=1
+    )
     mask, is_tree = pack_masks(trees, q_lens)
     split = batch.run(mask, is_tree, num_splits=num_splits)
     torch.testing.assert_close(split, one_pass, atol=1e-5, rtol=1e-5)
@@ -483,19 +615,22 @@ CASCADE_CASES = [  # (ctx_lens, q_lens, trees as budgets or None)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_tail_only_attends_new_keys_and_returns_lse(case, dtype):
     ctx_lens, q_lens, kinds = case
-    trees = [None if k is None else random_tree(k, q - 1, seed=3)
-             for k, q in zip(kinds, q_lens)]
+    trees = [
+        None if k is None else random_tree(k, q - 1, seed=3)
+        for k, q in zip(kinds, q_lens)
+    ]
     batch = Batch(ctx_lens, q_lens, 4, 2, 64, 16, dtype, seed=1)
     mask, is_tree = pack_masks(trees, q_lens)
     tail_lse = torch.full((4, sum(q_lens)), float("nan"), device=DEVICE)
     out = batch.run(mask, is_tree, tail_lse=tail_lse)
-    ref, ref_lse = batch.reference(visibilities(trees, q_lens), context=False,
-                                   with_lse=True)
+    ref, ref_lse = batch.reference(
+        visibilities(trees, q_lens), context=False, with_lse=True
+    )
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
     torch.testing.assert_close(tail_lse, ref_lse, atol=1e-4, rtol=1e-4)
     # The committed context really is left out (it changes the full result).
     full = batch.reference(visibilities(trees, q_lens))
-    assert not torch.allclose(full[:q_lens[0]], ref[:q_lens[0]], atol=1e-2)
+    assert not torch.allclose(full[: q_lens[0]], ref[: q_lens[0]], atol=1e-2)
 
 
 @pytest.mark.parametrize("case", CASCADE_CASES, ids=str)
@@ -507,23 +642,36 @@ def test_cascade_equals_tree_attention(case):
     )
 
     ctx_lens, q_lens, kinds = case
-    trees = [None if k is None else random_tree(k, q - 1, seed=3)
-             for k, q in zip(kinds, q_lens)]
+    trees = [
+        None if k is None else random_tree(k, q - 1, seed=3)
+        for k, q in zip(kinds, q_lens)
+    ]
     batch = Batch(ctx_lens, q_lens, 4, 2, 64, 16, torch.float32, seed=2)
     mask, is_tree = pack_masks(trees, q_lens)
     seen = []
 
     def context_attention(q, ctx_lens_arg):
         seen.append(ctx_lens_arg.tolist())
-        out, lse = batch.reference(visibilities(trees, q_lens), new_tokens=False,
-                                   with_lse=True)
+        out, lse = batch.reference(
+            visibilities(trees, q_lens), new_tokens=False, with_lse=True
+        )
         return out.to(q.dtype), lse
 
     out = torch.full_like(batch.q, float("nan"))
     tree_attention_with_context(
-        batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc,
-        batch.seq_lens, batch.block_table, batch.scale, mask, is_tree,
-        context_attention, torch_merge_states)
+        batch.q,
+        batch.key_cache,
+        batch.value_cache,
+        out,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_table,
+        batch.scale,
+        mask,
+        is_tree,
+        context_attention,
+        torch_merge_states,
+    )
     assert seen == [ctx_lens]
     ref = batch.reference(visibilities(trees, q_lens))
     torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
@@ -553,13 +701,29 @@ def test_cascade_with_flash_attention_gpu(dtype, budget):
     batch = Batch(ctx_lens, q_lens, 32, 8, 128, 16, dtype, seed=4)
     mask, is_tree = pack_masks(trees, q_lens)
     context = flash_context_attention(
-        batch.key_cache, batch.value_cache, batch.query_start_loc,
-        batch.block_table, batch.scale, max(q_lens), max(ctx_lens) + max(q_lens))
+        batch.key_cache,
+        batch.value_cache,
+        batch.query_start_loc,
+        batch.block_table,
+        batch.scale,
+        max(q_lens),
+        max(ctx_lens) + max(q_lens),
+    )
     out = torch.full_like(batch.q, float("nan"))
     tree_attention_with_context(
-        batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc,
-        batch.seq_lens, batch.block_table, batch.scale, mask, is_tree, context,
-        merge_attn_states)
+        batch.q,
+        batch.key_cache,
+        batch.value_cache,
+        out,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_table,
+        batch.scale,
+        mask,
+        is_tree,
+        context,
+        merge_attn_states,
+    )
     ref = batch.reference(visibilities(trees, q_lens))
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
@@ -575,8 +739,14 @@ def test_padded_requests_and_tokens_left_alone():
     batch.q = torch.cat([batch.q, batch.q[:3]])
     out = batch.run(num_splits=2)
     assert out[real:].isnan().all()
-    ref = batch.reference([causal_visibility(5), causal_visibility(1),
-                           causal_visibility(0), causal_visibility(0)])
+    ref = batch.reference(
+        [
+            causal_visibility(5),
+            causal_visibility(1),
+            causal_visibility(0),
+            causal_visibility(0),
+        ]
+    )
     torch.testing.assert_close(out[:real], ref[:real], **TOLERANCE[torch.float32])
 
 
@@ -586,17 +756,28 @@ def test_input_errors():
     args = (batch.key_cache, batch.value_cache)
     tail = (batch.query_start_loc, batch.seq_lens, batch.block_table, 1.0)
     with pytest.raises(ValueError, match="KV cache dtype"):
-        tree_attention(batch.q.half(), *[a.half() for a in args[:1]], args[1],
-                       out.half(), *tail)
+        tree_attention(
+            batch.q.half(), *[a.half() for a in args[:1]], args[1], out.half(), *tail
+        )
     with pytest.raises(ValueError, match="do not fit"):
         tree_attention(batch.q[:, :3], *args, out[:, :3], *tail)
     with pytest.raises(ValueError, match="must be given together"):
-        tree_attention(batch.q, *args, out, *tail,
-                       tree_mask=torch.zeros(1, 3, 1, dtype=torch.int32))
+        tree_attention(
+            batch.q,
+            *args,
+            out,
+            *tail,
+            tree_mask=torch.zeros(1, 3, 1, dtype=torch.int32),
+        )
     with pytest.raises(ValueError, match="tree_mask must be int32"):
-        tree_attention(batch.q, *args, out, *tail,
-                       tree_mask=torch.zeros(1, 3, 1, dtype=torch.int64),
-                       is_tree=torch.ones(1, dtype=torch.int32))
+        tree_attention(
+            batch.q,
+            *args,
+            out,
+            *tail,
+            tree_mask=torch.zeros(1, 3, 1, dtype=torch.int64),
+            is_tree=torch.ones(1, dtype=torch.int32),
+        )
 
 
 @needs_gpu
@@ -605,13 +786,15 @@ def test_int64_kv_offsets():
     block_size, hkv, head_size = 16, 8, 128
     per_block = block_size * hkv * 2 * head_size
     num_blocks = (2**31 // per_block) + 64
-    kv = torch.randn(num_blocks, block_size, hkv, 2 * head_size, device="cuda",
-                     dtype=torch.bfloat16)
+    kv = torch.randn(
+        num_blocks, block_size, hkv, 2 * head_size, device="cuda", dtype=torch.bfloat16
+    )
     batch = Batch([100], [16], 32, hkv, head_size, block_size, torch.bfloat16)
     batch.kv_cache = kv.permute(0, 2, 1, 3)
     batch.key_cache, batch.value_cache = kv.split(head_size, -1)
-    batch.block_table = torch.arange(num_blocks - 8, num_blocks, device="cuda",
-                                     dtype=torch.int32)[None]
+    batch.block_table = torch.arange(
+        num_blocks - 8, num_blocks, device="cuda", dtype=torch.int32
+    )[None]
     out = batch.run()
     ref = batch.reference([causal_visibility(16)])
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[torch.bfloat16])
@@ -633,8 +816,9 @@ def test_cuda_graph_replay_with_new_trees():
     with torch.cuda.graph(graph):
         batch.run(mask, is_tree, out=out)
     for step in range(3):
-        new_trees = [random_tree("parents", budget, seed=10 * step + s)
-                     for s in range(num_reqs)]
+        new_trees = [
+            random_tree("parents", budget, seed=10 * step + s) for s in range(num_reqs)
+        ]
         new_mask, new_is_tree = pack_masks(new_trees, q_lens)
         mask.copy_(new_mask)
         is_tree.copy_(new_is_tree)
@@ -645,5 +829,6 @@ def test_cuda_graph_replay_with_new_trees():
         graph.replay()
         vis = visibilities(new_trees, q_lens)
         vis[step] = causal_visibility(budget + 1)
-        torch.testing.assert_close(out.float(), batch.reference(vis),
-                                   **TOLERANCE[torch.bfloat16])
+        torch.testing.assert_close(
+            out.float(), batch.reference(vis), **TOLERANCE[torch.bfloat16]
+        )

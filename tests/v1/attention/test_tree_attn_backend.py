@@ -48,18 +48,31 @@ DTYPE = torch.bfloat16 if ON_GPU else torch.float16
 def vllm_config(tmp_path_factory):
     """A real VllmConfig for a tiny Qwen3-shaped model (no weights needed)."""
     model_dir = tmp_path_factory.mktemp("tiny_qwen3")
-    (model_dir / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-        "hidden_size": NUM_Q_HEADS * HEAD_SIZE, "intermediate_size": 512,
-        "num_attention_heads": NUM_Q_HEADS, "num_key_value_heads": NUM_KV_HEADS,
-        "head_dim": HEAD_SIZE, "num_hidden_layers": 2, "vocab_size": 1000,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "torch_dtype": "float16", "tie_word_embeddings": False,
-    }))
-    model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
-                               dtype=DTYPE)
-    return VllmConfig(model_config=model_config,
-                      device_config=DeviceConfig(device=DEVICE))
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "model_type": "qwen3",
+                "hidden_size": NUM_Q_HEADS * HEAD_SIZE,
+                "intermediate_size": 512,
+                "num_attention_heads": NUM_Q_HEADS,
+                "num_key_value_heads": NUM_KV_HEADS,
+                "head_dim": HEAD_SIZE,
+                "num_hidden_layers": 2,
+                "vocab_size": 1000,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-6,
+                "torch_dtype": "float16",
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    model_config = ModelConfig(
+        model=str(model_dir), skip_tokenizer_init=True, dtype=DTYPE
+    )
+    return VllmConfig(
+        model_config=model_config, device_config=DeviceConfig(device=DEVICE)
+    )
 
 
 @pytest.fixture
@@ -85,13 +98,17 @@ def test_registration_is_idempotent(restore_custom_backend):
     assert AttentionBackendEnum.CUSTOM.get_class() is TreeAttentionBackend
     # vLLM 0.26 maps a layer's backend back to the enum through get_name().
     assert AttentionBackendEnum[TreeAttentionBackend.get_name()] is (
-        AttentionBackendEnum.CUSTOM)
+        AttentionBackendEnum.CUSTOM
+    )
 
 
 def test_registration_refuses_to_replace_another_backend(restore_custom_backend):
     register_backend(AttentionBackendEnum.CUSTOM, "some.other.Backend")
-    with pytest.raises(ValueError, match="CUSTOM is already registered to "
-                       "some.other.Backend; .*VLLM_PLUGINS=ddtree"):
+    with pytest.raises(
+        ValueError,
+        match="CUSTOM is already registered to "
+        "some.other.Backend; .*VLLM_PLUGINS=ddtree",
+    ):
         register_tree_attn_backend()
 
 
@@ -100,10 +117,17 @@ def test_registration_refuses_to_replace_another_backend(restore_custom_backend)
 
 def validate(**overrides):
     config = dict(
-        head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16,
-        use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+        head_size=128,
+        dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        block_size=16,
+        use_mla=False,
+        has_sink=False,
+        use_sparse=False,
+        use_mm_prefix=False,
         use_per_head_quant_scales=False,
-        device_capability=DeviceCapability(9, 0), attn_type=AttentionType.DECODER,
+        device_capability=DeviceCapability(9, 0),
+        attn_type=AttentionType.DECODER,
     )
     config.update(overrides)
     return TreeAttentionBackend.validate_configuration(**config)
@@ -149,17 +173,21 @@ def test_selecting_tree_attn_for_unsupported_layer_fails(restore_custom_backend)
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
     register_tree_attn_backend()
-    config = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16,
-                                     kv_cache_dtype="auto", block_size=16)
-    assert current_platform.get_attn_backend_cls(
-        AttentionBackendEnum.CUSTOM, config) == TREE_ATTN_BACKEND_PATH
+    config = AttentionSelectorConfig(
+        head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16
+    )
+    assert (
+        current_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, config)
+        == TREE_ATTN_BACKEND_PATH
+    )
     with pytest.raises(ValueError, match="sliding window not supported"):
         current_platform.get_attn_backend_cls(
-            AttentionBackendEnum.CUSTOM,
-            config._replace(has_sliding_window=True))
+            AttentionBackendEnum.CUSTOM, config._replace(has_sliding_window=True)
+        )
     with pytest.raises(ValueError, match="non-causal attention not supported"):
         current_platform.get_attn_backend_cls(
-            AttentionBackendEnum.CUSTOM, config._replace(use_non_causal=True))
+            AttentionBackendEnum.CUSTOM, config._replace(use_non_causal=True)
+        )
 
 
 def test_never_serves_the_non_causal_drafter():
@@ -169,11 +197,13 @@ def test_never_serves_the_non_causal_drafter():
 def test_kv_cache_layout_is_flash_attn(vllm_config):
     args = (100, 32, NUM_KV_HEADS, HEAD_SIZE)
     assert TreeAttentionBackend.get_kv_cache_shape(*args) == (
-        FlashAttentionBackend.get_kv_cache_shape(*args))
+        FlashAttentionBackend.get_kv_cache_shape(*args)
+    )
     with set_current_vllm_config(vllm_config):
         for layered in (False, True):
             assert TreeAttentionBackend.get_kv_cache_stride_order(layered) == (
-                FlashAttentionBackend.get_kv_cache_stride_order(layered))
+                FlashAttentionBackend.get_kv_cache_stride_order(layered)
+            )
 
 
 def test_kv_cache_views_share_the_pages():
@@ -199,9 +229,15 @@ def test_kv_cache_views_share_the_pages():
     ],
 )
 def test_impl_rejects_unsupported_layers(kwargs, message):
-    args = dict(num_heads=NUM_Q_HEADS, head_size=HEAD_SIZE, scale=0.125,
-                num_kv_heads=NUM_KV_HEADS, alibi_slopes=None, sliding_window=None,
-                kv_cache_dtype="auto")
+    args = dict(
+        num_heads=NUM_Q_HEADS,
+        head_size=HEAD_SIZE,
+        scale=0.125,
+        num_kv_heads=NUM_KV_HEADS,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
     args.update(kwargs)
     with pytest.raises(ValueError, match=f"TREE_ATTN does not support {message}"):
         TreeAttentionImpl(**args)
@@ -214,11 +250,13 @@ def test_tree_inputs_validation():
     with pytest.raises(ValueError, match="attn_mask must be an int32"):
         TreeAttentionInputs(torch.zeros(4, 16, 1), torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="cannot hold 40 tree tokens"):
-        TreeAttentionInputs(torch.zeros(4, 40, 1, dtype=torch.int32),
-                            torch.zeros(4, dtype=torch.int32))
+        TreeAttentionInputs(
+            torch.zeros(4, 40, 1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match=r"is_tree must be int32 \[4\]"):
-        TreeAttentionInputs(torch.zeros(4, 16, 1, dtype=torch.int32),
-                            torch.zeros(3, dtype=torch.int32))
+        TreeAttentionInputs(
+            torch.zeros(4, 16, 1, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+        )
     inputs = TreeAttentionInputs.allocate(8, 1024, torch.device("cpu"))
     assert inputs.attn_mask.shape == (8, 1025, 33) and inputs.max_tree_len == 1025
 
@@ -236,8 +274,9 @@ class Step:
         seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
         blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
         num_blocks = sum(blocks) + 2
-        kv = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE,
-                         generator=gen).to(DTYPE)
+        kv = torch.randn(
+            num_blocks, BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE, generator=gen
+        ).to(DTYPE)
         self.kv_cache = kv.permute(0, 2, 1, 3).to(DEVICE)  # FLASH_ATTN, logical
         perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
         table = torch.zeros(num_reqs, max(blocks), dtype=torch.int32)
@@ -247,8 +286,9 @@ class Step:
             used += blocks[r]
             pos = torch.arange(ctx_lens[r], seq_lens[r])
             slots.append(table[r, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(),
-                           dtype=torch.int32)
+        qsl = torch.tensor(
+            [0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32
+        )
         num_tokens = int(qsl[-1])
         self.metadata = CommonAttentionMetadata(
             query_start_loc=qsl.to(DEVICE),
@@ -264,43 +304,66 @@ class Step:
 
         def rand(heads):
             return torch.randn(num_tokens, heads, HEAD_SIZE, generator=gen).to(
-                DEVICE, DTYPE)
+                DEVICE, DTYPE
+            )
 
-        self.q, self.k, self.v = rand(NUM_Q_HEADS), rand(NUM_KV_HEADS), rand(
-            NUM_KV_HEADS)
+        self.q, self.k, self.v = (
+            rand(NUM_Q_HEADS),
+            rand(NUM_KV_HEADS),
+            rand(NUM_KV_HEADS),
+        )
 
     def forward(self, builder, impl):
         """Write the new tokens' K/V, build the metadata, run the layer."""
-        layer = SimpleNamespace(_k_scale=torch.ones((), device=DEVICE),
-                                _v_scale=torch.ones((), device=DEVICE))
-        impl.do_kv_cache_update(layer, self.k, self.v, self.kv_cache,
-                                self.metadata.slot_mapping)
+        layer = SimpleNamespace(
+            _k_scale=torch.ones((), device=DEVICE),
+            _v_scale=torch.ones((), device=DEVICE),
+        )
+        impl.do_kv_cache_update(
+            layer, self.k, self.v, self.kv_cache, self.metadata.slot_mapping
+        )
         attn_metadata = builder.build(0, self.metadata)
         out = torch.full_like(self.q, float("nan"))
-        impl.forward(layer, self.q, self.k, self.v, self.kv_cache, attn_metadata,
-                     out)
+        impl.forward(layer, self.q, self.k, self.v, self.kv_cache, attn_metadata, out)
         return attn_metadata, out
 
     def reference(self, visibility):
         key_cache, value_cache = self.kv_cache.transpose(1, 2).split(HEAD_SIZE, -1)
         cm = self.metadata
-        return reference_attention(self.q, key_cache, value_cache,
-                                   cm.query_start_loc, cm.seq_lens,
-                                   cm.block_table_tensor, HEAD_SIZE**-0.5,
-                                   visibility)
+        return reference_attention(
+            self.q,
+            key_cache,
+            value_cache,
+            cm.query_start_loc,
+            cm.seq_lens,
+            cm.block_table_tensor,
+            HEAD_SIZE**-0.5,
+            visibility,
+        )
 
 
 def make_builder(vllm_config):
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
-                             head_size=HEAD_SIZE, dtype=DTYPE)
-    return TreeAttentionMetadataBuilder(spec, ["model.layers.0.self_attn.attn"],
-                                        vllm_config, torch.device(DEVICE))
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+        dtype=DTYPE,
+    )
+    return TreeAttentionMetadataBuilder(
+        spec, ["model.layers.0.self_attn.attn"], vllm_config, torch.device(DEVICE)
+    )
 
 
 def make_impl():
-    return TreeAttentionImpl(NUM_Q_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, NUM_KV_HEADS,
-                             alibi_slopes=None, sliding_window=None,
-                             kv_cache_dtype="auto")
+    return TreeAttentionImpl(
+        NUM_Q_HEADS,
+        HEAD_SIZE,
+        HEAD_SIZE**-0.5,
+        NUM_KV_HEADS,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
 
 
 def write_trees(inputs, trees):
@@ -317,7 +380,8 @@ def write_trees(inputs, trees):
 def test_cudagraph_support_declared(vllm_config):
     builder = make_builder(vllm_config)
     assert builder.get_cudagraph_support(vllm_config, builder.kv_cache_spec) == (
-        AttentionCGSupport.ALWAYS)
+        AttentionCGSupport.ALWAYS
+    )
 
 
 def test_without_tree_inputs_every_row_is_causal(vllm_config):
@@ -332,11 +396,15 @@ def test_tree_batch_through_builder_and_impl(vllm_config):
     budget = 31
     builder = make_builder(vllm_config)
     inputs = TreeAttentionInputs.allocate(
-        vllm_config.scheduler_config.max_num_seqs, budget, torch.device(DEVICE))
+        vllm_config.scheduler_config.max_num_seqs, budget, torch.device(DEVICE)
+    )
     builder.set_tree_inputs(inputs)
     assert builder.reorder_batch_threshold == budget + 1
-    trees = [random_tree("heap", budget, seed=1), None,
-             random_tree("parents", budget, seed=2)]
+    trees = [
+        random_tree("heap", budget, seed=1),
+        None,
+        random_tree("parents", budget, seed=2),
+    ]
     q_lens, ctx_lens = [budget + 1, 1, 20], [70, 300, 5]  # last tree trimmed
     write_trees(inputs, trees)
     step = Step(ctx_lens, q_lens, seed=3)
@@ -346,20 +414,28 @@ def test_tree_batch_through_builder_and_impl(vllm_config):
     assert rows.tree_mask.data_ptr() == inputs.attn_mask.data_ptr()
     assert rows.is_tree.data_ptr() == inputs.is_tree.data_ptr()
     assert rows.tree_mask.shape[0] == 3 and attn_metadata.prefill_rows is None
-    visibility = [tree_visibility(trees[0].parent_ids[0]), causal_visibility(1),
-                  tree_visibility(trees[2].parent_ids[0])[:20, :20]]
-    torch.testing.assert_close(out.float(), step.reference(visibility),
-                               **TOLERANCE[DTYPE])
+    visibility = [
+        tree_visibility(trees[0].parent_ids[0]),
+        causal_visibility(1),
+        tree_visibility(trees[2].parent_ids[0])[:20, :20],
+    ]
+    torch.testing.assert_close(
+        out.float(), step.reference(visibility), **TOLERANCE[DTYPE]
+    )
 
     # Next step: new trees written in place, same builder.
     trees = [None, random_tree("parents", budget, seed=4), None]
     write_trees(inputs, trees)
     step = Step([9, 400, 1], [3, budget + 1, 1], seed=5)
     _, out = step.forward(builder, make_impl())
-    visibility = [causal_visibility(3), tree_visibility(trees[1].parent_ids[0]),
-                  causal_visibility(1)]
-    torch.testing.assert_close(out.float(), step.reference(visibility),
-                               **TOLERANCE[DTYPE])
+    visibility = [
+        causal_visibility(3),
+        tree_visibility(trees[1].parent_ids[0]),
+        causal_visibility(1),
+    ]
+    torch.testing.assert_close(
+        out.float(), step.reference(visibility), **TOLERANCE[DTYPE]
+    )
 
 
 def test_set_tree_inputs_checks_capacity(vllm_config):
@@ -376,12 +452,16 @@ def test_non_causal_metadata_is_rejected(vllm_config):
 
 def prefill_split(vllm_config, q_lens, monkeypatch, cudagraph_mode=None):
     builder = make_builder(vllm_config)
-    builder.set_tree_inputs(TreeAttentionInputs.allocate(
-        vllm_config.scheduler_config.max_num_seqs, 15, torch.device(DEVICE)))
+    builder.set_tree_inputs(
+        TreeAttentionInputs.allocate(
+            vllm_config.scheduler_config.max_num_seqs, 15, torch.device(DEVICE)
+        )
+    )
     monkeypatch.setattr(builder, "_fa_version", 3)  # as on a Hopper GPU
     if cudagraph_mode is not None:
-        monkeypatch.setattr(vllm_config.compilation_config, "cudagraph_mode",
-                            cudagraph_mode)
+        monkeypatch.setattr(
+            vllm_config.compilation_config, "cudagraph_mode", cudagraph_mode
+        )
     step = Step([10] * len(q_lens), q_lens)
     return builder.build(0, step.metadata)
 
@@ -406,8 +486,9 @@ def test_tree_rows_never_reach_flash_attn(vllm_config, monkeypatch):
 def test_full_cudagraph_mixed_batches_stay_in_the_kernel(vllm_config, monkeypatch):
     md = prefill_split(vllm_config, [16, 40], monkeypatch, CUDAGraphMode.FULL)
     assert md.prefill_rows is None and md.kernel_rows.num_tokens == 56
-    md = prefill_split(vllm_config, [16, 40], monkeypatch,
-                       CUDAGraphMode.FULL_AND_PIECEWISE)
+    md = prefill_split(
+        vllm_config, [16, 40], monkeypatch, CUDAGraphMode.FULL_AND_PIECEWISE
+    )
     assert md.prefill_rows is not None
 
 
@@ -416,7 +497,8 @@ def test_mixed_batch_with_flash_attn_prefills(vllm_config):
     budget = 15
     builder = make_builder(vllm_config)
     inputs = TreeAttentionInputs.allocate(
-        vllm_config.scheduler_config.max_num_seqs, budget, torch.device(DEVICE))
+        vllm_config.scheduler_config.max_num_seqs, budget, torch.device(DEVICE)
+    )
     builder.set_tree_inputs(inputs)
     trees = [random_tree("heap", budget, seed=1), None, None, None]
     write_trees(inputs, trees)
@@ -426,9 +508,11 @@ def test_mixed_batch_with_flash_attn_prefills(vllm_config):
     if builder._fa_version is not None:
         assert attn_metadata.prefill_rows.token_start == 17
     visibility = [tree_visibility(trees[0].parent_ids[0])] + [
-        causal_visibility(q) for q in q_lens[1:]]
-    torch.testing.assert_close(out.float(), step.reference(visibility),
-                               **TOLERANCE[DTYPE])
+        causal_visibility(q) for q in q_lens[1:]
+    ]
+    torch.testing.assert_close(
+        out.float(), step.reference(visibility), **TOLERANCE[DTYPE]
+    )
 
 
 # ------------------------------------------- cascade (FlashAttention context)
@@ -437,7 +521,8 @@ def test_mixed_batch_with_flash_attn_prefills(vllm_config):
 def _tree_step(vllm_config, budget=31, seed=1):
     builder = make_builder(vllm_config)
     inputs = TreeAttentionInputs.allocate(
-        vllm_config.scheduler_config.max_num_seqs, budget, torch.device(DEVICE))
+        vllm_config.scheduler_config.max_num_seqs, budget, torch.device(DEVICE)
+    )
     builder.set_tree_inputs(inputs)
     trees = [random_tree("heap", budget, seed=seed), None]
     write_trees(inputs, trees)
@@ -446,9 +531,16 @@ def _tree_step(vllm_config, budget=31, seed=1):
     return builder, step, visibility
 
 
-@pytest.mark.parametrize("threshold, min_reqs, used", [
-    (None, 1, False), (8, 1, True), (33, 1, False), (8, 2, True), (8, 3, False),
-])
+@pytest.mark.parametrize(
+    "threshold, min_reqs, used",
+    [
+        (None, 1, False),
+        (8, 1, True),
+        (33, 1, False),
+        (8, 2, True),
+        (8, 3, False),
+    ],
+)
 def test_cascade_dispatch(vllm_config, monkeypatch, threshold, min_reqs, used):
     """The impl takes the cascade only where FlashAttention exists, the
     step's longest query reaches fa_context_min_query_len (here 32) and its
@@ -456,14 +548,20 @@ def test_cascade_dispatch(vllm_config, monkeypatch, threshold, min_reqs, used):
     from vllm.v1.attention.backends import tree_attn
 
     calls = []
-    monkeypatch.setattr(tree_attn.TreeAttentionImpl, "fa_context_min_query_len",
-                        threshold)
-    monkeypatch.setattr(tree_attn.TreeAttentionImpl, "fa_context_min_reqs",
-                        min_reqs)
-    monkeypatch.setattr(tree_attn, "flash_context_attention",
-                        lambda *args: calls.append(("context", args[-1])))
-    monkeypatch.setattr(tree_attn, "tree_attention_with_context",
-                        lambda *args, **kwargs: calls.append(("cascade",)))
+    monkeypatch.setattr(
+        tree_attn.TreeAttentionImpl, "fa_context_min_query_len", threshold
+    )
+    monkeypatch.setattr(tree_attn.TreeAttentionImpl, "fa_context_min_reqs", min_reqs)
+    monkeypatch.setattr(
+        tree_attn,
+        "flash_context_attention",
+        lambda *args: calls.append(("context", args[-1])),
+    )
+    monkeypatch.setattr(
+        tree_attn,
+        "tree_attention_with_context",
+        lambda *args, **kwargs: calls.append(("cascade",)),
+    )
     builder, step, visibility = _tree_step(vllm_config)
     impl = make_impl()
     impl._fa_version = builder._fa_version = 3  # as on a Hopper GPU
@@ -472,8 +570,9 @@ def test_cascade_dispatch(vllm_config, monkeypatch, threshold, min_reqs, used):
     if used:
         assert calls == [("context", 3), ("cascade",)]
     else:
-        torch.testing.assert_close(out.float(), step.reference(visibility),
-                                   **TOLERANCE[DTYPE])
+        torch.testing.assert_close(
+            out.float(), step.reference(visibility), **TOLERANCE[DTYPE]
+        )
     # Without FlashAttention (CPU) the threshold never applies.
     calls.clear()
     impl._fa_version = builder._fa_version = None
@@ -519,5 +618,6 @@ def test_cascade_through_builder_and_impl(vllm_config, monkeypatch):
     if impl._fa_version is None:
         pytest.skip("no FlashAttention build for this GPU")
     _, out = step.forward(builder, impl)
-    torch.testing.assert_close(out.float(), step.reference(visibility),
-                               **TOLERANCE[DTYPE])
+    torch.testing.assert_close(
+        out.float(), step.reference(visibility), **TOLERANCE[DTYPE]
+    )

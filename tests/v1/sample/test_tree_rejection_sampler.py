@@ -157,9 +157,7 @@ def test_walk_matches_reference(num_reqs, budget, depth, vocab):
     node_sampled = torch.randint(0, vocab, (int(cu[-1]),), generator=gen)
     _steer(node_sampled, tree.token_ids, tree.parent_ids, cu, num_nodes, gen)
 
-    ref = walk_trees_reference(
-        node_sampled, tree.token_ids, tree.parent_ids, cu, depth
-    )
+    ref = walk_trees_reference(node_sampled, tree.token_ids, tree.parent_ids, cu, depth)
     out = walk_trees(
         *_to(DEVICE, node_sampled, tree.token_ids, tree.parent_ids, cu), depth
     )
@@ -198,7 +196,8 @@ def test_walk_checks_fed_tokens(num_reqs, budget, depth, vocab):
         node_sampled, tree.token_ids, tree.parent_ids, cu, depth, fed
     )
     out = walk_trees(
-        *_to(DEVICE, node_sampled, tree.token_ids, tree.parent_ids, cu), depth,
+        *_to(DEVICE, node_sampled, tree.token_ids, tree.parent_ids, cu),
+        depth,
         fed.to(DEVICE),
     )
     _assert_same(out, ref)
@@ -209,7 +208,8 @@ def test_walk_checks_fed_tokens(num_reqs, budget, depth, vocab):
     # Fed exactly as the trees say: the check changes nothing.
     same = _fed_tokens(tree.token_ids, cu, num_nodes, gen, flips=0)
     out = walk_trees(
-        *_to(DEVICE, node_sampled, tree.token_ids, tree.parent_ids, cu), depth,
+        *_to(DEVICE, node_sampled, tree.token_ids, tree.parent_ids, cu),
+        depth,
         same.to(DEVICE),
     )
     _assert_same(out, unchecked)

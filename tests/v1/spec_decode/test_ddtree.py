@@ -107,8 +107,9 @@ def _input_batch(positions: torch.Tensor, input_ids=None) -> InputBatch:
     num_tokens = int(q_lens.sum())
     logits_indices = torch.cat(
         [
-            torch.arange(int(qsl_np[r + 1]) - (int(cu_np[r + 1] - cu_np[r])),
-                         int(qsl_np[r + 1]))
+            torch.arange(
+                int(qsl_np[r + 1]) - (int(cu_np[r + 1] - cu_np[r])), int(qsl_np[r + 1])
+            )
             for r in range(num_reqs)
         ]
     )
@@ -139,8 +140,11 @@ def _input_batch(positions: torch.Tensor, input_ids=None) -> InputBatch:
         num_computed_prefill_tokens_np=np.array([5, 5, 10], dtype=np.int32),
         is_prefilling_np=np.array([False, False, True]),
         max_seq_len_np=None,
-        input_ids=(torch.zeros(num_tokens, dtype=torch.int32) if input_ids is None
-                   else input_ids.to(torch.int32)).to(DEVICE),
+        input_ids=(
+            torch.zeros(num_tokens, dtype=torch.int32)
+            if input_ids is None
+            else input_ids.to(torch.int32)
+        ).to(DEVICE),
         positions=positions.to(DEVICE),
         is_padding=torch.zeros(num_tokens, dtype=torch.bool, device=DEVICE),
         logits_indices=logits_indices.to(DEVICE),
@@ -272,8 +276,10 @@ def test_verify_inputs_walk_and_compaction(vllm_config, monkeypatch):
     logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
     # Request 0 accepts the path to its last node; request 1 the path to its
     # deepest kept node (paths skip indices, so the KV really moves).
-    paths = [_path_to(batch_parents[0], _deepest(trees.depths[BATCH[0][0]], 6)),
-             _path_to(batch_parents[1], _deepest(trees.depths[BATCH[1][0]], 4))]
+    paths = [
+        _path_to(batch_parents[0], _deepest(trees.depths[BATCH[0][0]], 6)),
+        _path_to(batch_parents[1], _deepest(trees.depths[BATCH[1][0]], 4)),
+    ]
     for r, path in enumerate(paths):
         cur = 0
         for node in path:
@@ -390,9 +396,7 @@ def test_joining_request_verifies_root_only(vllm_config, history, target):
     else:
         # Slot 0 runs a drafted tree; slot 2 was never used.
         for name in ("token_ids", "parent_ids", "depths", "attn_mask"):
-            getattr(state_ms.ddtree_state.trees, name)[0].copy_(
-                getattr(trees, name)[0]
-            )
+            getattr(state_ms.ddtree_state.trees, name)[0].copy_(getattr(trees, name)[0])
     state_ms.add_request(2, _new_request())
 
     batch = _input_batch(_flat_positions(), _fed_ids(trees, gen, zero_slots={2}))
@@ -464,9 +468,11 @@ def test_add_request_resets_only_its_slot(vllm_config):
         want = torch.full((BUDGET,), -1) if s == 1 else trees.token_ids[s]
         assert torch.equal(stored.token_ids[s].cpu(), want), s
     batch_trees = _trees(gen)
-    stored.scatter_(torch.tensor([1], device=DEVICE),
-                    type(trees)(*(t.to(DEVICE) for t in vars(batch_trees).values())),
-                    1)
+    stored.scatter_(
+        torch.tensor([1], device=DEVICE),
+        type(trees)(*(t.to(DEVICE) for t in vars(batch_trees).values())),
+        1,
+    )
     assert torch.equal(stored.token_ids[1].cpu(), batch_trees.token_ids[0])
 
 
@@ -509,8 +515,13 @@ class _Drafter(torch.nn.Module):
         return x[:, : self.hidden] + x[:, self.hidden :].sum(-1, keepdim=True)
 
     def precompute_and_store_context_kv(self, states, positions, slots=None):
-        self.context.append((states.clone(), positions.clone(),
-                             None if slots is None else slots.clone()))
+        self.context.append(
+            (
+                states.clone(),
+                positions.clone(),
+                None if slots is None else slots.clone(),
+            )
+        )
 
     def forward(self, input_ids, positions, inputs_embeds=None):
         x = (input_ids.float() * 0.37 + positions.float() * 1.3)[:, None]
@@ -563,11 +574,16 @@ def test_speculator_drafts_trees_from_the_accepted_path(vllm_config):
     from vllm.v1.spec_decode.ddtree_inputs import write_tree_verify_inputs
 
     write_tree_verify_inputs(
-        batch.positions, model_state.tree_inputs.attn_mask,
-        model_state.tree_inputs.is_tree, trees.token_ids.to(DEVICE),
+        batch.positions,
+        model_state.tree_inputs.attn_mask,
+        model_state.tree_inputs.is_tree,
+        trees.token_ids.to(DEVICE),
         trees.depths.to(DEVICE),
-        trees.attn_mask.to(DEVICE), batch.idx_mapping, batch.query_start_loc,
-        batch.cu_num_logits, 3,
+        trees.attn_mask.to(DEVICE),
+        batch.idx_mapping,
+        batch.query_start_loc,
+        batch.cu_num_logits,
+        3,
     )
     accepted = _accepted_path(trees)
     from vllm.v1.spec_decode.ddtree import VerifiedPaths
@@ -581,14 +597,21 @@ def test_speculator_drafts_trees_from_the_accepted_path(vllm_config):
     num_tokens = batch.num_tokens
     aux = [torch.randn(num_tokens, hidden, generator=gen).to(DEVICE) for _ in range(2)]
     last_sampled = torch.arange(100, 100 + NUM_STATES, device=DEVICE)[:, None]
-    next_prefill = torch.arange(200, 200 + NUM_STATES, dtype=torch.int32,
-                                device=DEVICE)
+    next_prefill = torch.arange(200, 200 + NUM_STATES, dtype=torch.int32, device=DEVICE)
     num_sampled = torch.tensor([3, 2, 0], dtype=torch.int32, device=DEVICE)
 
     draft = spec.propose(
-        batch, {}, {}, aux[0], aux, num_sampled,
-        torch.zeros(3, dtype=torch.int32, device=DEVICE), last_sampled, next_prefill,
-        torch.zeros(NUM_STATES, device=DEVICE), torch.zeros(NUM_STATES, device=DEVICE),
+        batch,
+        {},
+        {},
+        aux[0],
+        aux,
+        num_sampled,
+        torch.zeros(3, dtype=torch.int32, device=DEVICE),
+        last_sampled,
+        next_prefill,
+        torch.zeros(NUM_STATES, device=DEVICE),
+        torch.zeros(NUM_STATES, device=DEVICE),
     )
 
     # Context: root + accepted path (in path order) of the tree requests, all
@@ -608,8 +631,9 @@ def test_speculator_drafts_trees_from_the_accepted_path(vllm_config):
         else:
             path = list(range(start, start + q))
             want_rows += path + [start + q - 1] * DEPTH
-        want_keep += [True] * len(path) + [False] * (len(want_rows) - len(want_keep)
-                                                      - len(path))
+        want_keep += [True] * len(path) + [False] * (
+            len(want_rows) - len(want_keep) - len(path)
+        )
     assert ctx_pos.tolist() == batch.positions[want_rows].tolist()
     assert (ctx_slots >= 0).tolist() == want_keep
     x = torch.cat(aux, -1)[torch.tensor(want_rows, device=DEVICE)]
@@ -629,13 +653,16 @@ def test_speculator_drafts_trees_from_the_accepted_path(vllm_config):
         spec.input_buffers.input_ids[: 3 * (DEPTH + 1)].long(),
         spec.input_buffers.positions[: 3 * (DEPTH + 1)],
     ).view(3, DEPTH + 1, -1)[:, 1:]
-    want = build_ddtree(spec.model.compute_logits(hidden_q.reshape(-1, 8))
-                        .view(3, DEPTH, -1), BUDGET)
+    want = build_ddtree(
+        spec.model.compute_logits(hidden_q.reshape(-1, 8)).view(3, DEPTH, -1), BUDGET
+    )
     for r, (s, *_rest) in enumerate(BATCH):
-        assert torch.equal(model_state.ddtree_state.trees.token_ids[s].cpu(),
-                           want.token_ids[r].cpu())
-        assert torch.equal(model_state.ddtree_state.trees.attn_mask[s].cpu(),
-                           want.attn_mask[r].cpu())
+        assert torch.equal(
+            model_state.ddtree_state.trees.token_ids[s].cpu(), want.token_ids[r].cpu()
+        )
+        assert torch.equal(
+            model_state.ddtree_state.trees.attn_mask[s].cpu(), want.attn_mask[r].cpu()
+        )
     assert torch.equal(draft.cpu(), want.token_ids.clamp(min=0).cpu())
 
 

@@ -41,7 +41,8 @@ def test_parse_default_budget_is_auto():
     assert ddt.DEFAULT_TREE_BUDGET == ddt.AUTO_TREE_BUDGET == "auto"
     default = ddt.parse_speculative_config({"method": "ddtree", "model": "d"})
     auto = ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", "tree_budget": "auto"})
+        {"method": "ddtree", "model": "d", "tree_budget": "auto"}
+    )
     assert default == auto
     budget, dflash = default
     schedule = [tuple(e) for e in ddt.AUTO_TREE_BUDGET_PER_BATCH_SIZE]
@@ -49,16 +50,21 @@ def test_parse_default_budget_is_auto():
     assert budget == dflash["num_speculative_tokens"] == 31
     # A schedule of the user's own replaces the default.
     budget, dflash = ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", "tree_budget_per_batch_size": [[1, 8, 7]]})
+        {"method": "ddtree", "model": "d", "tree_budget_per_batch_size": [[1, 8, 7]]}
+    )
     assert budget == 7 and dflash["num_speculative_tokens_per_batch_size"] == [
-        (1, 8, 7)]
+        (1, 8, 7)
+    ]
 
 
 @pytest.mark.parametrize("budget", [1, 7, 1024])
 def test_parse_budget_range(budget):
-    assert ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", "tree_budget": budget}
-    )[0] == budget
+    assert (
+        ddt.parse_speculative_config(
+            {"method": "ddtree", "model": "d", "tree_budget": budget}
+        )[0]
+        == budget
+    )
 
 
 @pytest.mark.parametrize(
@@ -119,12 +125,18 @@ def test_parse_budget_schedule_maps_onto_dynamic_sd():
     assert budget == 64
     assert dflash["num_speculative_tokens"] == 64
     assert dflash["num_speculative_tokens_per_batch_size"] == [
-        (1, 1, 64), (2, 8, 16), (9, 64, 4)
+        (1, 1, 64),
+        (2, 8, 16),
+        (9, 64, 4),
     ]
     # tree_budget may repeat the largest budget; ranges may come unsorted.
     assert ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", "tree_budget": 64,
-         "tree-budget-per-batch-size": SCHEDULE[::-1]}
+        {
+            "method": "ddtree",
+            "model": "d",
+            "tree_budget": 64,
+            "tree-budget-per-batch-size": SCHEDULE[::-1],
+        }
     ) == (budget, dflash)
 
 
@@ -152,17 +164,30 @@ def test_parse_bad_budget_schedule(schedule, match):
 
 
 def test_parse_budget_schedule_conflicts():
-    with pytest.raises(ValueError, match=r"tree_budget=128 must equal the largest "
-                       r"budget of tree_budget_per_batch_size \(64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tree_budget=128 must equal the largest "
+        r"budget of tree_budget_per_batch_size \(64\)",
+    ):
         ddt.parse_speculative_config(
-            {"method": "ddtree", "model": "d", "tree_budget": 128,
-             "tree_budget_per_batch_size": SCHEDULE}
+            {
+                "method": "ddtree",
+                "model": "d",
+                "tree_budget": 128,
+                "tree_budget_per_batch_size": SCHEDULE,
+            }
         )
-    with pytest.raises(ValueError, match="remove 'num_speculative_tokens' and "
-                       "'num_speculative_tokens_per_batch_size'"):
+    with pytest.raises(
+        ValueError,
+        match="remove 'num_speculative_tokens' and "
+        "'num_speculative_tokens_per_batch_size'",
+    ):
         ddt.parse_speculative_config(
-            {"method": "ddtree", "model": "d",
-             "num_speculative_tokens_per_batch_size": SCHEDULE}
+            {
+                "method": "ddtree",
+                "model": "d",
+                "num_speculative_tokens_per_batch_size": SCHEDULE,
+            }
         )
 
 
@@ -182,11 +207,18 @@ def test_parse_auto_budget_is_the_measured_schedule():
 
 
 def test_parse_auto_budget_conflicts_with_a_schedule():
-    with pytest.raises(ValueError, match="tree_budget='auto' picks a budget per "
-                       "batch size itself; drop tree_budget_per_batch_size"):
+    with pytest.raises(
+        ValueError,
+        match="tree_budget='auto' picks a budget per "
+        "batch size itself; drop tree_budget_per_batch_size",
+    ):
         ddt.parse_speculative_config(
-            {"method": "ddtree", "model": "d", "tree_budget": "auto",
-             "tree_budget_per_batch_size": SCHEDULE}
+            {
+                "method": "ddtree",
+                "model": "d",
+                "tree_budget": "auto",
+                "tree_budget_per_batch_size": SCHEDULE,
+            }
         )
 
 
@@ -230,8 +262,10 @@ def test_draft_depth_is_block_size_minus_one():
 
 
 def test_draft_depth_rejects_non_dflash():
-    with pytest.raises(ValueError, match="drafts with a DFlash drafter, but "
-                       "'drafter' is a Eagle3LlamaForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match="drafts with a DFlash drafter, but 'drafter' is a Eagle3LlamaForCausalLM",
+    ):
         ddt.draft_depth_of(_draft_config(arch="Eagle3LlamaForCausalLM"))
 
 
@@ -249,8 +283,9 @@ def test_target_backend_is_tree_attn(backend):
 def test_target_backend_conflict():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    with pytest.raises(ValueError, match="backend is set to FLASH_ATTN; drop "
-                       "--attention-backend"):
+    with pytest.raises(
+        ValueError, match="backend is set to FLASH_ATTN; drop --attention-backend"
+    ):
         ddt.target_attention_backend(AttentionBackendEnum.FLASH_ATTN)
 
 
@@ -288,17 +323,32 @@ def _target(**overrides):
     "args, target, match",
     [
         (_args(pipeline_parallel_size=2), _target(), "pipeline parallelism"),
-        (_args(decode_context_parallel_size=2), _target(),
-         "decode context parallelism"),
-        (_args(prefill_context_parallel_size=2), _target(),
-         "prefill context parallelism"),
+        (
+            _args(decode_context_parallel_size=2),
+            _target(),
+            "decode context parallelism",
+        ),
+        (
+            _args(prefill_context_parallel_size=2),
+            _target(),
+            "prefill context parallelism",
+        ),
         (_args(enable_lora=True), _target(), "LoRA adapters; drop --enable-lora"),
-        (_args(kv_transfer_config={"kv_connector": "LMCacheConnectorV1"}), _target(),
-         "KV connectors .* drop --kv-transfer-config"),
-        (_args(data_parallel_size=2), _target(),
-         "data parallelism .* drop --data-parallel-size"),
-        (_args(kv_cache_dtype="fp8"), _target(),
-         "kv_cache_dtype='fp8' .* use --kv-cache-dtype auto"),
+        (
+            _args(kv_transfer_config={"kv_connector": "LMCacheConnectorV1"}),
+            _target(),
+            "KV connectors .* drop --kv-transfer-config",
+        ),
+        (
+            _args(data_parallel_size=2),
+            _target(),
+            "data parallelism .* drop --data-parallel-size",
+        ),
+        (
+            _args(kv_cache_dtype="fp8"),
+            _target(),
+            "kv_cache_dtype='fp8' .* use --kv-cache-dtype auto",
+        ),
         (_args(), _target(uses_mrope=True), "multi-dimensional RoPE"),
         (_args(), _target(is_multimodal_model=True), "multimodal inputs"),
         (_args(), _target(sliding_window=4096), "sliding-window attention"),
@@ -308,8 +358,9 @@ def _target(**overrides):
     ],
 )
 def test_engine_checks(args, target, match):
-    with pytest.raises(ValueError, match="DDTree speculative decoding does not "
-                       "support .*" + match):
+    with pytest.raises(
+        ValueError, match="DDTree speculative decoding does not support .*" + match
+    ):
         ddt.check_engine_args(args, target)
 
 
@@ -321,8 +372,15 @@ def test_engine_checks_pass():
     "params",
     [
         SamplingParams(),
-        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_tokens=3, seed=1,
-                       logprobs=2, allowed_token_ids=[1, 2, 3]),
+        SamplingParams(
+            temperature=0.7,
+            top_k=20,
+            top_p=0.9,
+            min_tokens=3,
+            seed=1,
+            logprobs=2,
+            allowed_token_ids=[1, 2, 3],
+        ),
     ],
 )
 def test_sampling_params_accepted(params):
@@ -335,11 +393,15 @@ def test_sampling_params_accepted(params):
         (SamplingParams(presence_penalty=0.5), "does not support presence_penalty"),
         (SamplingParams(frequency_penalty=-0.1), "does not support frequency_penalty"),
         (SamplingParams(repetition_penalty=1.1), "does not support repetition_penalty"),
-        (SamplingParams(presence_penalty=1, repetition_penalty=2),
-         "presence_penalty, repetition_penalty: .*--generation-config vllm"),
+        (
+            SamplingParams(presence_penalty=1, repetition_penalty=2),
+            "presence_penalty, repetition_penalty: .*--generation-config vllm",
+        ),
         (SamplingParams(bad_words=["foo"]), "does not support bad_words"),
-        (SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
-         "does not support structured outputs"),
+        (
+            SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
+            "does not support structured outputs",
+        ),
     ],
 )
 def test_sampling_params_rejected(params, match):
@@ -378,18 +440,24 @@ def test_batch_limits(cfg, seqs, tokens, user, want):
 
 
 def test_batch_limits_too_few_tokens():
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens=100 cannot hold "
-                       r"one DDTree step \(129 tokens per request for "
-                       r"tree_budget=128\); raise --max-num-batched-tokens to at "
-                       r"least 129 or lower tree_budget"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_num_batched_tokens=100 cannot hold "
+        r"one DDTree step \(129 tokens per request for "
+        r"tree_budget=128\); raise --max-num-batched-tokens to at "
+        r"least 129 or lower tree_budget",
+    ):
         ddt.batch_limits(CFG, 8, 100, False, True)
 
 
 def test_batch_limits_drafter_does_not_fit():
-    with pytest.raises(ValueError, match="max_num_seqs=100 requests need 16 drafter "
-                       "tokens each, more than max_num_batched_tokens=1000; raise "
-                       "--max-num-batched-tokens to at least 1600 or lower "
-                       "--max-num-seqs"):
+    with pytest.raises(
+        ValueError,
+        match="max_num_seqs=100 requests need 16 drafter "
+        "tokens each, more than max_num_batched_tokens=1000; raise "
+        "--max-num-batched-tokens to at least 1600 or lower "
+        "--max-num-seqs",
+    ):
         ddt.batch_limits(DDTreeConfig(8, 15), 100, 1000, True, True)
 
 
@@ -409,7 +477,8 @@ def test_config_roundtrip():
     vllm_config = types.SimpleNamespace(
         additional_config={"vllm_ddtree": CFG.to_dict()},
         speculative_config=types.SimpleNamespace(
-            method="dflash", num_speculative_tokens=CFG.tree_budget),
+            method="dflash", num_speculative_tokens=CFG.tree_budget
+        ),
     )
     assert DDTreeConfig.from_vllm_config(vllm_config) == CFG
     assert CFG.verify_len == 129 and CFG.draft_len == 16
@@ -442,8 +511,9 @@ def cuda_platform(monkeypatch):
     from vllm.platforms import current_platform
 
     if current_platform.device_type == "":
-        monkeypatch.setattr(type(current_platform), "device_type", "cuda",
-                            raising=False)
+        monkeypatch.setattr(
+            type(current_platform), "device_type", "cuda", raising=False
+        )
 
 
 def _engine_config(models, spec=None, **kwargs):
@@ -452,8 +522,9 @@ def _engine_config(models, spec=None, **kwargs):
     target, drafter = models
     if spec is None:
         spec = {"method": "ddtree", "model": drafter, "tree_budget": 128}
-    args = EngineArgs(model=target, speculative_config=spec, max_model_len=2048,
-                      **kwargs)
+    args = EngineArgs(
+        model=target, speculative_config=spec, max_model_len=2048, **kwargs
+    )
     return args, args.create_engine_config()
 
 
@@ -518,8 +589,9 @@ def test_engine_config_with_budget_schedule(models, cuda_platform):
     )
 
 
-@pytest.mark.parametrize("budget", [{"tree_budget": "auto"}, {}],
-                         ids=["auto", "default"])
+@pytest.mark.parametrize(
+    "budget", [{"tree_budget": "auto"}, {}], ids=["auto", "default"]
+)
 def test_engine_config_with_auto_budget(models, cuda_platform, budget):
     """tree_budget='auto', also when left out -> the measured schedule through
     vLLM's dynamic speculative decoding, graphs for each of its budgets."""
@@ -553,8 +625,9 @@ def test_engine_config_with_auto_budget(models, cuda_platform, budget):
 @pytest.mark.parametrize(
     "budgets", [{"tree_budget": "auto"}, {"tree_budget_per_batch_size": SCHEDULE}]
 )
-def test_drafter_graphs_keep_one_query_length(models, cuda_platform, monkeypatch,
-                                              budgets):
+def test_drafter_graphs_keep_one_query_length(
+    models, cuda_platform, monkeypatch, budgets
+):
     """With a budget per batch size the drafter still runs depth + 1 tokens per
     request: its graphs are planned for that one length. vLLM's manager plans
     one length per scheduled budget (budget + 16 - max budget), which is zero or
@@ -568,24 +641,50 @@ def test_drafter_graphs_keep_one_query_length(models, cuda_platform, monkeypatch
 
     _, drafter = models
     _, config = _engine_config(
-        models, {"method": "ddtree", "model": drafter, **budgets},
-        max_num_batched_tokens=4096, max_num_seqs=32,
+        models,
+        {"method": "ddtree", "model": drafter, **budgets},
+        max_num_batched_tokens=4096,
+        max_num_seqs=32,
     )
     # A CPU build captures no graphs: give it the sizes a GPU build would get.
     compilation = config.compilation_config
-    compilation.cudagraph_capture_sizes = [1, 2, 4, 5, 8, 16, 17, 32, 33, 64, 65,
-                                           128, 256, 512]
+    compilation.cudagraph_capture_sizes = [
+        1,
+        2,
+        4,
+        5,
+        8,
+        16,
+        17,
+        32,
+        33,
+        64,
+        65,
+        128,
+        256,
+        512,
+    ]
     compilation.max_cudagraph_capture_size = 512
-    monkeypatch.setattr(cudagraph_utils, "get_pp_group", lambda: types.SimpleNamespace(
-        is_first_rank=True, is_last_rank=True))
-    monkeypatch.setattr(cudagraph_utils.current_platform, "get_global_graph_pool",
-                        lambda: None, raising=False)
+    monkeypatch.setattr(
+        cudagraph_utils,
+        "get_pp_group",
+        lambda: types.SimpleNamespace(is_first_rank=True, is_last_rank=True),
+    )
+    monkeypatch.setattr(
+        cudagraph_utils.current_platform,
+        "get_global_graph_pool",
+        lambda: None,
+        raising=False,
+    )
     block = DDTreeConfig.from_vllm_config(config).draft_len
 
     def planned(vllm_config):
-        manager = DFlashCudaGraphManager(vllm_config, torch.device("cpu"),
-                                         CUDAGraphMode.FULL_DECODE_ONLY,
-                                         decode_query_len=block)
+        manager = DFlashCudaGraphManager(
+            vllm_config,
+            torch.device("cpu"),
+            CUDAGraphMode.FULL_DECODE_ONLY,
+            decode_query_len=block,
+        )
         return [d for descs in manager._capture_descs.values() for d in descs]
 
     fixed = fixed_draft_len_config(config)
@@ -597,7 +696,8 @@ def test_drafter_graphs_keep_one_query_length(models, cuda_platform, monkeypatch
     # Everything but the schedule is the engine's own.
     assert fixed.compilation_config is config.compilation_config
     assert fixed.speculative_config.num_speculative_tokens == (
-        config.speculative_config.num_speculative_tokens)
+        config.speculative_config.num_speculative_tokens
+    )
     # The engine's config as is: lengths other than the drafter's, or a zero
     # length vLLM's manager cannot plan at all (max budget 31: 15 + 16 - 31).
     try:
@@ -617,7 +717,8 @@ def test_drafter_graphs_keep_one_query_length(models, cuda_platform, monkeypatch
     spec = object.__new__(DDTreeSpeculator)  # only what the hook reads
     spec.vllm_config, spec.device, spec.num_query_per_req = config, "cpu", block
     spec.attn_cg_support = types.SimpleNamespace(
-        min_cg_support=AttentionCGSupport.UNIFORM_BATCH, min_cg_attn_backend="x")
+        min_cg_support=AttentionCGSupport.UNIFORM_BATCH, min_cg_attn_backend="x"
+    )
     spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
     assert spec.vllm_config is config
     manager = spec.query_cudagraph_manager
@@ -628,23 +729,33 @@ def test_drafter_graphs_keep_one_query_length(models, cuda_platform, monkeypatch
     assert config.speculative_config.uses_dynamic_speculative_decoding()
 
 
-def test_budget_schedule_without_async_scheduling_warns(models, cuda_platform,
-                                                        monkeypatch):
+def test_budget_schedule_without_async_scheduling_warns(
+    models, cuda_platform, monkeypatch
+):
     from vllm_ddtree import glue
 
     warnings = []
-    monkeypatch.setattr(glue.logger, "warning",
-                        lambda msg, *a: warnings.append(msg % a))
+    monkeypatch.setattr(
+        glue.logger, "warning", lambda msg, *a: warnings.append(msg % a)
+    )
     _, drafter = models
-    spec = {"method": "ddtree", "model": drafter, "tree_budget_per_batch_size": SCHEDULE}
+    spec = {
+        "method": "ddtree",
+        "model": drafter,
+        "tree_budget_per_batch_size": SCHEDULE,
+    }
     _engine_config(models, spec, max_num_batched_tokens=4096, async_scheduling=False)
-    assert any("takes effect with async scheduling only" in w and
-               "tree_budget=64" in w for w in warnings), warnings
+    assert any(
+        "takes effect with async scheduling only" in w and "tree_budget=64" in w
+        for w in warnings
+    ), warnings
     warnings.clear()
     spec = {"method": "ddtree", "model": drafter, "tree_budget": "auto"}
     _engine_config(models, spec, max_num_batched_tokens=4096, async_scheduling=False)
-    assert any("tree_budget 'auto') takes effect with async scheduling only" in w
-               for w in warnings), warnings
+    assert any(
+        "tree_budget 'auto') takes effect with async scheduling only" in w
+        for w in warnings
+    ), warnings
     warnings.clear()
     _engine_config(models, max_num_batched_tokens=4096, async_scheduling=False)
     assert not any("async scheduling" in w for w in warnings)
@@ -654,20 +765,28 @@ def test_engine_config_spec_flags(models, cuda_platform):
     from vllm.engine.arg_utils import EngineArgs
 
     target, drafter = models
-    args = EngineArgs(model=target, spec_method="ddtree", spec_model=drafter,
-                      speculative_config={"tree_budget": 8}, max_model_len=2048)
+    args = EngineArgs(
+        model=target,
+        spec_method="ddtree",
+        spec_model=drafter,
+        speculative_config={"tree_budget": 8},
+        max_model_len=2048,
+    )
     config = args.create_engine_config()
     assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(8, 15)
     with pytest.raises(ValueError, match="drop --spec-tokens"):
-        EngineArgs(model=target, spec_method="ddtree", spec_model=drafter,
-                   spec_tokens=4).create_engine_config()
+        EngineArgs(
+            model=target, spec_method="ddtree", spec_model=drafter, spec_tokens=4
+        ).create_engine_config()
 
 
 def test_plain_dflash_is_untouched(models, cuda_platform):
     target, drafter = models
     _, config = _engine_config(
-        models, {"method": "dflash", "model": drafter, "num_speculative_tokens": 15},
-        max_num_batched_tokens=4096, max_num_seqs=64,
+        models,
+        {"method": "dflash", "model": drafter, "num_speculative_tokens": 15},
+        max_num_batched_tokens=4096,
+        max_num_seqs=64,
     )
     assert DDTreeConfig.from_vllm_config(config) is None
     assert config.speculative_config.parallel_drafting
@@ -682,9 +801,15 @@ def test_plain_dflash_is_untouched(models, cuda_platform):
         (dict(attention_backend="FLASH_ATTN"), "backend is set to FLASH_ATTN"),
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
         (dict(enable_lora=True), "LoRA adapters"),
-        (dict(kv_transfer_config={"kv_connector": "ExampleConnector",
-                                  "kv_role": "kv_both"}),
-         "drop --kv-transfer-config"),
+        (
+            dict(
+                kv_transfer_config={
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                }
+            ),
+            "drop --kv-transfer-config",
+        ),
         (dict(data_parallel_size=2), "drop --data-parallel-size"),
     ],
 )
@@ -743,7 +868,8 @@ def _ddtree_vllm_config():
     return types.SimpleNamespace(
         additional_config={"vllm_ddtree": CFG.to_dict()},
         speculative_config=types.SimpleNamespace(
-            method="dflash", num_speculative_tokens=CFG.tree_budget),
+            method="dflash", num_speculative_tokens=CFG.tree_budget
+        ),
     )
 
 
@@ -754,8 +880,7 @@ def test_request_check_runs_only_for_ddtree():
     original = lambda self, params, tasks: calls.append(params)  # noqa: E731
     ddtree = types.SimpleNamespace(vllm_config=_ddtree_vllm_config())
     plain = types.SimpleNamespace(
-        vllm_config=types.SimpleNamespace(additional_config={},
-                                          speculative_config=None)
+        vllm_config=types.SimpleNamespace(additional_config={}, speculative_config=None)
     )
     bad = SamplingParams(repetition_penalty=1.2)
     glue._validate_params(original, plain, bad, ("generate",))
@@ -788,8 +913,11 @@ def test_runner_hooks_dispatch_on_config():
     )
     with pytest.raises(ValueError, match="DefaultModelState"):
         glue._init_model_state(
-            lambda *a: types.SimpleNamespace(), _ddtree_vllm_config(),
-            torch_module(), None, "cpu",
+            lambda *a: types.SimpleNamespace(),
+            _ddtree_vllm_config(),
+            torch_module(),
+            None,
+            "cpu",
         )
 
 
@@ -831,21 +959,36 @@ def _scheduler(vllm_config):
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                             dtype=vllm_config.model_config.dtype)
-    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    spec = FullAttentionSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=vllm_config.model_config.dtype,
+    )
+    kv = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
     vllm_config.cache_config.num_gpu_blocks = 64
-    return Scheduler(vllm_config, kv, StructuredOutputManager(vllm_config),
-                     block_size=16, log_stats=True)
+    return Scheduler(
+        vllm_config,
+        kv,
+        StructuredOutputManager(vllm_config),
+        block_size=16,
+        log_stats=True,
+    )
 
 
 def _observe(sched, trees, invalid=None):
     stats = None
     for i, (nodes, accepted) in enumerate(trees):
         stats = sched.make_spec_decoding_stats(
-            stats, num_draft_tokens=nodes, num_accepted_tokens=accepted,
-            num_invalid_spec_tokens=invalid, request_id=str(i),
+            stats,
+            num_draft_tokens=nodes,
+            num_accepted_tokens=accepted,
+            num_invalid_spec_tokens=invalid,
+            request_id=str(i),
         )
     return stats
 
@@ -854,8 +997,7 @@ def test_scheduler_stats_sized_by_drafter_depth(models, cuda_platform):
     _, config = _engine_config(models, max_num_batched_tokens=4096)
     sched = _scheduler(config)
     assert sched.num_spec_tokens == 128  # vLLM's size for the stats
-    stats = _observe(sched, [(128, 15), (128, 2), (0, 0), (128, 0)],
-                     invalid={"3": 120})
+    stats = _observe(sched, [(128, 15), (128, 2), (0, 0), (128, 0)], invalid={"3": 120})
     assert len(stats.num_accepted_tokens_per_pos) == 15
     assert stats.num_drafts == 3  # a request with no draft tokens is no draft
     assert stats.num_draft_tokens == 128 + 128 + 8
@@ -866,7 +1008,8 @@ def test_scheduler_stats_sized_by_drafter_depth(models, cuda_platform):
 def test_scheduler_stats_of_dflash_are_vllms(models, cuda_platform):
     _, drafter = models
     _, config = _engine_config(
-        models, {"method": "dflash", "model": drafter, "num_speculative_tokens": 15},
+        models,
+        {"method": "dflash", "model": drafter, "num_speculative_tokens": 15},
         max_num_batched_tokens=4096,
     )
     sched = _scheduler(config)
@@ -887,8 +1030,11 @@ def _per_position_series(vllm_config, stats=None) -> dict[str, float]:
     series = {}
     for metric in prometheus_client.REGISTRY.collect():
         if metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            series.update((s.labels["position"], s.value) for s in metric.samples
-                          if s.name.endswith("_total"))
+            series.update(
+                (s.labels["position"], s.value)
+                for s in metric.samples
+                if s.name.endswith("_total")
+            )
     return series
 
 
@@ -901,7 +1047,8 @@ def test_prometheus_series_per_drafter_position(models, cuda_platform):
     assert ddtree.speculative_config.num_speculative_tokens == 128  # unchanged
     # A chain keeps vLLM's series, one per draft token.
     _, dflash = _engine_config(
-        models, {"method": "dflash", "model": drafter, "num_speculative_tokens": 7},
+        models,
+        {"method": "dflash", "model": drafter, "num_speculative_tokens": 7},
         max_num_batched_tokens=4096,
     )
     assert list(_per_position_series(dflash)) == [str(p) for p in range(7)]

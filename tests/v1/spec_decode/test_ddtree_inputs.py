@@ -73,11 +73,16 @@ def _reset_slots(trees, slots, gen):
             trees.depths[s] = 0
             trees.attn_mask[s] = 0
         else:
-            trees.depths[s] = torch.randint(0, 16, trees.depths[s].shape,
-                                            generator=gen, dtype=torch.int32)
+            trees.depths[s] = torch.randint(
+                0, 16, trees.depths[s].shape, generator=gen, dtype=torch.int32
+            )
             trees.attn_mask[s] = torch.randint(
-                -(2**31), 2**31 - 1, trees.attn_mask[s].shape, generator=gen,
-                dtype=torch.int32)
+                -(2**31),
+                2**31 - 1,
+                trees.attn_mask[s].shape,
+                generator=gen,
+                dtype=torch.int32,
+            )
 
 
 def _run_verify_writer(num_reqs, budget, depth, seed, pad=0, num_reset=0):
@@ -92,15 +97,27 @@ def _run_verify_writer(num_reqs, budget, depth, seed, pad=0, num_reset=0):
     idx = torch.tensor([s for s, *_ in reqs], dtype=torch.int32)
     num_words = trees.attn_mask.shape[2]
     outputs = []
-    for fn, dev in ((write_tree_verify_inputs, DEVICE),
-                    (write_tree_verify_inputs_reference, "cpu")):
+    for fn, dev in (
+        (write_tree_verify_inputs, DEVICE),
+        (write_tree_verify_inputs_reference, "cpu"),
+    ):
         pos = positions.clone().to(dev)
-        mask = torch.full((max_num_reqs, budget + 1, num_words), -5,
-                          dtype=torch.int32, device=dev)
+        mask = torch.full(
+            (max_num_reqs, budget + 1, num_words), -5, dtype=torch.int32, device=dev
+        )
         is_tree = torch.full((max_num_reqs,), 7, dtype=torch.int32, device=dev)
-        fn(pos, mask, is_tree, trees.token_ids.to(dev), trees.depths.to(dev),
-           trees.attn_mask.to(dev), idx.to(dev), qsl.to(dev), cu.to(dev),
-           num_reqs + pad)
+        fn(
+            pos,
+            mask,
+            is_tree,
+            trees.token_ids.to(dev),
+            trees.depths.to(dev),
+            trees.attn_mask.to(dev),
+            idx.to(dev),
+            qsl.to(dev),
+            cu.to(dev),
+            num_reqs + pad,
+        )
         outputs.append([t.cpu() for t in (pos, mask, is_tree)])
     for got, want in zip(*outputs):
         assert torch.equal(got, want)
@@ -113,8 +130,7 @@ def _run_verify_writer(num_reqs, budget, depth, seed, pad=0, num_reset=0):
 )
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("num_reset", [0, 2])
-def test_verify_writer_matches_reference(num_reqs, budget, depth, pad, seed,
-                                         num_reset):
+def test_verify_writer_matches_reference(num_reqs, budget, depth, pad, seed, num_reset):
     _run_verify_writer(num_reqs, budget, depth, seed, pad, num_reset)
 
 
@@ -142,7 +158,8 @@ def test_reset_slot_verifies_as_root_only(budget):
     num_checked = 0
     for seed in range(4):
         reqs, _, (pos, mask, _) = _run_verify_writer(
-            5, budget, 4, seed=seed, num_reset=5)
+            5, budget, 4, seed=seed, num_reset=5
+        )
         start = 0
         for r, (_, q, b, p0) in enumerate(reqs):
             if b:
@@ -163,9 +180,10 @@ def test_verify_writer_semantics():
     for r, (s, q, b, p0) in enumerate(reqs):
         if b:
             assert pos[start] == p0
-            assert pos[start + 1 : start + q].tolist() == (
-                p0 + trees.depths[s, :b]
-            ).tolist()
+            assert (
+                pos[start + 1 : start + q].tolist()
+                == (p0 + trees.depths[s, :b]).tolist()
+            )
             assert torch.equal(mask[r, : b + 1], trees.attn_mask[s, : b + 1])
         else:
             assert pos[start : start + q].tolist() == list(range(p0, p0 + q))
@@ -174,8 +192,7 @@ def test_verify_writer_semantics():
     assert is_tree[6:8].tolist() == [0, 0]
 
 
-def _run_draft_writer(num_reqs, budget, depth, seed, block_size=16,
-                      max_model_len=4096):
+def _run_draft_writer(num_reqs, budget, depth, seed, block_size=16, max_model_len=4096):
     gen = torch.Generator().manual_seed(seed)
     max_num_reqs = num_reqs + 3
     trees = _trees(max_num_reqs, depth, budget, gen)
@@ -206,14 +223,20 @@ def _run_draft_writer(num_reqs, budget, depth, seed, block_size=16,
         accepted[r, : len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
         num_accepted[r] = len(path)
     num_sampled = torch.tensor(
-        [0 if q > b + 1 and int(torch.randint(0, 2, (1,), generator=gen)) else 1 + b
-         for _, q, b, _ in reqs], dtype=torch.int32)
+        [
+            0 if q > b + 1 and int(torch.randint(0, 2, (1,), generator=gen)) else 1 + b
+            for _, q, b, _ in reqs
+        ],
+        dtype=torch.int32,
+    )
     last_sampled = torch.randint(0, 1000, (max_num_reqs, 1), generator=gen)
-    next_prefill = torch.randint(0, 1000, (max_num_reqs,), generator=gen,
-                                 dtype=torch.int32)
+    next_prefill = torch.randint(
+        0, 1000, (max_num_reqs,), generator=gen, dtype=torch.int32
+    )
     num_blocks = max_model_len // block_size
-    block_table = torch.randint(1, 10_000, (num_reqs, num_blocks), generator=gen,
-                                dtype=torch.int32)
+    block_table = torch.randint(
+        1, 10_000, (num_reqs, num_blocks), generator=gen, dtype=torch.int32
+    )
     num_tokens = int(qsl[-1])
     num_draft = sum(b for _, _, b, _ in reqs)
     max_num_tokens = num_tokens + depth * max_num_reqs + 8
@@ -221,27 +244,50 @@ def _run_draft_writer(num_reqs, budget, depth, seed, block_size=16,
     assert num_context <= max_num_tokens
 
     outputs = []
-    for fn, dev in ((prepare_draft_inputs, DEVICE),
-                    (prepare_draft_inputs_reference, "cpu")):
+    for fn, dev in (
+        (prepare_draft_inputs, DEVICE),
+        (prepare_draft_inputs_reference, "cpu"),
+    ):
+
         def full(n, dtype):
             return torch.full((n,), -9, dtype=dtype, device=dev)
 
         outs = [
-            full(max_num_tokens, torch.int32),        # query input ids
-            full(max_num_tokens, torch.int64),        # query positions
-            full(max_num_reqs + 1, torch.int32),      # query start loc
-            full(max_num_reqs, torch.int32),          # seq lens
-            full(max_num_tokens, torch.int64),        # query slots
-            full(max_num_tokens, torch.int64),        # context rows
-            full(max_num_tokens, torch.int64),        # context positions
-            full(max_num_tokens, torch.int64),        # context slots
+            full(max_num_tokens, torch.int32),  # query input ids
+            full(max_num_tokens, torch.int64),  # query positions
+            full(max_num_reqs + 1, torch.int32),  # query start loc
+            full(max_num_reqs, torch.int32),  # seq lens
+            full(max_num_tokens, torch.int64),  # query slots
+            full(max_num_tokens, torch.int64),  # context rows
+            full(max_num_tokens, torch.int64),  # context positions
+            full(max_num_tokens, torch.int64),  # context slots
             full(max_num_reqs * depth, torch.int64),  # sample indices
         ]
-        ins = [t.to(dev) for t in (positions, qsl, cu, idx, num_sampled,
-                                   last_sampled, next_prefill, accepted,
-                                   num_accepted, block_table)]
-        fn(*outs, *ins, block_size, 7777, depth, max_num_reqs, max_num_tokens,
-           max_model_len)
+        ins = [
+            t.to(dev)
+            for t in (
+                positions,
+                qsl,
+                cu,
+                idx,
+                num_sampled,
+                last_sampled,
+                next_prefill,
+                accepted,
+                num_accepted,
+                block_table,
+            )
+        ]
+        fn(
+            *outs,
+            *ins,
+            block_size,
+            7777,
+            depth,
+            max_num_reqs,
+            max_num_tokens,
+            max_model_len,
+        )
         # Context entries past num_context are not written.
         for i in (5, 6, 7):
             outs[i] = outs[i][:num_context]

@@ -265,8 +265,8 @@ def _ranked_reference(logits, k):
 def _tied_logits(num_rows, vocab, dtype=torch.float32):
     """Winners, then more tied tokens than fit, then losers."""
     x = torch.full((1, num_rows, vocab), -1.0, dtype=dtype)
-    x[..., math.floor(vocab * 0.5):] = 0.0
-    x[..., math.floor(vocab * 0.9):] = 1.0
+    x[..., math.floor(vocab * 0.5) :] = 0.0
+    x[..., math.floor(vocab * 0.9) :] = 1.0
     return x
 
 
@@ -289,24 +289,29 @@ TOP_CASES_CPU = [
     ((2, 2, 5000), 16, None, 32, "crowded", "exact"),
     ((1, 2, 5000), 31, None, 128, "crowded", "spill"),
 ]
-TOP_CASES_GPU = [
-    ((r, d, 151936), k, cap, None, kind, "sort")
-    for (r, d) in [(1, 15), (4, 15)]
-    for k in [1, 16, 128, 1024]
-    for cap, kind in [(None, "randn"), (None, "randn_bf16")]
-] + [
-    ((r, d, 151936), k, None, None, "tied", "exact")
-    for (r, d) in [(1, 15), (4, 15)]
-    for k in [1, 16, 128, 1024]
-] + [
-    ((2, 15, 151936), 128, 128, None, "randn", "spill"),
-    ((2, 15, 151936), 128, 128, 128, "randn", "exact"),
-    ((1, 15, 151936), 1024, 1024, None, "tied", "exact"),
-] + [
-    ((4, 15, 151936), k, None, spill, "crowded", path)
-    for k in (15, 31, 127)
-    for spill, path in [(None, "spill"), (2 * 2 ** (k - 1).bit_length(), "exact")]
-]
+TOP_CASES_GPU = (
+    [
+        ((r, d, 151936), k, cap, None, kind, "sort")
+        for (r, d) in [(1, 15), (4, 15)]
+        for k in [1, 16, 128, 1024]
+        for cap, kind in [(None, "randn"), (None, "randn_bf16")]
+    ]
+    + [
+        ((r, d, 151936), k, None, None, "tied", "exact")
+        for (r, d) in [(1, 15), (4, 15)]
+        for k in [1, 16, 128, 1024]
+    ]
+    + [
+        ((2, 15, 151936), 128, 128, None, "randn", "spill"),
+        ((2, 15, 151936), 128, 128, 128, "randn", "exact"),
+        ((1, 15, 151936), 1024, 1024, None, "tied", "exact"),
+    ]
+    + [
+        ((4, 15, 151936), k, None, spill, "crowded", path)
+        for k in (15, 31, 127)
+        for spill, path in [(None, "spill"), (2 * 2 ** (k - 1).bit_length(), "exact")]
+    ]
+)
 
 
 def _crowded_logits(shape, k, seed=0):

@@ -252,9 +252,13 @@ def parse_budget_schedule(schedule: Any) -> list[tuple[int, int, int]]:
             list(schedule) if isinstance(schedule, tuple) else schedule
         )
     except ValueError as e:
-        message = str(e).replace(
-            "num_speculative_tokens_per_batch_size", "tree_budget_per_batch_size"
-        ).replace("num_speculative_tokens", "tree_budget")
+        message = (
+            str(e)
+            .replace(
+                "num_speculative_tokens_per_batch_size", "tree_budget_per_batch_size"
+            )
+            .replace("num_speculative_tokens", "tree_budget")
+        )
         raise ValueError(f"{message} ({example})") from e
     for first, last, budget in parsed:
         if not 1 <= budget <= MAX_BUDGET:

@@ -62,12 +62,13 @@ class DDTree:
         """Uninitialised trees of ``num_reqs`` requests (a builder output)."""
         return cls(
             token_ids=torch.empty(num_reqs, budget, dtype=torch.int64, device=device),
-            parent_ids=torch.empty(
-                num_reqs, budget, dtype=torch.int32, device=device
-            ),
+            parent_ids=torch.empty(num_reqs, budget, dtype=torch.int32, device=device),
             depths=torch.empty(num_reqs, budget, dtype=torch.int32, device=device),
             attn_mask=torch.empty(
-                num_reqs, budget + 1, num_mask_words(budget), dtype=torch.int32,
+                num_reqs,
+                budget + 1,
+                num_mask_words(budget),
+                dtype=torch.int32,
                 device=device,
             ),
             num_nodes=torch.empty(num_reqs, dtype=torch.int32, device=device),
@@ -144,9 +145,7 @@ def build_ddtree_with_lse(
     device = draft_logits.device
     num_top = min(budget, vocab)
 
-    tok_lp, tok_id, lse = _ranked_top_tokens(
-        draft_logits, num_top, top_cap, top_spill
-    )
+    tok_lp, tok_id, lse = _ranked_top_tokens(draft_logits, num_top, top_cap, top_spill)
     pairs = _candidate_pairs(budget, device)
 
     num_words = num_mask_words(budget)
@@ -220,7 +219,9 @@ def _check_build_args(draft_logits: torch.Tensor, budget: int) -> None:
             f"{tuple(draft_logits.shape)}"
         )
     if not draft_logits.is_floating_point():
-        raise ValueError(f"draft_logits must be floating point, got {draft_logits.dtype}")
+        raise ValueError(
+            f"draft_logits must be floating point, got {draft_logits.dtype}"
+        )
     num_reqs, depth, vocab = draft_logits.shape
     if not 1 <= depth <= MAX_DEPTH:
         raise ValueError(f"draft depth must be in 1..{MAX_DEPTH}, got {depth}")
@@ -244,9 +245,7 @@ def _candidate_pairs(budget: int, device: torch.device) -> torch.Tensor:
     (budget, device); the copy cannot happen inside a CUDA-graph capture.
     """
     pairs = [(0, budget - 1)] + [
-        (i, j)
-        for i in range(budget)
-        for j in range(budget // (i + 1) - 1)
+        (i, j) for i in range(budget) for j in range(budget // (i + 1) - 1)
     ]
     return torch.tensor(pairs, dtype=torch.int32).T.contiguous().to(device)
 
@@ -360,8 +359,16 @@ def _ranked_top_tokens(
     if vocab <= cap:
         block = triton.next_power_of_2(vocab)
         _rank_row_kernel[(rows,)](
-            logits, logits.stride(0), tok_lp, tok_id, lse, vocab, num_top,
-            BLOCK=block, INVALID=_INVALID_KEY, INT32_MIN=_INT32_MIN,
+            logits,
+            logits.stride(0),
+            tok_lp,
+            tok_id,
+            lse,
+            vocab,
+            num_top,
+            BLOCK=block,
+            INVALID=_INVALID_KEY,
+            INT32_MIN=_INT32_MIN,
             num_warps=4 if block <= 256 else 8,
         )
         return tok_lp, tok_id, lse
@@ -372,28 +379,62 @@ def _ranked_top_tokens(
         rows, num_chunks * per_chunk, dtype=torch.int32, device=device
     )
     _chunk_stats_kernel[(rows, num_chunks)](
-        logits, logits.stride(0), chunk_max, chunk_sum, chunk_top, vocab,
-        num_chunks, CHUNK=chunk, PER_CHUNK=per_chunk, INT32_MIN=_INT32_MIN,
+        logits,
+        logits.stride(0),
+        chunk_max,
+        chunk_sum,
+        chunk_top,
+        vocab,
+        num_chunks,
+        CHUNK=chunk,
+        PER_CHUNK=per_chunk,
+        INT32_MIN=_INT32_MIN,
     )
     threshold = torch.empty(rows, dtype=torch.int32, device=device)
     count = torch.empty(rows, dtype=torch.int32, device=device)
     _top_threshold_kernel[(rows,)](
-        chunk_max, chunk_sum, chunk_top, num_chunks, num_chunks * per_chunk, lse,
-        threshold, count, num_top,
+        chunk_max,
+        chunk_sum,
+        chunk_top,
+        num_chunks,
+        num_chunks * per_chunk,
+        lse,
+        threshold,
+        count,
+        num_top,
         BLOCK_CHUNKS=triton.next_power_of_2(num_chunks),
         BLOCK_TOPS=triton.next_power_of_2(num_chunks * per_chunk),
         INT32_MIN=_INT32_MIN,
     )
     cand = torch.empty(rows, spill, dtype=torch.int64, device=device)
     _gather_top_kernel[(rows, num_chunks)](
-        logits, logits.stride(0), threshold, count, cand, vocab,
-        SPILL=spill, CHUNK=chunk, INT32_MIN=_INT32_MIN,
+        logits,
+        logits.stride(0),
+        threshold,
+        count,
+        cand,
+        vocab,
+        SPILL=spill,
+        CHUNK=chunk,
+        INT32_MIN=_INT32_MIN,
     )
     _sort_top_kernel[(rows,)](
-        logits, logits.stride(0), count, cand, lse, tok_lp, tok_id,
-        vocab, num_top, CAP=cap, SPILL=spill,
-        NUM_MID_BLOCKS=_num_mid_blocks(cap, spill), CHUNK=chunk,
-        INVALID=_INVALID_KEY, INT32_MIN=_INT32_MIN, num_warps=4 if cap <= 256 else 8,
+        logits,
+        logits.stride(0),
+        count,
+        cand,
+        lse,
+        tok_lp,
+        tok_id,
+        vocab,
+        num_top,
+        CAP=cap,
+        SPILL=spill,
+        NUM_MID_BLOCKS=_num_mid_blocks(cap, spill),
+        CHUNK=chunk,
+        INVALID=_INVALID_KEY,
+        INT32_MIN=_INT32_MIN,
+        num_warps=4 if cap <= 256 else 8,
     )
     return tok_lp, tok_id, lse
 
@@ -426,8 +467,9 @@ def _rank_row_kernel(
     lse = _row_logsumexp(x)
     tl.store(lse_ptr + row, lse)
     key = tl.where(offs < vocab, _sort_key(x, offs.to(tl.int64)), INVALID)
-    _store_ranked(tl.sort(key, descending=True), lse, tok_lp_ptr, tok_id_ptr, row,
-                  num_top, offs)
+    _store_ranked(
+        tl.sort(key, descending=True), lse, tok_lp_ptr, tok_id_ptr, row, num_top, offs
+    )
 
 
 @triton.jit
@@ -623,8 +665,9 @@ def _sort_top_kernel(
             take = (vals > cut) | (tie & (tie_rank < num_ties))
             pos = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
             # Exactly num_top are taken; the bound only guards the buffer.
-            tl.store(cand_ptr + pos, _sort_key(x, offs.to(tl.int64)),
-                     mask=take & (pos < CAP))
+            tl.store(
+                cand_ptr + pos, _sort_key(x, offs.to(tl.int64)), mask=take & (pos < CAP)
+            )
             seen_ties += tl.sum(tie.to(tl.int32), axis=0)
             taken += tl.sum(take.to(tl.int32), axis=0)
         num_cand = taken
@@ -632,25 +675,54 @@ def _sort_top_kernel(
     # Sort the smallest block that holds every candidate: CAP, CAP * 4, CAP * 16,
     # ... below SPILL, then SPILL (a sort's cost grows as n log^2 n).
     if num_cand <= CAP:
-        _store_ranked_buffer(cand_ptr, num_cand, lse, tok_lp_ptr, tok_id_ptr, row,
-                             num_top, CAP, INVALID)
+        _store_ranked_buffer(
+            cand_ptr, num_cand, lse, tok_lp_ptr, tok_id_ptr, row, num_top, CAP, INVALID
+        )
     for t in tl.static_range(NUM_MID_BLOCKS):
         if (num_cand > (CAP << (2 * t))) & (num_cand <= (CAP << (2 * t + 2))):
-            _store_ranked_buffer(cand_ptr, num_cand, lse, tok_lp_ptr, tok_id_ptr,
-                                 row, num_top, CAP << (2 * t + 2), INVALID)
+            _store_ranked_buffer(
+                cand_ptr,
+                num_cand,
+                lse,
+                tok_lp_ptr,
+                tok_id_ptr,
+                row,
+                num_top,
+                CAP << (2 * t + 2),
+                INVALID,
+            )
     if num_cand > (CAP << (2 * NUM_MID_BLOCKS)):
-        _store_ranked_buffer(cand_ptr, num_cand, lse, tok_lp_ptr, tok_id_ptr, row,
-                             num_top, SPILL, INVALID)
+        _store_ranked_buffer(
+            cand_ptr,
+            num_cand,
+            lse,
+            tok_lp_ptr,
+            tok_id_ptr,
+            row,
+            num_top,
+            SPILL,
+            INVALID,
+        )
 
 
 @triton.jit
-def _store_ranked_buffer(cand_ptr, num_cand, lse, tok_lp_ptr, tok_id_ptr, row,
-                         num_top, BLOCK: tl.constexpr, INVALID: tl.constexpr):
+def _store_ranked_buffer(
+    cand_ptr,
+    num_cand,
+    lse,
+    tok_lp_ptr,
+    tok_id_ptr,
+    row,
+    num_top,
+    BLOCK: tl.constexpr,
+    INVALID: tl.constexpr,
+):
     """Sort the first ``num_cand <= BLOCK`` buffered keys and store the best."""
     offs = tl.arange(0, BLOCK)
     key = tl.load(cand_ptr + offs, mask=offs < num_cand, other=INVALID)
-    _store_ranked(tl.sort(key, descending=True), lse, tok_lp_ptr, tok_id_ptr, row,
-                  num_top, offs)
+    _store_ranked(
+        tl.sort(key, descending=True), lse, tok_lp_ptr, tok_id_ptr, row, num_top, offs
+    )
 
 
 @triton.jit
@@ -817,7 +889,9 @@ def _ddtree_select_kernel(
             rows = row_start + tl.arange(0, BLOCK_ROWS)
             in_rows = rows <= BUDGET
             tile = in_rows[:, None] & word_ok[None, :]
-            target = tl.load(jump_ptr + req * (BUDGET + 1) + rows, mask=in_rows, other=0)
+            target = tl.load(
+                jump_ptr + req * (BUDGET + 1) + rows, mask=in_rows, other=0
+            )
             row_bits = tl.load(
                 row_base + rows[:, None] * NUM_WORDS + words[None, :], mask=tile
             )

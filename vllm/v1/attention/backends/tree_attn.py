@@ -60,6 +60,7 @@ from vllm.v1.attention.ops.triton_tree_attention import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.spec_decode.dflash_tree_builder import num_mask_words
 
+
 def split_kv_cache(
     kv_cache: torch.Tensor, head_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,9 +75,7 @@ def kv_cache_as_kv_first(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor
     """The same layer cache as a [2, num_blocks, block_size, num_kv_heads,
     head_size] view (K then V), the layout ops such as the tree KV compaction
     take."""
-    return kv_cache.transpose(1, 2).unflatten(-1, (2, head_size)).permute(
-        3, 0, 1, 2, 4
-    )
+    return kv_cache.transpose(1, 2).unflatten(-1, (2, head_size)).permute(3, 0, 1, 2, 4)
 
 
 @dataclass
@@ -125,8 +124,11 @@ class TreeAttentionInputs:
         max_tree_len = max_tree_budget + 1
         return cls(
             attn_mask=torch.zeros(
-                max_num_reqs, max_tree_len, num_mask_words(max_tree_budget),
-                dtype=torch.int32, device=device,
+                max_num_reqs,
+                max_tree_len,
+                num_mask_words(max_tree_budget),
+                dtype=torch.int32,
+                device=device,
             ),
             is_tree=torch.zeros(max_num_reqs, dtype=torch.int32, device=device),
         )
@@ -322,7 +324,8 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         self._fa_version = _flash_attn_version(kv_cache_spec.head_size)
         # Cascade steps: committed lengths, written in place (CUDA graphs).
         self._ctx_lens = torch.zeros(
-            vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32,
+            vllm_config.scheduler_config.max_num_seqs,
+            dtype=torch.int32,
             device=device,
         )
 
@@ -399,7 +402,8 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         if self._use_context_cascade(cm.max_query_len, num_reqs):
             # Once per step, for every layer of this group.
             ctx_lens = torch.sub(
-                seq_lens, query_start_loc[1:] - query_start_loc[:-1],
+                seq_lens,
+                query_start_loc[1:] - query_start_loc[:-1],
                 out=self._ctx_lens[:num_reqs],
             )
         return TreeKernelRows(
@@ -477,8 +481,7 @@ def context_cascade_min_query_len() -> int | None:
     """``CONTEXT_CASCADE_ENV`` as a positive int, None when unset or empty."""
     return _positive_int_env(
         CONTEXT_CASCADE_ENV,
-        "the shortest step query length that runs FlashAttention over the "
-        "context",
+        "the shortest step query length that runs FlashAttention over the context",
         "to keep the cascade off",
     )
 
@@ -522,7 +525,11 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         sinks: torch.Tensor | None = None,
     ) -> None:
         _check_impl_features(
-            alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
             sinks,
         )
         self.num_heads = num_heads
@@ -567,21 +574,42 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         rows = attn_metadata.kernel_rows
         if rows.num_tokens > 0 and rows.ctx_lens is not None:
             context = flash_context_attention(
-                key_cache, value_cache, rows.query_start_loc, rows.block_table,
-                self.scale, attn_metadata.max_query_len, attn_metadata.max_seq_len,
+                key_cache,
+                value_cache,
+                rows.query_start_loc,
+                rows.block_table,
+                self.scale,
+                attn_metadata.max_query_len,
+                attn_metadata.max_seq_len,
                 self._fa_version,
             )
             tree_attention_with_context(
-                query[: rows.num_tokens], key_cache, value_cache,
-                output[: rows.num_tokens], rows.query_start_loc, rows.seq_lens,
-                rows.block_table, self.scale, rows.tree_mask, rows.is_tree,
-                context, merge_attn_states, ctx_lens=rows.ctx_lens,
+                query[: rows.num_tokens],
+                key_cache,
+                value_cache,
+                output[: rows.num_tokens],
+                rows.query_start_loc,
+                rows.seq_lens,
+                rows.block_table,
+                self.scale,
+                rows.tree_mask,
+                rows.is_tree,
+                context,
+                merge_attn_states,
+                ctx_lens=rows.ctx_lens,
             )
         elif rows.num_tokens > 0:
             tree_attention(
-                query[: rows.num_tokens], key_cache, value_cache,
-                output[: rows.num_tokens], rows.query_start_loc, rows.seq_lens,
-                rows.block_table, self.scale, rows.tree_mask, rows.is_tree,
+                query[: rows.num_tokens],
+                key_cache,
+                value_cache,
+                output[: rows.num_tokens],
+                rows.query_start_loc,
+                rows.seq_lens,
+                rows.block_table,
+                self.scale,
+                rows.tree_mask,
+                rows.is_tree,
             )
         prefill = attn_metadata.prefill_rows
         if prefill is not None:
@@ -611,8 +639,14 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     ) -> None:
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         self._write_kv(
-            key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype,
-            layer._k_scale, layer._v_scale,
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            self.kv_cache_dtype,
+            layer._k_scale,
+            layer._v_scale,
         )
 
 

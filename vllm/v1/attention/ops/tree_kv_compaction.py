@@ -63,8 +63,13 @@ class TreeKVCompactor:
             _, block_stride, slot_stride, _, _ = self.strides
             self.raw_type, self.num_planes = tl.int64, 1
             self.head_size = self.slot_elems = words
-            self.strides = (0, block_stride * itemsize // 8,
-                            slot_stride * itemsize // 8, 0, 1)
+            self.strides = (
+                0,
+                block_stride * itemsize // 8,
+                slot_stride * itemsize // 8,
+                0,
+                1,
+            )
         # [num_layers] base addresses, read by the kernel and cast to pointers.
         self.layer_ptrs = torch.tensor(
             [cache.data_ptr() for cache in self.kv_caches],
@@ -228,9 +233,9 @@ def _tree_kv_compaction_kernel(
     ) * slot_stride
 
     elem = tl.program_id(2) * ELEM_BLOCK + tl.arange(0, ELEM_BLOCK)
-    elem_off = (elem // HEAD_SIZE).to(tl.int64) * head_stride + (
-        elem % HEAD_SIZE
-    ).to(tl.int64) * dim_stride
+    elem_off = (elem // HEAD_SIZE).to(tl.int64) * head_stride + (elem % HEAD_SIZE).to(
+        tl.int64
+    ) * dim_stride
     mask = move[:, None] & (elem < SLOT_ELEMS)[None, :]
 
     base = tl.load(layer_ptrs_ptr + layer).to(tl.pointer_type(RAW_TYPE))

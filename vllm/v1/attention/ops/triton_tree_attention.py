@@ -119,23 +119,31 @@ class TreeAttentionConfig:
         def pow2(x: int) -> bool:
             return x > 0 and x & (x - 1) == 0
 
-        if not (pow2(self.block_m) and pow2(self.block_n) and self.block_n >= 32
-                and pow2(self.num_warps) and self.num_stages >= 1
-                and self.min_split_keys >= 1):
+        if not (
+            pow2(self.block_m)
+            and pow2(self.block_n)
+            and self.block_n >= 32
+            and pow2(self.num_warps)
+            and self.num_stages >= 1
+            and self.min_split_keys >= 1
+        ):
             raise ValueError(
                 f"bad TreeAttentionConfig {self!r}: block_m, block_n (>= 32) and "
                 "num_warps must be powers of 2, num_stages and min_split_keys >= 1"
             )
 
     def __str__(self) -> str:
-        return (f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
-                f"k{self.min_split_keys}")
+        return (
+            f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+            f"k{self.min_split_keys}"
+        )
 
     @classmethod
     def parse(cls, text: str) -> "TreeAttentionConfig":
         """Inverse of ``str``: ``m128n64w8s5`` (missing fields keep defaults)."""
-        names = dict(m="block_m", n="block_n", w="num_warps", s="num_stages",
-                     k="min_split_keys")
+        names = dict(
+            m="block_m", n="block_n", w="num_warps", s="num_stages", k="min_split_keys"
+        )
         fields, key, digits = {}, None, ""
         for ch in text + "$":
             if ch.isdigit():
@@ -190,8 +198,15 @@ def tree_attention(
     log-sum-exp (see :func:`tree_attention_with_context`).
     """
     check_tree_attention_inputs(
-        q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
-        tree_mask, is_tree,
+        q,
+        key_cache,
+        value_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        tree_mask,
+        is_tree,
     )
     num_tokens, num_q_heads, head_size = q.shape
     num_reqs = query_start_loc.shape[0] - 1
@@ -211,8 +226,16 @@ def tree_attention(
         return out
 
     plan = plan_tree_attention(
-        num_tokens, num_reqs, num_q_heads, num_kv_heads, head_size,
-        _num_sms(q.device), config, num_splits, q.element_size(), tail_only,
+        num_tokens,
+        num_reqs,
+        num_q_heads,
+        num_kv_heads,
+        head_size,
+        _num_sms(q.device),
+        config,
+        num_splits,
+        q.element_size(),
+        tail_only,
     )
     cfg, num_splits = plan.config, plan.num_splits
     num_tiles = num_tokens // plan.block_q + num_reqs
@@ -224,20 +247,43 @@ def tree_attention(
         tail_lse = part_lse.view(-1, 1)  # never written
 
     _tree_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        out, q, key_cache, value_cache, part_out, part_lse, tail_lse,
-        query_start_loc, seq_lens, block_table, tree_mask, is_tree,
-        num_reqs, num_splits, softmax_scale * math.log2(math.e),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out,
+        q,
+        key_cache,
+        value_cache,
+        part_out,
+        part_lse,
+        tail_lse,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        tree_mask,
+        is_tree,
+        num_reqs,
+        num_splits,
+        softmax_scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_table.stride(0),
         tree_mask.stride(0) if has_tree else 0,
         tree_mask.stride(1) if has_tree else 0,
         tree_mask.shape[1] if has_tree else 0,
         tree_mask.shape[2] if has_tree else 0,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        tail_lse.stride(0), tail_lse.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        tail_lse.stride(0),
+        tail_lse.stride(1),
         NUM_QUERIES_PER_KV=num_q_heads // num_kv_heads,
         HEADS_PADDED=plan.heads_padded,
         BLOCK_Q=plan.block_q,
@@ -256,10 +302,19 @@ def tree_attention(
     if num_splits > 1:
         splits_padded = triton.next_power_of_2(num_splits)
         _merge_splits_kernel[(num_tokens, num_q_heads)](
-            out, part_out, part_lse, query_start_loc, num_reqs, num_splits,
-            out.stride(0), out.stride(1),
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
+            out,
+            part_out,
+            part_lse,
+            query_start_loc,
+            num_reqs,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
             HEAD_SIZE=head_size,
             HEAD_SIZE_PADDED=plan.head_size_padded,
             SPLITS_PADDED=splits_padded,
@@ -308,16 +363,32 @@ def tree_attention_with_context(
         (q.shape[1], num_tokens), dtype=torch.float32, device=q.device
     )
     tree_attention(
-        q, key_cache, value_cache, tail_out, query_start_loc, seq_lens,
-        block_table, softmax_scale, tree_mask, is_tree, tail_lse=tail_lse,
+        q,
+        key_cache,
+        value_cache,
+        tail_out,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        softmax_scale,
+        tree_mask,
+        is_tree,
+        tail_lse=tail_lse,
     )
     merge_states(out, ctx_out, ctx_lse, tail_out, tail_lse)
     return out
 
 
 def check_tree_attention_inputs(
-    q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
-    tree_mask, is_tree,
+    q,
+    key_cache,
+    value_cache,
+    out,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    tree_mask,
+    is_tree,
 ) -> None:
     """Raise ValueError on inputs ``tree_attention`` cannot serve."""
     if q.dim() != 3 or out.shape != q.shape or out.dtype != q.dtype:
@@ -344,7 +415,10 @@ def check_tree_attention_inputs(
             f"{key_cache.shape[2]} KV heads of size {key_cache.shape[3]}"
         )
     if (q.stride(2), out.stride(2), key_cache.stride(3), value_cache.stride(3)) != (
-        1, 1, 1, 1,
+        1,
+        1,
+        1,
+        1,
     ):
         raise ValueError("the head_size dimension must be contiguous")
     num_reqs = query_start_loc.shape[0] - 1
@@ -387,9 +461,16 @@ class TreeAttentionPlan:
 # the same sizes.
 @functools.lru_cache(maxsize=1024)
 def plan_tree_attention(
-    num_tokens: int, num_reqs: int, num_q_heads: int, num_kv_heads: int,
-    head_size: int, num_sms: int, config: TreeAttentionConfig | None = None,
-    num_splits: int | None = None, itemsize: int = 2, tail_only: bool = False,
+    num_tokens: int,
+    num_reqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    num_sms: int,
+    config: TreeAttentionConfig | None = None,
+    num_splits: int | None = None,
+    itemsize: int = 2,
+    tail_only: bool = False,
 ) -> TreeAttentionPlan:
     """Tile shape and split count from static sizes only (token and request
     counts, heads, dtype size), so that a captured CUDA graph stays valid.
@@ -411,16 +492,31 @@ def plan_tree_attention(
         config = TreeAttentionConfig(**{**config.__dict__, "block_m": block_m})
     chosen_splits = num_splits
     if num_splits is None:
-        num_splits = _plan_splits(num_sms, num_tokens, num_reqs, num_kv_heads,
-                                  config, heads_padded, head_size_padded, itemsize)
+        num_splits = _plan_splits(
+            num_sms,
+            num_tokens,
+            num_reqs,
+            num_kv_heads,
+            config,
+            heads_padded,
+            head_size_padded,
+            itemsize,
+        )
     if user_config is None and config.num_warps == 4 and config.block_m >= 64:
         # Half-size tiles get 4 warps so that two programs share an SM; when the
         # whole grid fits on the SMs one program each anyway, 8 warps are faster
         # (benchmarks/bench_tree_attn.py --sweep; results in benchmarks/results/).
         wide = TreeAttentionConfig(**{**config.__dict__, "num_warps": 8})
         wide_splits = chosen_splits or _plan_splits(
-            num_sms, num_tokens, num_reqs, num_kv_heads, wide, heads_padded,
-            head_size_padded, itemsize)
+            num_sms,
+            num_tokens,
+            num_reqs,
+            num_kv_heads,
+            wide,
+            heads_padded,
+            head_size_padded,
+            itemsize,
+        )
         tiles = triton.cdiv(triton.cdiv(num_tokens, num_reqs), block_m // heads_padded)
         if num_reqs * tiles * num_kv_heads * wide_splits <= num_sms:
             config, num_splits = wide, wide_splits
@@ -428,19 +524,31 @@ def plan_tree_attention(
 
 
 def _plan_splits(
-    num_sms: int, num_tokens: int, num_reqs: int, num_kv_heads: int,
-    config: TreeAttentionConfig, heads_padded: int, head_size_padded: int,
+    num_sms: int,
+    num_tokens: int,
+    num_reqs: int,
+    num_kv_heads: int,
+    config: TreeAttentionConfig,
+    heads_padded: int,
+    head_size_padded: int,
     itemsize: int,
 ) -> int:
     return _num_splits(
-        num_sms, num_tokens, num_reqs, num_kv_heads, config,
+        num_sms,
+        num_tokens,
+        num_reqs,
+        num_kv_heads,
+        config,
         config.block_m // heads_padded,
         _shared_bytes(config, head_size_padded) * itemsize // 2,
     )
 
 
 def _default_config(
-    num_tokens: int, num_reqs: int, heads_padded: int, head_size_padded: int,
+    num_tokens: int,
+    num_reqs: int,
+    heads_padded: int,
+    head_size_padded: int,
     itemsize: int,
 ) -> TreeAttentionConfig:
     """Rows per tile: about the average query length, at most 128 (64 for rows
@@ -458,9 +566,7 @@ def _default_config(
     )
 
 
-def _tail_config(
-    config: TreeAttentionConfig, avg_q_len: int
-) -> TreeAttentionConfig:
+def _tail_config(config: TreeAttentionConfig, avg_q_len: int) -> TreeAttentionConfig:
     """The cascade's suffix half streams only a request's new keys, one or
     two blocks: key blocks no wider than the query length (>= 32) and no
     pipelining, whose K/V buffers would only cut the programs per SM (measured
@@ -481,14 +587,20 @@ def _shared_bytes(config: TreeAttentionConfig, head_size_padded: int) -> int:
 
 
 def _num_splits(
-    num_sms: int, num_tokens: int, num_reqs: int, num_kv_heads: int,
-    config: TreeAttentionConfig, block_q: int, shared_bytes: int,
+    num_sms: int,
+    num_tokens: int,
+    num_reqs: int,
+    num_kv_heads: int,
+    config: TreeAttentionConfig,
+    block_q: int,
+    shared_bytes: int,
 ) -> int:
     """Split count with the least modelled time: programs run in waves of
     ``capacity``; a split program costs 1 / splits of a tile plus a fixed
     overhead, and splitting adds a merge."""
-    per_sm = min(_SMEM_PER_SM // (shared_bytes + _SMEM_EXTRA),
-                 2 if config.num_warps <= 4 else 1)
+    per_sm = min(
+        _SMEM_PER_SM // (shared_bytes + _SMEM_EXTRA), 2 if config.num_warps <= 4 else 1
+    )
     capacity = num_sms * max(1, per_sm)
     # Tiles of requests of the average query length; a partial tile costs a
     # whole one.
@@ -553,43 +665,58 @@ def _load(ptrs, mask, other, USE_MASK: tl.constexpr):
 
 @triton.jit
 def _load_kv_block(
-    k_head_ptr, v_head_ptr,  # the caches at this KV head
+    k_head_ptr,
+    v_head_ptr,  # the caches at this KV head
     block_table_row_ptr,
     key_pos,  # [BLOCK_N] KV positions of this block
     key_valid,  # [BLOCK_N]; read only if MASKED
-    stride_k_blk: tl.int64, stride_k_tok: tl.int64,
-    stride_v_blk: tl.int64, stride_v_tok: tl.int64,
-    PAGE_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    HEAD_SIZE_PADDED: tl.constexpr, MASKED: tl.constexpr,
+    stride_k_blk: tl.int64,
+    stride_k_tok: tl.int64,
+    stride_v_blk: tl.int64,
+    stride_v_tok: tl.int64,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """K and V [BLOCK_N, HEAD_SIZE_PADDED] of BLOCK_N keys of the paged cache:
     one block-table entry per key gives the key's page, its slot the row."""
     PAD_D: tl.constexpr = HEAD_SIZE != HEAD_SIZE_PADDED
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
-    block = _load(
-        block_table_row_ptr + key_pos // PAGE_SIZE, key_valid, 0, MASKED
-    ).to(tl.int64)
+    block = _load(block_table_row_ptr + key_pos // PAGE_SIZE, key_valid, 0, MASKED).to(
+        tl.int64
+    )
     slot = (key_pos % PAGE_SIZE).to(tl.int64)
     kv_mask = key_valid[:, None] & (offs_d < HEAD_SIZE)[None, :]
     k = _load(
-        k_head_ptr + (block * stride_k_blk + slot * stride_k_tok)[:, None]
+        k_head_ptr
+        + (block * stride_k_blk + slot * stride_k_tok)[:, None]
         + offs_d[None, :],
-        kv_mask, 0.0, MASKED or PAD_D,
+        kv_mask,
+        0.0,
+        MASKED or PAD_D,
     )
     v = _load(
-        v_head_ptr + (block * stride_v_blk + slot * stride_v_tok)[:, None]
+        v_head_ptr
+        + (block * stride_v_blk + slot * stride_v_tok)[:, None]
         + offs_d[None, :],
-        kv_mask, 0.0, MASKED or PAD_D,
+        kv_mask,
+        0.0,
+        MASKED or PAD_D,
     )
     return k, v
 
 
 @triton.jit
 def _softmax_step(
-    acc, l_i, m_i,
+    acc,
+    l_i,
+    m_i,
     s,  # [BLOCK_M, BLOCK_N] raw scores, -inf where masked
     v,  # [BLOCK_N, HEAD_SIZE_PADDED]
-    qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    qk_scale,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Online-softmax update of (acc, l, m) with one block of scores.
 
@@ -606,9 +733,7 @@ def _softmax_step(
     p = tl.math.exp2(s * qk_scale - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(
-        p.to(v.dtype), v, input_precision=DOT_PRECISION
-    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -643,7 +768,8 @@ def _mask_scores(
             hidden = ((word[:, None] >> (jc % 32)[None, :]) & 1) == 0
             s = tl.where(
                 (word_of_key == w)[None, :] & tree_row[:, None] & hidden,
-                float("-inf"), s,
+                float("-inf"),
+                s,
             )
     return s
 
@@ -667,16 +793,28 @@ def _tree_attention_kernel(
     num_reqs,
     num_splits,
     qk_scale,  # softmax scale * log2(e)
-    stride_q_tok: tl.int64, stride_q_head: tl.int64,
-    stride_o_tok: tl.int64, stride_o_head: tl.int64,
-    stride_k_blk: tl.int64, stride_k_tok: tl.int64, stride_k_head: tl.int64,
-    stride_v_blk: tl.int64, stride_v_tok: tl.int64, stride_v_head: tl.int64,
+    stride_q_tok: tl.int64,
+    stride_q_head: tl.int64,
+    stride_o_tok: tl.int64,
+    stride_o_head: tl.int64,
+    stride_k_blk: tl.int64,
+    stride_k_tok: tl.int64,
+    stride_k_head: tl.int64,
+    stride_v_blk: tl.int64,
+    stride_v_tok: tl.int64,
+    stride_v_head: tl.int64,
     stride_bt_req: tl.int64,
-    stride_mask_req: tl.int64, stride_mask_row: tl.int64,
-    max_tree_len, num_words,
-    stride_po_split: tl.int64, stride_po_tok: tl.int64, stride_po_head: tl.int64,
-    stride_pl_split: tl.int64, stride_pl_tok: tl.int64,
-    stride_tl_head: tl.int64, stride_tl_tok: tl.int64,
+    stride_mask_req: tl.int64,
+    stride_mask_row: tl.int64,
+    max_tree_len,
+    num_words,
+    stride_po_split: tl.int64,
+    stride_po_tok: tl.int64,
+    stride_po_head: tl.int64,
+    stride_pl_split: tl.int64,
+    stride_pl_tok: tl.int64,
+    stride_tl_head: tl.int64,
+    stride_tl_tok: tl.int64,
     NUM_QUERIES_PER_KV: tl.constexpr,
     HEADS_PADDED: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -727,7 +865,9 @@ def _tree_attention_kernel(
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     io_mask = row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :]
     q = tl.load(
-        q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
+        q_ptr
+        + tok[:, None] * stride_q_tok
+        + head[:, None] * stride_q_head
         + offs_d[None, :],
         mask=io_mask,
         other=0.0,
@@ -752,9 +892,19 @@ def _tree_attention_kernel(
     all_keys = tl.full([BLOCK_N], 1, dtype=tl.int1)  # masks only padded dims
     for start in range(kv_lo, full_end, BLOCK_N):
         k, v = _load_kv_block(
-            k_head_ptr, v_head_ptr, block_table_row_ptr, start + offs_n, all_keys,
-            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-            PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, MASKED=False,
+            k_head_ptr,
+            v_head_ptr,
+            block_table_row_ptr,
+            start + offs_n,
+            all_keys,
+            stride_k_blk,
+            stride_k_tok,
+            stride_v_blk,
+            stride_v_tok,
+            PAGE_SIZE,
+            HEAD_SIZE,
+            HEAD_SIZE_PADDED,
+            MASKED=False,
         )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         acc, l_i, m_i = _softmax_step(
@@ -773,7 +923,8 @@ def _tree_attention_kernel(
     if HAS_TREE:
         tree_flag = tl.load(is_tree_ptr + req)
         mask_row_ptr = (
-            tree_mask_ptr + req.to(tl.int64) * stride_mask_req
+            tree_mask_ptr
+            + req.to(tl.int64) * stride_mask_req
             + row.to(tl.int64) * stride_mask_row
         )
         tree_row = (tree_flag != 0) & row_valid & (row < max_tree_len)
@@ -781,14 +932,31 @@ def _tree_attention_kernel(
         key_pos = start + offs_n
         key_valid = key_pos < masked_hi
         k, v = _load_kv_block(
-            k_head_ptr, v_head_ptr, block_table_row_ptr, key_pos, key_valid,
-            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-            PAGE_SIZE, HEAD_SIZE, HEAD_SIZE_PADDED, MASKED=True,
+            k_head_ptr,
+            v_head_ptr,
+            block_table_row_ptr,
+            key_pos,
+            key_valid,
+            stride_k_blk,
+            stride_k_tok,
+            stride_v_blk,
+            stride_v_tok,
+            PAGE_SIZE,
+            HEAD_SIZE,
+            HEAD_SIZE_PADDED,
+            MASKED=True,
         )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s = _mask_scores(
-            s, row, key_pos - ctx_len, key_valid, mask_row_ptr, tree_row,
-            tl.maximum(start - ctx_len, 0) // 32, num_words, HAS_TREE,
+            s,
+            row,
+            key_pos - ctx_len,
+            key_valid,
+            mask_row_ptr,
+            tree_row,
+            tl.maximum(start - ctx_len, 0) // 32,
+            num_words,
+            HAS_TREE,
         )
         acc, l_i, m_i = _softmax_step(
             acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION, MASKED=True
@@ -797,7 +965,9 @@ def _tree_attention_kernel(
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if num_splits == 1:
         tl.store(
-            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
+            out_ptr
+            + tok[:, None] * stride_o_tok
+            + head[:, None] * stride_o_head
             + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=io_mask,
@@ -806,15 +976,17 @@ def _tree_attention_kernel(
             # Natural log: the scores were scaled by log2(e). Every row sees at
             # least its own key, so l_i > 0.
             tl.store(
-                tail_lse_ptr + head.to(tl.int64) * stride_tl_head
-                + tok * stride_tl_tok,
+                tail_lse_ptr + head.to(tl.int64) * stride_tl_head + tok * stride_tl_tok,
                 (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
                 mask=row_valid,
             )
     else:
         tl.store(
-            part_out_ptr + split * stride_po_split + tok[:, None] * stride_po_tok
-            + head[:, None] * stride_po_head + offs_d[None, :],
+            part_out_ptr
+            + split * stride_po_split
+            + tok[:, None] * stride_po_tok
+            + head[:, None] * stride_po_head
+            + offs_d[None, :],
             o,
             mask=io_mask,
         )
@@ -833,9 +1005,13 @@ def _merge_splits_kernel(
     query_start_loc_ptr,  # [num_reqs + 1]
     num_reqs,
     num_splits,
-    stride_o_tok: tl.int64, stride_o_head: tl.int64,
-    stride_po_split: tl.int64, stride_po_tok: tl.int64, stride_po_head: tl.int64,
-    stride_pl_split: tl.int64, stride_pl_tok: tl.int64,
+    stride_o_tok: tl.int64,
+    stride_o_head: tl.int64,
+    stride_po_split: tl.int64,
+    stride_po_tok: tl.int64,
+    stride_po_head: tl.int64,
+    stride_pl_split: tl.int64,
+    stride_pl_tok: tl.int64,
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
     SPLITS_PADDED: tl.constexpr,
@@ -859,8 +1035,11 @@ def _merge_splits_kernel(
     w = tl.math.exp2(lse - tl.max(lse, axis=0))
     # [SPLITS_PADDED, HEAD_SIZE_PADDED]
     o = tl.load(
-        part_out_ptr + offs_s[:, None] * stride_po_split + tok * stride_po_tok
-        + head * stride_po_head + offs_d[None, :],
+        part_out_ptr
+        + offs_s[:, None] * stride_po_split
+        + tok * stride_po_tok
+        + head * stride_po_head
+        + offs_d[None, :],
         mask=(lse > float("-inf"))[:, None] & (offs_d < HEAD_SIZE)[None, :],
         other=0.0,
     )
