@@ -257,7 +257,7 @@ def load(tmp_path_factory):
         limit_file.write_text(str(max(max(g) for g in got.values()) + 1))
         end = {n: _state(servers[n].base) for n in DDTREE}
         try:
-            ref_client.wait(timeout=REF_CATCH_UP_S + 60)
+            ref_client.wait(timeout=REF_CATCH_UP_S + 10)
         except subprocess.TimeoutExpired:
             ref_client.kill()
         phase("reference done")
@@ -296,7 +296,11 @@ def test_served_without_errors(load, name):
     assert load["clients_rc"][name] == 0
     assert not errors, errors[:5]
     assert load["result"]["alive"][name]
-    assert "Traceback" not in load["logs"][name]
+    log = load["logs"][name].splitlines()
+    tracebacks = [
+        "\n".join(log[i : i + 12]) for i, line in enumerate(log) if "Traceback" in line
+    ]
+    assert not tracebacks, f"{len(tracebacks)} tracebacks, first:\n{tracebacks[0]}"
     assert len(finished) >= REQUESTS_FLOOR
     assert len(aborted) >= REQUESTS_FLOOR // 10
 
