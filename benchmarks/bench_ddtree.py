@@ -78,6 +78,7 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
     spec_stats,
     timing_stats,
 )
+from tests.e2e.servers import free_port, plugin_site  # noqa: E402
 
 MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"
 # TREE_ATTN's switches for its cascade form (tree_attn.CONTEXT_CASCADE_ENV and
@@ -1100,26 +1101,6 @@ def serve_row(result: dict) -> dict:
     }
 
 
-def _plugin_site(path: Path) -> Path:
-    """A directory whose dist-info advertises the plugin's entry point, so that
-    every vllm serve process (API server, engine core, workers) loads it."""
-    info = path / "vllm_ddtree-0.1.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.1.0\n"
-    )
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nddtree = vllm_ddtree:register\n"
-    )
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_healthy(base: str, proc: subprocess.Popen, deadline: float) -> bool:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -1303,10 +1284,10 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
     dataset = write_serve_dataset(prompts, logs / "prompts_sharegpt.json")
     env = _worker_env(engine_in_process=False)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(_plugin_site(logs / "plugin_site")), str(ROOT), env.get("PYTHONPATH", "")]
+        [str(plugin_site(logs / "plugin_site")), str(ROOT), env.get("PYTHONPATH", "")]
     )
     deadline = time.monotonic() + min(time_left, 1e9)
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     ok = True
     with (logs / f"{config}.log").open("a") as log:

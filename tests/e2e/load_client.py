@@ -38,6 +38,28 @@ SEEDED_LOGPROBS = 50
 REQUEST_TIMEOUT_S = 300
 
 
+def server_args(kv_bytes: int, spec: dict | None = None, **flags) -> list[str]:
+    """``vllm serve`` arguments for the pair as the tests serve it: vLLM's
+    defaults but for a fixed KV cache (servers share the GPU without memory
+    profiling) and the given ``flags`` (``max_logprobs=50`` ->
+    ``--max-logprobs 50``)."""
+    args = [
+        "--served-model-name",
+        MODEL,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes",
+        str(kv_bytes),
+        "--gpu-memory-utilization",
+        "0.1",
+    ]
+    for key, value in flags.items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    if spec is not None:
+        args += ["--speculative-config", json.dumps(spec)]
+    return args
+
+
 @cache
 def _corpus() -> list[int]:
     """The pair's held-out prompts as one token stream: prompts cut from it at

@@ -147,18 +147,7 @@ def compiles(tmp_path_factory):
     try:
         for name, spec in specs.items():
             logs[name] = tmp / f"{name}_compiles.jsonl"
-            args = [
-                "--served-model-name",
-                load_client.MODEL,
-                "--max-model-len",
-                str(load_client.MAX_MODEL_LEN),
-                "--kv-cache-memory-bytes",
-                str(1 << 30),
-                "--gpu-memory-utilization",
-                "0.1",
-                "--speculative-config",
-                json.dumps(spec),
-            ]
+            args = load_client.server_args(1 << 30, spec)
             env = {
                 "PYTHONPATH": str(RECORDER),
                 "DDTREE_TRITON_COMPILE_LOG": str(logs[name]),

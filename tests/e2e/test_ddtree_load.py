@@ -79,21 +79,9 @@ REFUSED = [
 
 
 def _args(kv_bytes: int, spec: dict | None = None) -> list[str]:
-    args = [
-        "--served-model-name",
-        load_client.MODEL,
-        "--max-model-len",
-        str(load_client.MAX_MODEL_LEN),
-        "--kv-cache-memory-bytes",
-        str(kv_bytes),
-        "--gpu-memory-utilization",
-        "0.1",
-        "--max-logprobs",
-        str(load_client.SEEDED_LOGPROBS),
-    ]
-    if spec is not None:
-        args += ["--speculative-config", json.dumps(spec)]
-    return args
+    return load_client.server_args(
+        kv_bytes, spec, max_logprobs=load_client.SEEDED_LOGPROBS
+    )
 
 
 def _probe(base: str) -> None:

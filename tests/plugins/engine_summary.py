@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 
-def _scheduler_lookahead(vllm_config) -> int:
-    """``Scheduler.num_lookahead_tokens`` for this config (a one-group KV cache
-    stand-in; the value depends on the speculative config only)."""
+def build_scheduler(vllm_config, log_stats: bool = False):
+    """vLLM's ``Scheduler`` for this config over a one-group KV cache stand-in
+    (no GPU needed)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -41,10 +41,19 @@ def _scheduler_lookahead(vllm_config) -> int:
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     vllm_config.cache_config.num_gpu_blocks = 64
-    sched = Scheduler(
-        vllm_config, kv, StructuredOutputManager(vllm_config), block_size=16
+    return Scheduler(
+        vllm_config,
+        kv,
+        StructuredOutputManager(vllm_config),
+        block_size=16,
+        log_stats=log_stats,
     )
-    return sched.num_lookahead_tokens
+
+
+def _scheduler_lookahead(vllm_config) -> int:
+    """``Scheduler.num_lookahead_tokens`` for this config (the value depends on
+    the speculative config only)."""
+    return build_scheduler(vllm_config).num_lookahead_tokens
 
 
 def summarize(engine_args: dict) -> dict:

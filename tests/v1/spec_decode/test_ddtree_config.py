@@ -951,33 +951,9 @@ def test_observe_tree_counts_by_depth():
 
 
 def _scheduler(vllm_config):
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
-    from vllm.v1.structured_output import StructuredOutputManager
+    from tests.plugins.engine_summary import build_scheduler
 
-    spec = FullAttentionSpec(
-        block_size=16,
-        num_kv_heads=2,
-        head_size=64,
-        dtype=vllm_config.model_config.dtype,
-    )
-    kv = KVCacheConfig(
-        num_blocks=64,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    vllm_config.cache_config.num_gpu_blocks = 64
-    return Scheduler(
-        vllm_config,
-        kv,
-        StructuredOutputManager(vllm_config),
-        block_size=16,
-        log_stats=True,
-    )
+    return build_scheduler(vllm_config, log_stats=True)
 
 
 def _observe(sched, trees, invalid=None):
