@@ -972,6 +972,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch; bench_ddtree cost used 64, its largest batch, "
         "at the price of a longer start-up)",
     )
+    p.add_argument(
+        "--settings",
+        choices=bd.SETTINGS,
+        default="tuned",
+        help="bench_ddtree's engine settings: tuned (the default here: "
+        "max_num_seqs = --max-num-seqs, prefix caching off, the request "
+        "ladder's capture sizes, as every profile so far) or defaults "
+        "(vLLM's engine defaults, max_num_seqs included)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

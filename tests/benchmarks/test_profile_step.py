@@ -106,6 +106,9 @@ def test_worker_spec_is_bench_ddtrees_cost_engine(tmp_path):
     # bench_ddtree cost's first wave at this batch: same seed, same prompts.
     assert spec["prompts"] == bd.random_prompts(2, 1024, 0 + 2)
     assert len(spec["prompts"]) == 2 and len(spec["prompts"][0]) == 1024
+    defaults = ps.parse_args(["--out", str(tmp_path), "--settings", "defaults"])
+    llm = ps.worker_spec(defaults, "dflash", "H200")["llm"]
+    assert "enable_prefix_caching" not in llm and "compilation_config" not in llm
     traced = ps.parse_args(["--out", str(tmp_path), "--trace"])
     assert ps.worker_spec(traced, "dflash", "H200")["trace"] == str(
         tmp_path / "dflash.trace.json.gz"
