@@ -44,14 +44,23 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
 )
 
 # Ringel & Romano, "Accelerating Speculative Decoding with Block Diffusion Draft
-# Trees" (2026), Qwen3-8B target, MATH-500, temperature 0, as cited in issue 5:
-# acceptance length 7.79 for DFlash and 10.73 for DDTree at its best budget, which
-# the paper puts at 256-512 nodes. Per-budget acceptance lengths were not found in
-# the sources searched, so only these two budgets get the paper's DDTree value.
+# Trees" (2026), Qwen3-8B target, MATH-500, temperature 0, per-budget acceptance
+# lengths as issue 17 cites them. The paper's budgets are powers of two; budgets
+# one below (15, 31: "auto") have no figure of their own here.
 PAPER = {
-    "label": "paper (Qwen3-8B, MATH-500, T=0; DDTree at its best budget 256-512)",
+    "label": "paper (Qwen3-8B, MATH-500, T=0, per budget)",
     "temperature": 0.0,
-    "tau": {"none": 1.0, "dflash": 7.79, "ddtree-256": 10.73, "ddtree-512": 10.73},
+    "tau": {
+        "none": 1.0,
+        "dflash": 7.79,
+        "ddtree-16": 8.61,
+        "ddtree-32": 9.27,
+        "ddtree-64": 9.75,
+        "ddtree-128": 10.20,
+        "ddtree-256": 10.43,
+        "ddtree-512": 10.73,
+        "ddtree-1024": 10.98,
+    },
 }
 
 
