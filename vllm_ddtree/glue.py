@@ -426,29 +426,10 @@ def _scheduler_init(original, self, *args, **kwargs):
     self.num_lookahead_tokens = cfg.draft_len
     # vLLM sizes per-position stats by num_speculative_tokens (tree_budget),
     # and indexes them by draft token; a tree's path is draft_depth long at most.
+    from vllm.v1.spec_decode.ddtree_metrics import make_tree_spec_decoding_stats
+
     self.make_spec_decoding_stats = functools.partial(
-        _make_tree_spec_decoding_stats, self, cfg.draft_depth
-    )
-
-
-def _make_tree_spec_decoding_stats(
-    scheduler,
-    draft_depth: int,
-    spec_decoding_stats,
-    num_draft_tokens: int,
-    num_accepted_tokens: int,
-    num_invalid_spec_tokens: dict[str, int] | None,
-    request_id: str,
-):
-    """``Scheduler.make_spec_decoding_stats`` for trees (same arguments)."""
-    from vllm.v1.spec_decode.ddtree_metrics import observe_tree
-
-    if not scheduler.log_stats or not num_draft_tokens:
-        return spec_decoding_stats
-    if num_invalid_spec_tokens:
-        num_draft_tokens -= num_invalid_spec_tokens.get(request_id, 0)
-    return observe_tree(
-        spec_decoding_stats, draft_depth, num_draft_tokens, num_accepted_tokens
+        make_tree_spec_decoding_stats, self, cfg.draft_depth
     )
 
 

@@ -32,19 +32,37 @@ def observe_tree(
     its shape."""
     if stats is None:
         stats = SpecDecodingStats.new(draft_depth)
-    if not 0 <= num_accepted <= min(num_nodes, draft_depth):
+    reachable = min(num_nodes, draft_depth)
+    if not 0 <= num_accepted <= reachable:
         raise ValueError(
             f"a tree of {num_nodes} nodes from a drafter of depth {draft_depth} "
             f"cannot accept {num_accepted} tokens"
         )
-    stats.num_drafts += 1
-    stats.num_draft_tokens += num_nodes
-    stats.num_accepted_tokens += num_accepted
-    for i in range(num_accepted):
-        stats.num_accepted_tokens_per_pos[i] += 1
-    for i in range(min(num_nodes, draft_depth)):
-        stats.num_draft_tokens_per_pos[i] += 1
+    # vLLM's own per-position counting, over the depths a tree can reach; the
+    # nodes past them still count as draft tokens.
+    stats.observe_draft(reachable, num_accepted)
+    stats.num_draft_tokens += num_nodes - reachable
     return stats
+
+
+def make_tree_spec_decoding_stats(
+    scheduler,
+    draft_depth: int,
+    spec_decoding_stats: SpecDecodingStats | None,
+    num_draft_tokens: int,
+    num_accepted_tokens: int,
+    num_invalid_spec_tokens: dict[str, int] | None,
+    request_id: str,
+) -> SpecDecodingStats | None:
+    """``Scheduler.make_spec_decoding_stats`` for trees (the same arguments
+    after the scheduler and the drafter's depth)."""
+    if not scheduler.log_stats or not num_draft_tokens:
+        return spec_decoding_stats
+    if num_invalid_spec_tokens:
+        num_draft_tokens -= num_invalid_spec_tokens.get(request_id, 0)
+    return observe_tree(
+        spec_decoding_stats, draft_depth, num_draft_tokens, num_accepted_tokens
+    )
 
 
 def depth_sized(spec: SpeculativeConfig, draft_depth: int) -> SpeculativeConfig:
