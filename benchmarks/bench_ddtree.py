@@ -1113,7 +1113,13 @@ def _wait_healthy(base: str, proc: subprocess.Popen, deadline: float) -> bool:
     return False
 
 
+# engine_kwargs keys that serve_command passes otherwise (or not at all: the
+# server logs its stats anyway).
+_NOT_SERVE_FLAGS = ("model", "disable_log_stats")
+
+
 def serve_command(args, config: str, max_batch: int, port: int) -> list[str]:
+    """``vllm serve`` with this config's ``engine_kwargs`` as CLI flags."""
     kw = engine_kwargs(args, config, max_batch)
     cmd = [
         sys.executable,
@@ -1123,33 +1129,20 @@ def serve_command(args, config: str, max_batch: int, port: int) -> list[str]:
         kw["model"],
         "--served-model-name",
         SERVED_NAME,
-        "--max-model-len",
-        str(kw["max_model_len"]),
-        "--seed",
-        str(kw["seed"]),
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
     ]
-    if "max_num_seqs" in kw:
-        cmd += ["--max-num-seqs", str(kw["max_num_seqs"])]
-    if "gpu_memory_utilization" in kw:
-        cmd += ["--gpu-memory-utilization", str(kw["gpu_memory_utilization"])]
-    if kw.get("enable_prefix_caching") is False:
-        cmd += ["--no-enable-prefix-caching"]
-    for key, value in parse_engine_args(getattr(args, "engine_arg", [])).items():
-        if key in ("max_num_seqs", "gpu_memory_utilization", "enable_prefix_caching"):
-            continue  # written above
-        flag = "--" + key.replace("_", "-")
-        if value is True or value is False:
-            cmd.append(flag if value else "--no-" + key.replace("_", "-"))
+    for key, value in kw.items():
+        if key in _NOT_SERVE_FLAGS:
+            continue
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(f"--{flag}" if value else f"--no-{flag}")
         else:
-            cmd += [flag, value if isinstance(value, str) else json.dumps(value)]
-    if "speculative_config" in kw:
-        cmd += ["--speculative-config", json.dumps(kw["speculative_config"])]
-    if "compilation_config" in kw:
-        cmd += ["--compilation-config", json.dumps(kw["compilation_config"])]
+            text = value if isinstance(value, str) else json.dumps(value)
+            cmd += [f"--{flag}", text]
     return cmd
 
 
