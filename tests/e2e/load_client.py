@@ -116,6 +116,19 @@ def _add_logprobs(out: dict, logprobs: dict | None) -> None:
     ]
 
 
+async def _lines(content):
+    """The stream's lines, however long: vLLM merges the deltas of steps a slow
+    reader missed into one event, which with 50 logprobs per token can exceed
+    aiohttp's ``readline`` limit."""
+    pending = b""
+    async for chunk in content.iter_any():
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
+
+
 async def _one(session, url: str, i: int, stream: bool) -> dict:
     spec = request(i)
     out = {
@@ -140,7 +153,7 @@ async def _one(session, url: str, i: int, stream: bool) -> dict:
                 out["finish"] = choice["finish_reason"]
                 return out
             chunks = 0
-            async for line in resp.content:
+            async for line in _lines(resp.content):
                 line = line.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -155,8 +168,8 @@ async def _one(session, url: str, i: int, stream: bool) -> dict:
                         out["aborted"] = True
                     # Leaving the block closes the connection: vLLM aborts.
                     break
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        out["error"] = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - counted as this request's error
+        out["error"] = f"{type(e).__name__}: {e}"[:500]
     return out
 
 
