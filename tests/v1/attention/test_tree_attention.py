@@ -20,10 +20,14 @@ import pytest
 import torch
 
 from tests.v1.ddtree_reference import build_ddtree_reference, tree_from_parents
+from vllm.v1.attention.ops import triton_tree_attention as tta
 from vllm.v1.attention.ops.triton_tree_attention import (
     TreeAttentionConfig,
+    TreeAttentionVariant,
     plan_tree_attention,
     tree_attention,
+    tree_attention_variants,
+    warm_up_tree_attention,
 )
 from vllm.v1.spec_decode.dflash_tree_builder import DDTree
 
@@ -832,3 +836,118 @@ def test_cuda_graph_replay_with_new_trees():
         torch.testing.assert_close(
             out.float(), batch.reference(vis), **TOLERANCE[torch.bfloat16]
         )
+
+
+# ------------------------------------------------- start-up warm-up (variants)
+
+
+def _variant_key(plan) -> tuple:
+    return (
+        plan.config,
+        TreeAttentionVariant(plan.config, plan.num_splits).splits_padded,
+    )
+
+
+@pytest.mark.parametrize(
+    "heads,head_size,num_sms",
+    [((4, 2), 64, 8), ((4, 2), 64, 132), ((32, 8), 128, 16), ((32, 8), 128, 132)],
+)
+def test_variants_are_exactly_the_plans_of_every_step(heads, head_size, num_sms):
+    """Brute force over every step of up to 24 requests and 600 tokens: each
+    plan's variant is listed, and each listed variant is some step's plan."""
+    max_reqs, max_tokens = 24, 600
+    listed = {
+        (v.config, v.splits_padded)
+        for v in tree_attention_variants(
+            *heads, head_size, num_sms, max_reqs, max_tokens
+        )
+    }
+    reached, steps = set(), 0
+    for num_reqs in range(1, max_reqs + 1):
+        for num_tokens in range(num_reqs, max_tokens + 1):
+            plan = plan_tree_attention.__wrapped__(
+                num_tokens, num_reqs, *heads, head_size, num_sms
+            )
+            key = _variant_key(plan)
+            assert key in listed, (num_tokens, num_reqs, key)
+            reached.add(key)
+            steps += 1
+    print(f"{steps} steps, {len(listed)} variants")
+    assert steps >= 14_000
+    assert reached == listed
+    assert len(listed) >= 4
+
+
+def test_variants_cover_sampled_large_steps():
+    """Qwen3-8B heads on an H200, vLLM's default batch limits: random steps of
+    up to 256 requests and 16384 tokens all plan a listed variant."""
+    listed = {
+        (v.config, v.splits_padded)
+        for v in tree_attention_variants(32, 8, 128, 132, 256, 16384)
+    }
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for _ in range(4000):
+        num_reqs = int(torch.randint(1, 257, (), generator=gen))
+        num_tokens = int(torch.randint(num_reqs, 16385, (), generator=gen))
+        if torch.rand((), generator=gen) < 0.5:  # trees and short rows
+            num_tokens = min(num_tokens, num_reqs * 129)
+        plan = plan_tree_attention.__wrapped__(num_tokens, num_reqs, 32, 8, 128, 132)
+        assert _variant_key(plan) in listed, (num_tokens, num_reqs)
+        checked += 1
+    assert checked == 4000
+
+
+@pytest.mark.parametrize("num_q_heads", [4, 16])
+def test_warm_up_launches_every_variant_like_a_step(monkeypatch, num_q_heads):
+    """Each variant is launched with its config and split count, on the
+    caller's KV cache and tree buffers; split variants at a token count of
+    each multiple-of-16 class of ``num_tokens * num_q_heads`` (the split
+    buffers' strides), unsplit ones once."""
+    calls = []
+
+    def record(q, key_cache, value_cache, out, qsl, seq_lens, bt, scale, **kw):
+        calls.append((q.shape, key_cache, value_cache, bt.shape, kw))
+        return out
+
+    monkeypatch.setattr(tta, "tree_attention", record)
+    cfg = TreeAttentionConfig(block_m=32, block_n=64, num_warps=4)
+    variants = [TreeAttentionVariant(cfg, 1), TreeAttentionVariant(cfg, 3)]
+    kv = torch.zeros(3, 16, 2, 2 * 64, dtype=torch.float16)
+    key_cache, value_cache = kv.split(64, dim=-1)
+    mask = torch.zeros(8, 7, 1, dtype=torch.int32)
+    is_tree = torch.zeros(8, dtype=torch.int32)
+    q_like = torch.empty(1, num_q_heads, 64, dtype=torch.float16)
+    n = warm_up_tree_attention(
+        variants, q_like, key_cache, value_cache, 9, mask, is_tree, 0.125
+    )
+    want = [(16, 1), (16, 3)] + ([(17, 3)] if num_q_heads % 16 else [])
+    got = [(c[0][0], c[4]["num_splits"]) for c in calls]
+    assert sorted(got) == sorted(want) and n == len(want)
+    for shape, k, v, bt_shape, kw in calls:
+        assert shape[1:] == (num_q_heads, 64)
+        assert k is key_cache and v is value_cache and bt_shape == (1, 9)
+        assert kw["config"] == cfg
+        assert kw["tree_mask"].data_ptr() == mask.data_ptr()
+        assert kw["tree_mask"].shape == (1, 7, 1) and kw["is_tree"].shape == (1,)
+
+
+def test_warm_up_runs_the_kernel_and_reads_only():
+    """The real kernels (the interpreter on the CPU) on a tiny cache: the warm-up
+    runs, split or not, and leaves the KV cache and tree buffers unchanged."""
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    kv = torch.randn(3, 16, 2, 2 * 32, generator=gen).to(dtype).to(DEVICE)
+    before = kv.clone()
+    key_cache, value_cache = kv.split(32, dim=-1)
+    mask = torch.ones(2, 5, 1, dtype=torch.int32, device=DEVICE)
+    is_tree = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    cfg = TreeAttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
+    variants = [TreeAttentionVariant(cfg, 1), TreeAttentionVariant(cfg, 2)]
+    q_like = torch.empty(1, 4, 32, dtype=dtype, device=DEVICE)
+    n = warm_up_tree_attention(
+        variants, q_like, key_cache, value_cache, 4, mask, is_tree, 32**-0.5
+    )
+    assert n == 3
+    assert torch.equal(kv, before)
+    assert int(mask.sum()) == 10 and int(is_tree.sum()) == 0

@@ -696,3 +696,87 @@ def _accepted_path(trees):
         nodes[r, : len(path)] = torch.tensor(path, dtype=torch.int32)
         counts[r] = len(path)
     return nodes, counts
+
+
+# ---------------------------------------------------------------------------
+# Start-up: every TREE_ATTN variant compiled before serving.
+# ---------------------------------------------------------------------------
+
+
+def test_warm_up_covers_the_engines_tree_attention_variants(vllm_config, monkeypatch):
+    """After capture the model state warms TREE_ATTN once per distinct layer
+    shape, over the variants of every step the scheduler's limits allow, on
+    the real KV cache, block-table width and tree buffers."""
+    from vllm.v1.attention.backends.tree_attn import split_kv_cache
+    from vllm.v1.attention.ops.triton_tree_attention import tree_attention_variants
+    from vllm.v1.spec_decode import ddtree_verify
+
+    state_ms = _model_state(vllm_config)
+    state_ms._bind_tree_inputs(_attn_groups(vllm_config))
+    num_heads = 4
+    impl = types.SimpleNamespace(
+        num_heads=num_heads,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+        scale=HEAD_SIZE**-0.5,
+    )
+    caches = [
+        torch.zeros(9, NUM_KV_HEADS, BLOCK, 2 * HEAD_SIZE, dtype=DTYPE, device=DEVICE)
+        for _ in LAYERS
+    ]
+    forward_context = vllm_config.compilation_config.static_forward_context
+    for name, cache in zip(LAYERS, caches):
+        layer = types.SimpleNamespace(kv_cache=cache, impl=impl)
+        monkeypatch.setitem(forward_context, name, layer)
+    calls = []
+
+    def record(variants, q_like, key_cache, value_cache, width, mask, is_tree, scale):
+        calls.append((variants, q_like, key_cache, width, mask, is_tree, scale))
+        return len(variants)
+
+    monkeypatch.setattr(ddtree_verify, "warm_up_tree_attention", record)
+    table = torch.zeros(NUM_STATES, 16, dtype=torch.int32, device=DEVICE)
+    tables = types.SimpleNamespace(block_tables=[types.SimpleNamespace(gpu=table)])
+    launches = state_ms.warm_up_tree_attention(tables)
+
+    assert len(calls) == 1  # both layers have one shape
+    variants, q_like, key_cache, width, mask, is_tree, scale = calls[0]
+    sched = vllm_config.scheduler_config
+    dtype = vllm_config.model_config.dtype
+    want = tree_attention_variants(
+        num_heads,
+        NUM_KV_HEADS,
+        HEAD_SIZE,
+        1
+        if DEVICE == "cpu"
+        else torch.cuda.get_device_properties(0).multi_processor_count,
+        sched.max_num_seqs,
+        sched.max_num_batched_tokens,
+        itemsize=torch.empty((), dtype=dtype).element_size(),
+    )
+    print(f"{len(want)} variants")
+    assert variants == want and launches == len(want) >= 2
+    assert q_like.dtype == dtype and tuple(q_like.shape[1:]) == (num_heads, HEAD_SIZE)
+    assert key_cache.data_ptr() == split_kv_cache(caches[0], HEAD_SIZE)[0].data_ptr()
+    assert key_cache.stride() == split_kv_cache(caches[0], HEAD_SIZE)[0].stride()
+    assert width == 16 and scale == impl.scale
+    assert mask is state_ms.tree_inputs.attn_mask
+    assert is_tree is state_ms.tree_inputs.is_tree
+
+
+def test_speculator_capture_warms_tree_attention_after_the_graphs(monkeypatch):
+    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    order = []
+    monkeypatch.setattr(
+        DFlashSpeculator, "capture", lambda self: order.append("graphs")
+    )
+    spec = object.__new__(DDTreeSpeculator)
+    tables = object()
+    spec._target_block_tables = tables
+    spec._target_model_state = types.SimpleNamespace(
+        warm_up_tree_attention=lambda t: order.append(("tree_attn", t))
+    )
+    spec.capture()
+    assert order == ["graphs", ("tree_attn", tables)]

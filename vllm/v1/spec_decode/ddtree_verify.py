@@ -18,19 +18,26 @@ forward. Three MRv2 hooks do the tree-specific work, all on the GPU:
   the step that committed them, before prefix caching can hash those blocks.
 """
 
+import time
 from typing import Any
 
 import torch
 
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.logger import init_logger
 from vllm.v1.attention.backends.tree_attn import (
     TreeAttentionBackend,
     TreeAttentionInputs,
     TreeAttentionMetadataBuilder,
     kv_cache_as_kv_first,
+    split_kv_cache,
 )
 from vllm.v1.attention.ops.tree_kv_compaction import TreeKVCompactor
+from vllm.v1.attention.ops.triton_tree_attention import (
+    tree_attention_variants,
+    warm_up_tree_attention,
+)
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.sample.tree_rejection_sampler import (
@@ -40,11 +47,14 @@ from vllm.v1.sample.tree_rejection_sampler import (
 from vllm.v1.spec_decode.ddtree import DDTreeState, VerifiedPaths
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm.v1.spec_decode.ddtree_inputs import write_tree_verify_inputs
+from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.mm.encoder_cache import EncoderCache
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.utils import AttentionGroup
+
+logger = init_logger(__name__)
 
 
 class DDTreeRejectionSampler:
@@ -181,6 +191,73 @@ class DDTreeModelState(DefaultModelState):
                 verified.accepted_nodes,
                 verified.num_accepted,
             )
+
+    def warm_up_tree_attention(self, block_tables: BlockTables) -> int:
+        """Compile every TREE_ATTN variant a step of this engine can pick.
+
+        CUDA-graph capture compiles the variants of uniform tree batches only;
+        a step run outside the graphs (a prompt next to trees, a prefix-cache
+        hit's short remainder, a batch size off the capture ladder) picks its
+        tile shape and split count from its own sizes, and a variant met there
+        first would compile inside a user's step. Called after capture, with
+        the real KV caches and tree buffers; returns the kernel launches."""
+        assert self._tree_groups is not None, "prepare_attn runs before capture"
+        start = time.perf_counter()
+        layers = self.vllm_config.compilation_config.static_forward_context
+        sched = self.vllm_config.scheduler_config
+        dtype = self.vllm_config.model_config.dtype
+        launches, seen = 0, set()
+        for group in self._tree_groups:
+            for name in group.layer_names:
+                layer = layers[name]
+                impl = layer.impl
+                kv_cache = layer.kv_cache
+                table = block_tables.block_tables[group.kv_cache_group_id].gpu
+                key = (
+                    impl.num_heads,
+                    impl.num_kv_heads,
+                    impl.head_size,
+                    kv_cache.dtype,
+                    kv_cache.stride(),
+                    table.shape[1],
+                )
+                if key in seen:
+                    continue
+                seen.add(key)
+                key_cache, value_cache = split_kv_cache(kv_cache, impl.head_size)
+                device = kv_cache.device
+                num_sms = (
+                    torch.cuda.get_device_properties(device).multi_processor_count
+                    if device.type == "cuda"
+                    else 1
+                )
+                variants = tree_attention_variants(
+                    impl.num_heads,
+                    impl.num_kv_heads,
+                    impl.head_size,
+                    num_sms,
+                    sched.max_num_seqs,
+                    sched.max_num_batched_tokens,
+                    itemsize=torch.empty((), dtype=dtype).element_size(),
+                )
+                launches += warm_up_tree_attention(
+                    variants,
+                    torch.empty(
+                        (1, impl.num_heads, impl.head_size), dtype=dtype, device=device
+                    ),
+                    key_cache,
+                    value_cache,
+                    table.shape[1],
+                    self.tree_inputs.attn_mask,
+                    self.tree_inputs.is_tree,
+                    impl.scale,
+                )
+        logger.info(
+            "DDTree: TREE_ATTN warmed up over %d kernel variants in %.1f s",
+            launches,
+            time.perf_counter() - start,
+        )
+        return launches
 
     def _bind_tree_inputs(self, attn_groups: list[list[AttentionGroup]]) -> None:
         """Hand the tree buffers to every TREE_ATTN metadata builder, once."""

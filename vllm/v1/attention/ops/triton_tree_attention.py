@@ -523,6 +523,120 @@ def plan_tree_attention(
     return TreeAttentionPlan(config, num_splits, heads_padded, head_size_padded)
 
 
+@dataclass(frozen=True)
+class TreeAttentionVariant:
+    """One compiled form of :func:`tree_attention`'s kernels: the tile shape,
+    and whether (and into how many padded splits) the context is split, which
+    adds the merge kernel and gives the split buffers token-dependent strides."""
+
+    config: TreeAttentionConfig
+    num_splits: int  # a representative of its padded class; 1 = no split
+
+    @property
+    def splits_padded(self) -> int:
+        return triton.next_power_of_2(self.num_splits) if self.num_splits > 1 else 1
+
+
+def tree_attention_variants(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    num_sms: int,
+    max_num_reqs: int,
+    max_num_tokens: int,
+    itemsize: int = 2,
+) -> list[TreeAttentionVariant]:
+    """Every variant :func:`plan_tree_attention` picks for some step of up to
+    ``max_num_reqs`` requests and ``max_num_tokens`` tokens.
+
+    The plan depends on the sizes only through the average query length's tile
+    shape, the tiles per request and the request count, so one query length
+    per (tile shape, tiles) class stands for all of them; past the program
+    count at which the split model always picks one split and the wide-warp
+    rule cannot hold, larger batches add nothing (see ``_num_splits``: a split
+    saves less than its per-program overhead once the grid fills
+    ``(1 + overhead) / overhead`` waves)."""
+    plan = plan_tree_attention.__wrapped__  # not the launch-time cache
+    heads_padded = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    head_size_padded = max(16, triton.next_power_of_2(head_size))
+    reps: dict[tuple[TreeAttentionConfig, int], int] = {}
+    for avg in range(1, max(1, max_num_tokens) + 1):
+        cfg = _default_config(avg, 1, heads_padded, head_size_padded, itemsize)
+        block_q = max(cfg.block_m, heads_padded, 16) // heads_padded
+        reps.setdefault((cfg, triton.cdiv(avg, block_q)), avg)
+    # Programs beyond which nothing changes: one split, never 8 wide warps.
+    max_programs = num_sms * 2 * math.ceil((1 + _PROGRAM_OVERHEAD) / _PROGRAM_OVERHEAD)
+    max_programs = max(max_programs, num_sms) + num_sms
+    out: dict[tuple, TreeAttentionVariant] = {}
+    for (_, tiles), avg in reps.items():
+        per_req = tiles * num_kv_heads
+        last = min(max_num_reqs, max(1, max_num_tokens // avg))
+        for num_reqs in range(1, min(last, max_programs // per_req + 1) + 1):
+            p = plan(
+                num_reqs * avg,
+                num_reqs,
+                num_q_heads,
+                num_kv_heads,
+                head_size,
+                num_sms,
+                itemsize=itemsize,
+            )
+            v = TreeAttentionVariant(p.config, p.num_splits)
+            out.setdefault((v.config, v.splits_padded), v)
+    return sorted(out.values(), key=lambda v: (str(v.config), v.splits_padded))
+
+
+def warm_up_tree_attention(
+    variants: list[TreeAttentionVariant],
+    q_like: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table_width: int,
+    tree_mask: torch.Tensor | None,
+    is_tree: torch.Tensor | None,
+    softmax_scale: float,
+) -> int:
+    """Compile ``variants`` with the argument properties of real steps (the
+    same KV cache and tree-mask tensors, dtypes, head layout and block-table
+    width): one request over block 0, whose contents do not matter. Triton
+    also specializes on whether an integer argument is a multiple of 16; the
+    split buffers' strides are ``num_tokens * num_q_heads``, so split variants
+    run at a token count of each class. Returns the number of launches."""
+    num_q_heads, head_size = q_like.shape[1], q_like.shape[2]
+    device = q_like.device
+    token_counts = [16] if num_q_heads % 16 == 0 else [16, 17]
+    launches = 0
+    for num_tokens in token_counts:
+        q = torch.zeros(
+            (num_tokens, num_q_heads, head_size), dtype=q_like.dtype, device=device
+        )
+        out = torch.empty_like(q)
+        qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
+        block_table = torch.zeros(
+            (1, block_table_width), dtype=torch.int32, device=device
+        )
+        for v in variants:
+            if v.num_splits == 1 and num_tokens != token_counts[0]:
+                continue  # no split: no token-dependent stride
+            tree_attention(
+                q,
+                key_cache,
+                value_cache,
+                out,
+                qsl,
+                seq_lens,
+                block_table,
+                softmax_scale,
+                tree_mask=None if tree_mask is None else tree_mask[:1],
+                is_tree=None if is_tree is None else is_tree[:1],
+                num_splits=v.num_splits,
+                config=v.config,
+            )
+            launches += 1
+    return launches
+
+
 def _plan_splits(
     num_sms: int,
     num_tokens: int,
