@@ -4,25 +4,30 @@
 
     python -m tests.e2e.load_client stream URL OUT --seconds S --concurrency C
     python -m tests.e2e.load_client replay URL OUT --limit-file F --seconds S \
-        --concurrency C
+        --concurrency C [--offset K --stride N]
 
 ``stream``: C workers keep C streaming requests in flight for S seconds, taking
 request 0, 1, 2, ... (:func:`request`); every fifth request is aborted mid-stream
-(the client closes the connection after a few chunks). ``replay``: the same
-requests without streaming or aborts, in order, until the count written to F
-(by the test, once the streams are done) is reached. Each finished request is
-one JSON line in OUT: its index, tokens, per-position top logprobs
-``[[token_id, logprob], ...]``, finish reason, whether it was aborted, and the
-HTTP error if one happened.
+(the client closes the connection after a few chunks). At S seconds the streams
+still open are closed too: those are aborted at the deadline, with the prefix
+they received. ``replay``: the same requests without streaming or aborts, in
+order, until the count written to F (by the test, once the streams are done) is
+reached or S seconds have passed (a reply still pending then is dropped);
+``--offset K --stride N`` replays only requests K, K + N, K + 2N, ... so that N
+servers can share the replay. Each request is one JSON line in OUT: its index,
+tokens, per-position top logprobs ``[[token_id, logprob], ...]``, finish reason,
+whether it was aborted and whether at the deadline, and the HTTP error if one
+happened.
 """
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
-import time
 from functools import cache
 from pathlib import Path
+from typing import TextIO
 
 import aiohttp
 
@@ -129,7 +134,41 @@ async def _lines(content):
         yield pending
 
 
-async def _one(session, url: str, i: int, stream: bool) -> dict:
+async def _fetch(session, url: str, spec: dict, stream: bool, out: dict) -> None:
+    """Fills ``out`` as the response arrives, so that a request cut short keeps
+    what it received."""
+    abort_after = spec["abort_after"] if stream else None
+    body = {**spec["body"], "stream": stream}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            out["error"] = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+            return
+        if not stream:
+            choice = (await resp.json())["choices"][0]
+            _add_logprobs(out, choice["logprobs"])
+            out["finish"] = choice["finish_reason"]
+            return
+        chunks = 0
+        async for line in _lines(resp.content):
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[len("data: ") :])["choices"]
+            if not choices:
+                continue
+            _add_logprobs(out, choices[0].get("logprobs"))
+            out["finish"] = choices[0].get("finish_reason") or out["finish"]
+            chunks += 1
+            if abort_after is not None and chunks >= abort_after:
+                if out["finish"] is None:
+                    out["aborted"] = True
+                # Leaving the block closes the connection: vLLM aborts.
+                return
+
+
+async def _one(session, url: str, i: int, stream: bool, deadline: float) -> dict | None:
+    """Request i until it ends or the loop's clock reaches ``deadline``: a stream
+    then closes with what it received; a pending reply holds nothing (None)."""
     spec = request(i)
     out = {
         "i": i,
@@ -138,38 +177,21 @@ async def _one(session, url: str, i: int, stream: bool) -> dict:
         "top": [],
         "finish": None,
         "aborted": False,
+        "at_deadline": False,
         "error": None,
     }
-    abort_after = spec["abort_after"] if stream else None
-    body = {**spec["body"], "stream": stream}
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                out["error"] = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                return out
-            if not stream:
-                choice = (await resp.json())["choices"][0]
-                _add_logprobs(out, choice["logprobs"])
-                out["finish"] = choice["finish_reason"]
-                return out
-            chunks = 0
-            async for line in _lines(resp.content):
-                line = line.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                choices = json.loads(line[len("data: ") :])["choices"]
-                if not choices:
-                    continue
-                _add_logprobs(out, choices[0].get("logprobs"))
-                out["finish"] = choices[0].get("finish_reason") or out["finish"]
-                chunks += 1
-                if abort_after is not None and chunks >= abort_after:
-                    if out["finish"] is None:
-                        out["aborted"] = True
-                    # Leaving the block closes the connection: vLLM aborts.
-                    break
+        async with asyncio.timeout_at(deadline) as cut:
+            await _fetch(session, url, spec, stream, out)
     except Exception as e:  # noqa: BLE001 - counted as this request's error
-        out["error"] = f"{type(e).__name__}: {e}"[:500]
+        # aiohttp's own timeout raises TimeoutError too: only ours is the deadline.
+        if not cut.expired():
+            out["error"] = f"{type(e).__name__}: {e}"[:500]
+        elif not stream:
+            return None
+        else:
+            out["at_deadline"] = True
+            out["aborted"] = out["finish"] is None
     return out
 
 
@@ -181,32 +203,33 @@ def _limit(path: Path | None) -> int | None:
 
 async def _drive(
     url: str,
-    out_path: Path,
+    f: TextIO,
     seconds: float,
     concurrency: int,
     stream: bool,
     limit_file: Path | None,
+    offset: int = 0,
+    stride: int = 1,
 ) -> None:
-    deadline = time.monotonic() + seconds
-    next_i = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    indices = itertools.count(offset, stride)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     connector = aiohttp.TCPConnector(limit=concurrency)
-    with open(out_path, "w") as f:
-        async with aiohttp.ClientSession(
-            timeout=timeout, connector=connector
-        ) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
 
-            async def worker():
-                nonlocal next_i
-                while time.monotonic() < deadline:
-                    limit = _limit(limit_file)
-                    if not stream and limit is not None and next_i >= limit:
-                        return
-                    i, next_i = next_i, next_i + 1
-                    f.write(json.dumps(await _one(session, url, i, stream)) + "\n")
+        async def worker():
+            while loop.time() < deadline:
+                i = next(indices)
+                limit = _limit(limit_file)
+                if not stream and limit is not None and i >= limit:
+                    return
+                out = await _one(session, url, i, stream, deadline)
+                if out is not None:
+                    f.write(json.dumps(out) + "\n")
                     f.flush()
 
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
 def main() -> None:
@@ -217,17 +240,22 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--concurrency", type=int, required=True)
     parser.add_argument("--limit-file", type=Path)
+    parser.add_argument("--offset", type=int, default=0)
+    parser.add_argument("--stride", type=int, default=1)
     args = parser.parse_args()
-    asyncio.run(
-        _drive(
-            args.url,
-            args.out,
-            args.seconds,
-            args.concurrency,
-            args.mode == "stream",
-            args.limit_file,
+    with open(args.out, "w") as f:
+        asyncio.run(
+            _drive(
+                args.url,
+                f,
+                args.seconds,
+                args.concurrency,
+                args.mode == "stream",
+                args.limit_file,
+                args.offset,
+                args.stride,
+            )
         )
-    )
 
 
 if __name__ == "__main__":

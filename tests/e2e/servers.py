@@ -116,7 +116,8 @@ class Server:
         self.log_path = tmp / f"{name}.log"
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self._log = open(self.log_path, "w")
+        # Open for the server's lifetime; closed in stop().
+        self._log = open(self.log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -180,5 +181,8 @@ def serving(
             server.wait()
         yield servers
     finally:
+        # All told at once: each takes seconds to shut its engine down.
+        for server in servers.values():
+            server.proc.terminate()
         for server in servers.values():
             server.stop()

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``vllm serve`` with DDTree under load and faults, against no speculation.
 
-Three servers of the trained pair (``benchmarks/models/pycode``) run side by side
+Four servers of the trained pair (``benchmarks/models/pycode``) run side by side
 on the GPU with vLLM's defaults (prefix caching, CUDA graphs, async scheduling,
 default ``max_num_seqs`` and capture sizes) and a fixed KV cache, so that they
 can share the GPU without memory profiling:
@@ -12,34 +12,45 @@ can share the GPU without memory profiling:
   requests of up to 2048): vLLM preempts and recomputes. (On this tiny model a
   low ``gpu_memory_utilization`` would still leave gigabytes of KV; a fixed
   small KV is what makes the scheduler preempt. With 48 MiB it never did.)
-* ``ref``: no speculation, 1 GiB of KV.
+* ``ref_even``, ``ref_odd``: no speculation, 1 GiB of KV, each replaying the
+  requests of its parity (a server is host-bound, so two keep up where one
+  fell behind).
 
-For ``DDTREE_LOAD_SECONDS`` (default 300) each DDTree server gets 200 concurrent
-streaming completions (``tests.e2e.load_client``: fresh prompts of 4-1400
-tokens, 16-512 output tokens, greedy and seeded temperature 1 alternating, half
-stopping at end-of-sequence, every fifth aborted after a few chunks). Halfway,
-a request with a penalty and one with structured outputs must get a 400 that
-names the setting, and the server must keep serving. ``ref`` replays every
-request without streaming or aborts, at a higher concurrency (no speculation is
-slower), for at most ``REF_CATCH_UP_S`` after the streams end. Checks: no
-request failed; every finished output, and every aborted request's received
+Each DDTree server gets 200 concurrent streaming completions
+(``tests.e2e.load_client``: fresh prompts of 4-1400 tokens, 16-512 output
+tokens, greedy and seeded temperature 1 alternating, half stopping at
+end-of-sequence, every fifth aborted after a few chunks) for
+``DDTREE_LOAD_SECONDS`` (default 300), fewer if start-up left too little of
+``DDTREE_LOAD_BUDGET_S`` (default 540, the whole module from the fixture's
+start: :func:`plan`). At the end the streams still open are closed: aborted at
+the deadline, counted apart from the fifth aborted at random. Halfway, a request
+with a penalty and one with structured outputs must get a 400 that names the
+setting, and the server must keep serving. The references replay every request
+without streaming or aborts, at a higher concurrency, for at most
+``REF_CATCH_UP_S`` (and what the budget leaves) after the streams end. Checks:
+no request failed; every finished output, and every aborted request's received
 prefix, equals no speculation up to numerical ties (``tests.e2e.compare``; a
 seeded difference whose tokens are not among the returned logprobs cannot be
 judged and is counted, at most ``UNCHECKED_MAX`` of the requests); at least
 ``COVERED_FLOOR`` of the requests have a reference; at the end nothing runs or
-waits and
-the KV usage is back to its start value (0: every block free); the preempting
-server preempted; Prometheus has one per-position series per drafter position.
-About 8.5 minutes on one H200 (servers start in ~1.5 min).
+waits and the KV usage is back to its start value (0: every block free); the
+preempting server preempted; Prometheus has one per-position series per drafter
+position. As each phase ends, the summary (``ddtree_load_summary.log``, JSON)
+and ``ddtree_load_data.tgz`` (each client's requests without their token and
+logprob arrays, each server's log tail) are written to ``DDTREE_E2E_LOG_DIR``,
+so a command cut short still leaves them.
 """
 
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import urllib.error
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -56,12 +67,27 @@ pytestmark = pytest.mark.skipif(
 
 PAIR = ROOT / "benchmarks" / "models" / "pycode"
 SECONDS = float(os.environ.get("DDTREE_LOAD_SECONDS", "300"))
+BUDGET_S = float(os.environ.get("DDTREE_LOAD_BUDGET_S", "540"))
+# Most seconds the references get after the streams end: the requests still
+# pending there (up to 512 tokens at the references' concurrency).
+REF_CATCH_UP_S = 40
+# Streams shorter than this hardly reach the floors below: when start-up took
+# long, the catch-up gives way first.
+STREAM_MIN_S = 60
+# Reading the start state (a probe and PROBE_WAIT_S, servers in parallel) and
+# starting the clients; the end state is read during the catch-up.
+READS_S = 10
+# After the catch-up: reading and comparing the outputs (gigabytes of JSON at
+# 50 logprobs), saving them, stopping the servers.
+CHECKS_S = 40
+PROBE_WAIT_S = 3
 CONCURRENCY = 200
 REF_CONCURRENCY = 512
-REF_CATCH_UP_S = 90
 KV_BYTES = 1 << 30
 PREEMPT_KV_BYTES = 12 << 20
 DDTREE = ("ddtree", "ddtree_preempt")
+REFS = ("ref_even", "ref_odd")
+LOG_TAIL_BYTES = 256 << 10
 DEPTH = 15
 # Fraction of the reference's tokens the comparisons must cover (each request's
 # comparison stops at its first numerical tie).
@@ -95,7 +121,7 @@ def _probe(base: str) -> None:
             "temperature": 0,
         },
     )
-    time.sleep(3)
+    time.sleep(PROBE_WAIT_S)
 
 
 def _state(base: str) -> dict:
@@ -156,9 +182,33 @@ def _refusals(base: str) -> list[dict]:
     return out
 
 
-def _client(
-    mode: str, base: str, out: Path, seconds: float, concurrency: int, limit_file=None
-):
+def plan(
+    elapsed_s: float,
+    budget_s: float,
+    wanted_s: float,
+    *,
+    catch_up_s: float,
+    reserve_s: float,
+    min_stream_s: float,
+) -> tuple[float, float]:
+    """(stream seconds, reference catch-up bound) for servers up after
+    ``elapsed_s`` of ``budget_s``: the wanted streams and the whole catch-up if
+    they fit beside ``reserve_s``; else streams shortened down to
+    ``min_stream_s``; then the catch-up shortened; then whatever is left."""
+    left = max(0.0, budget_s - elapsed_s - reserve_s)
+    stream_s = min(wanted_s, max(left - catch_up_s, min(min_stream_s, left)))
+    return stream_s, min(catch_up_s, left - stream_s)
+
+
+def catch_up_bound(
+    elapsed_s: float, budget_s: float, *, catch_up_s: float, checks_s: float
+) -> float:
+    """Seconds the references may still take once the streams ended at
+    ``elapsed_s``: the catch-up, or what the budget leaves beside the checks."""
+    return max(0.0, min(catch_up_s, budget_s - elapsed_s - checks_s))
+
+
+def _client(mode: str, base: str, out: Path, seconds: float, *flags: str):
     cmd = [
         sys.executable,
         "-m",
@@ -168,11 +218,8 @@ def _client(
         str(out),
         "--seconds",
         str(seconds),
-        "--concurrency",
-        str(concurrency),
+        *flags,
     ]
-    if limit_file is not None:
-        cmd += ["--limit-file", str(limit_file)]
     return subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -185,6 +232,8 @@ def _client(
 
 def _read(path: Path) -> dict[int, dict]:
     out = {}
+    if not path.exists():
+        return out
     for line in path.read_text().splitlines():
         try:
             r = json.loads(line)
@@ -194,71 +243,210 @@ def _read(path: Path) -> dict[int, dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def load(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ddtree_load")
+def _counts(runs: dict[int, dict]) -> dict:
+    """A client's requests by outcome: ``aborted`` is the fifth aborted at
+    random, ``cut_at_deadline`` the streams closed unfinished at the end."""
+    runs = runs.values()
+    return {
+        "requests": len(runs),
+        "finished": sum(not r["error"] and not r["aborted"] for r in runs),
+        "aborted": sum(r["aborted"] and not r["at_deadline"] for r in runs),
+        "cut_at_deadline": sum(r["aborted"] and r["at_deadline"] for r in runs),
+        "errors": sum(bool(r["error"]) for r in runs),
+        "tokens": sum(len(r["tokens"]) for r in runs),
+    }
+
+
+def _tail(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
+        return f.read()
+
+
+def _keep(result: dict, servers: dict, runs: dict[str, dict]) -> None:
+    """The summary so far, and a tarball of the clients' requests (without the
+    token and logprob arrays: gigabytes at 50 logprobs) and the servers' log
+    tails, in ``DDTREE_E2E_LOG_DIR``; a command cut short still leaves them."""
+    save_log("ddtree_load_summary", json.dumps(result, indent=1))
+    log_dir = os.environ.get("DDTREE_E2E_LOG_DIR")
+    if not log_dir:
+        return
+    files = {f"{n}.log.tail": _tail(s.log_path) for n, s in servers.items()}
+    for name, got in runs.items():
+        brief = (
+            {
+                **{k: v for k, v in r.items() if k not in ("tokens", "top")},
+                "num_tokens": len(r["tokens"]),
+            }
+            for r in got.values()
+        )
+        files[f"{name}.jsonl"] = "".join(json.dumps(r) + "\n" for r in brief).encode()
+    path = Path(log_dir) / "ddtree_load_data.tgz"
+    part = path.with_name(path.name + ".part")
+    with tarfile.open(part, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), time.time()
+            tar.addfile(info, io.BytesIO(data))
+    # Renamed into place: a kill while writing leaves the previous tarball.
+    os.replace(part, path)
+
+
+def _states(servers: dict, names) -> dict:
+    with ThreadPoolExecutor(len(names)) as pool:
+        return dict(zip(names, pool.map(lambda n: _state(servers[n].base), names)))
+
+
+def run_load(tmp: Path) -> dict:
+    """The fixture's work: serve, stream, replay, and keep the outcome."""
     target, drafter = str(PAIR / "target"), str(PAIR / "drafter")
     spec = {"method": "ddtree", "model": drafter, "tree_budget": 128}
     specs = {
         "ddtree": (target, _args(KV_BYTES, spec)),
         "ddtree_preempt": (target, _args(PREEMPT_KV_BYTES, spec)),
-        "ref": (target, _args(KV_BYTES)),
+        **{n: (target, _args(KV_BYTES)) for n in REFS},
     }
-    result = {"seconds": SECONDS, "concurrency": CONCURRENCY}
+    result = {
+        "budget_s": BUDGET_S,
+        "seconds_wanted": SECONDS,
+        "concurrency": CONCURRENCY,
+        "phases": {},
+        "counts": {},
+    }
+    runs: dict[str, dict] = {}
+    clients: dict[str, subprocess.Popen] = {}
+    lock = threading.Lock()
     t0 = time.monotonic()
 
-    def phase(what: str) -> None:
-        print(f"[load {time.monotonic() - t0:6.0f} s] {what}", flush=True)
+    def elapsed() -> float:
+        return time.monotonic() - t0
+
+    def phase(what: str, note: str = "") -> None:
+        result["phases"][what] = round(elapsed(), 1)
+        print(f"[load {elapsed():6.0f} s] {what}{note}", flush=True)
+
+    def keep() -> None:
+        with lock:
+            _keep(result, servers, runs)
 
     with serving(tmp, specs) as servers:
-        phase("servers up")
-        start = {n: _state(servers[n].base) for n in DDTREE}
-        limit_file = tmp / "limit"
-        clients = {
-            n: _client(
-                "stream", servers[n].base, tmp / f"{n}.jsonl", SECONDS, CONCURRENCY
-            )
-            for n in DDTREE
-        }
-        ref_client = _client(
-            "replay",
-            servers["ref"].base,
-            tmp / "ref.jsonl",
-            SECONDS + REF_CATCH_UP_S,
-            REF_CONCURRENCY,
-            limit_file,
-        )
-        refusals = {}
-
-        def refuse():
-            time.sleep(SECONDS / 2)
-            for n in DDTREE:
-                refusals[n] = _refusals(servers[n].base)
-
-        refuser = threading.Thread(target=refuse)
-        refuser.start()
-        for proc in clients.values():
-            proc.wait(timeout=SECONDS + 120)
-        refuser.join()
-        phase("streams done")
-        got = {n: _read(tmp / f"{n}.jsonl") for n in DDTREE}
-        limit_file.write_text(str(max(max(g) for g in got.values()) + 1))
-        end = {n: _state(servers[n].base) for n in DDTREE}
         try:
-            ref_client.wait(timeout=REF_CATCH_UP_S + 10)
-        except subprocess.TimeoutExpired:
-            ref_client.kill()
-        phase("reference done")
-        alive = {n: s.proc.poll() is None for n, s in servers.items()}
-        logs = {n: s.log_text() for n, s in servers.items()}
-    result.update(start=start, end=end, refusals=refusals, alive=alive)
+            stream_s, catch_up_s = plan(
+                elapsed(),
+                BUDGET_S,
+                SECONDS,
+                catch_up_s=REF_CATCH_UP_S,
+                reserve_s=READS_S + CHECKS_S,
+                min_stream_s=STREAM_MIN_S,
+            )
+            result["plan"] = {"stream_s": stream_s, "catch_up_s": catch_up_s}
+            phase(
+                "servers up",
+                f"; streams {stream_s:.0f} s, reference catch-up <= {catch_up_s:.0f} s",
+            )
+            result["start"] = _states(servers, DDTREE)
+            keep()
+            limit_file = tmp / "limit"
+            streamed_at = time.monotonic()
+            for n in DDTREE:
+                clients[n] = _client(
+                    "stream",
+                    servers[n].base,
+                    tmp / f"{n}.jsonl",
+                    stream_s,
+                    "--concurrency",
+                    str(CONCURRENCY),
+                )
+            for parity, n in enumerate(REFS):
+                clients[n] = _client(
+                    "replay",
+                    servers[n].base,
+                    tmp / f"{n}.jsonl",
+                    stream_s + catch_up_s,
+                    "--concurrency",
+                    str(REF_CONCURRENCY),
+                    "--limit-file",
+                    str(limit_file),
+                    "--offset",
+                    str(parity),
+                    "--stride",
+                    str(len(REFS)),
+                )
+            result["refusals"] = {}
+
+            def refuse():
+                time.sleep(stream_s / 2)
+                for n in DDTREE:
+                    result["refusals"][n] = _refusals(servers[n].base)
+                phase("refusals done")
+                keep()
+
+            refuser = threading.Thread(target=refuse, daemon=True)
+            refuser.start()
+            for n in DDTREE:
+                clients[n].wait(timeout=stream_s + 60)
+            streams_end = elapsed()
+            result["seconds"] = round(time.monotonic() - streamed_at, 1)
+            refuser.join()
+            with ThreadPoolExecutor(len(DDTREE)) as pool:
+                end = {n: pool.submit(_state, servers[n].base) for n in DDTREE}
+                runs.update({n: _read(tmp / f"{n}.jsonl") for n in DDTREE})
+                # Both DDTree servers send request(i) for i from 0 on.
+                limit = max(max(runs[n], default=-1) for n in DDTREE) + 1
+                # Whole or absent to the replay clients that poll it.
+                (tmp / "limit.part").write_text(str(limit))
+                os.replace(tmp / "limit.part", limit_file)
+                result["counts"].update({n: _counts(runs[n]) for n in DDTREE})
+                cut = sum(result["counts"][n]["cut_at_deadline"] for n in DDTREE)
+                phase(
+                    "streams done",
+                    f" after {result['seconds']:.0f} s; {cut} cut at the deadline",
+                )
+                result["end"] = {n: f.result() for n, f in end.items()}
+            phase("end state read")
+            keep()
+            # The catch-up runs from the streams' end, across the reads above.
+            wait_until = (
+                t0
+                + streams_end
+                + catch_up_bound(
+                    streams_end, BUDGET_S, catch_up_s=REF_CATCH_UP_S, checks_s=CHECKS_S
+                )
+            )
+            for n in REFS:
+                try:
+                    clients[n].wait(timeout=max(0.0, wait_until - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    clients[n].terminate()
+                    clients[n].wait()
+            runs.update({n: _read(tmp / f"{n}.jsonl") for n in REFS})
+            result["counts"].update({n: _counts(runs[n]) for n in REFS})
+            replayed = sum(len(runs[n]) for n in REFS)
+            phase("reference done", f"; {replayed} of {limit} requests replayed")
+            result["alive"] = {n: s.proc.poll() is None for n, s in servers.items()}
+            logs = {n: s.log_text() for n, s in servers.items()}
+        except BaseException as e:
+            result["failed"] = f"{type(e).__name__}: {e}"[:2000]
+            raise
+        finally:
+            for proc in clients.values():
+                if proc.poll() is None:
+                    proc.kill()
+            keep()
+    phase("servers stopped")
+    save_log("ddtree_load_summary", json.dumps(result, indent=1))
     return {
-        "got": got,
-        "ref": _read(tmp / "ref.jsonl"),
+        "got": {n: runs[n] for n in DDTREE},
+        "ref": {i: r for n in REFS for i, r in runs[n].items()},
         "result": result,
         "logs": logs,
         "clients_rc": {n: p.returncode for n, p in clients.items()},
     }
+
+
+@pytest.fixture(scope="module")
+def load(tmp_path_factory):
+    return run_load(tmp_path_factory.mktemp("ddtree_load"))
 
 
 def _record(load, name: str, entry: dict) -> None:
@@ -268,17 +456,9 @@ def _record(load, name: str, entry: dict) -> None:
 
 @pytest.mark.parametrize("name", DDTREE)
 def test_served_without_errors(load, name):
-    runs = load["got"][name].values()
-    errors = [r for r in runs if r["error"]]
-    finished = [r for r in runs if not r["error"] and not r["aborted"]]
-    aborted = [r for r in runs if r["aborted"]]
-    counts = {
-        "requests": len(runs),
-        "finished": len(finished),
-        "aborted": len(aborted),
-        "errors": len(errors),
-        "tokens": sum(len(r["tokens"]) for r in runs),
-    }
+    runs = load["got"][name]
+    errors = [r for r in runs.values() if r["error"]]
+    counts = _counts(runs)
     _record(load, f"{name}_counts", counts)
     print(f"{name}: {counts}")
     assert load["clients_rc"][name] == 0
@@ -289,8 +469,9 @@ def test_served_without_errors(load, name):
         "\n".join(log[i : i + 12]) for i, line in enumerate(log) if "Traceback" in line
     ]
     assert not tracebacks, f"{len(tracebacks)} tracebacks, first:\n{tracebacks[0]}"
-    assert len(finished) >= REQUESTS_FLOOR
-    assert len(aborted) >= REQUESTS_FLOOR // 10
+    assert counts["finished"] >= REQUESTS_FLOOR
+    # The fifth aborted at random, without the streams cut at the deadline.
+    assert counts["aborted"] >= REQUESTS_FLOOR // 10
 
 
 @pytest.mark.parametrize("name", DDTREE)
