@@ -81,7 +81,8 @@ def _corpus() -> list[int]:
 
 def request(i: int) -> dict:
     """Request i: a fresh prompt of mixed length (short, medium or long), mixed
-    output lengths, greedy (even i) or seeded temperature 1 (odd i), half of them
+    output lengths, greedy or seeded temperature 1 in pairs (i // 2 even: greedy;
+    so each reference's parity gets both kinds alike), half of them
     stopping at the end-of-sequence token; ``abort_after`` chunks for every
     fifth."""
     rng = random.Random(i)
@@ -91,7 +92,7 @@ def request(i: int) -> dict:
     )
     start = (i * 7919) % (len(corpus) - length)
     max_tokens = min(rng.choice([16, 48, 128, 256, 512]), MAX_MODEL_LEN - length - 1)
-    greedy = i % 2 == 0
+    greedy = (i // 2) % 2 == 0
     body = {
         "model": MODEL,
         "prompt": corpus[start : start + length],
