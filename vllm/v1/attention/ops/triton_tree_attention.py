@@ -598,43 +598,36 @@ def warm_up_tree_attention(
 ) -> int:
     """Compile ``variants`` with the argument properties of real steps (the
     same KV cache and tree-mask tensors, dtypes, head layout and block-table
-    width): one request over block 0, whose contents do not matter. Triton
-    also specializes on whether an integer argument is a multiple of 16; the
-    split buffers' strides are ``num_tokens * num_q_heads``, so split variants
-    run at a token count of each class. Returns the number of launches."""
+    width; Triton also specializes on integer arguments, and no argument left
+    specialized depends on the step's token or request count): one request of
+    16 tokens over block 0, whose contents do not matter. Returns the number
+    of launches."""
     num_q_heads, head_size = q_like.shape[1], q_like.shape[2]
     device = q_like.device
-    token_counts = [16] if num_q_heads % 16 == 0 else [16, 17]
-    launches = 0
-    for num_tokens in token_counts:
-        q = torch.zeros(
-            (num_tokens, num_q_heads, head_size), dtype=q_like.dtype, device=device
+    num_tokens = 16
+    q = torch.zeros(
+        (num_tokens, num_q_heads, head_size), dtype=q_like.dtype, device=device
+    )
+    out = torch.empty_like(q)
+    qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
+    block_table = torch.zeros((1, block_table_width), dtype=torch.int32, device=device)
+    for v in variants:
+        tree_attention(
+            q,
+            key_cache,
+            value_cache,
+            out,
+            qsl,
+            seq_lens,
+            block_table,
+            softmax_scale,
+            tree_mask=None if tree_mask is None else tree_mask[:1],
+            is_tree=None if is_tree is None else is_tree[:1],
+            num_splits=v.num_splits,
+            config=v.config,
         )
-        out = torch.empty_like(q)
-        qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
-        seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
-        block_table = torch.zeros(
-            (1, block_table_width), dtype=torch.int32, device=device
-        )
-        for v in variants:
-            if v.num_splits == 1 and num_tokens != token_counts[0]:
-                continue  # no split: no token-dependent stride
-            tree_attention(
-                q,
-                key_cache,
-                value_cache,
-                out,
-                qsl,
-                seq_lens,
-                block_table,
-                softmax_scale,
-                tree_mask=None if tree_mask is None else tree_mask[:1],
-                is_tree=None if is_tree is None else is_tree[:1],
-                num_splits=v.num_splits,
-                config=v.config,
-            )
-            launches += 1
-    return launches
+    return len(variants)
 
 
 def _plan_splits(
@@ -890,7 +883,14 @@ def _mask_scores(
 
 # Sizes that change from step to step or between batch shapes stay out of
 # the kernels' specialisation (fewer compiles; one binary per tile shape).
-@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+# The split buffers' log-sum-exp strides are num_tokens * num_q_heads (and
+# num_tokens for the cascade's tail): unspecialized, so that a step's token count
+# never selects a variant of its own (they address scalars, no vector loads).
+_MAIN_UNSPECIALIZED = ("num_reqs", "num_splits", "stride_pl_split", "stride_tl_head")
+_MERGE_UNSPECIALIZED = ("num_reqs", "num_splits", "stride_pl_split")
+
+
+@triton.jit(do_not_specialize=_MAIN_UNSPECIALIZED)
 def _tree_attention_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_size]
     q_ptr,  # [num_tokens, num_q_heads, head_size]
@@ -1111,7 +1111,7 @@ def _tree_attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+@triton.jit(do_not_specialize=_MERGE_UNSPECIALIZED)
 def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_size]
     part_out_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_SIZE_PADDED] fp32
