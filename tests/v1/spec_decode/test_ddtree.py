@@ -468,12 +468,15 @@ def test_add_request_resets_only_its_slot(vllm_config):
         want = torch.full((BUDGET,), -1) if s == 1 else trees.token_ids[s]
         assert torch.equal(stored.token_ids[s].cpu(), want), s
     batch_trees = _trees(gen)
+    draft_tokens = torch.zeros(NUM_STATES, BUDGET, dtype=torch.int64, device=DEVICE)
     stored.scatter_(
         torch.tensor([1], device=DEVICE),
         type(trees)(*(t.to(DEVICE) for t in vars(batch_trees).values())),
         1,
+        draft_tokens,
     )
     assert torch.equal(stored.token_ids[1].cpu(), batch_trees.token_ids[0])
+    assert torch.equal(draft_tokens[0].cpu(), batch_trees.token_ids[0].clamp(min=0))
 
 
 def test_capture_and_draft_free_batches_are_causal(vllm_config):

@@ -16,6 +16,7 @@ from tests.v1.ddtree_reference import (
     write_tree_verify_inputs_reference,
 )
 from vllm.v1.spec_decode.ddtree_inputs import (
+    store_draft_trees,
     draft_context_size,
     prepare_draft_inputs,
     write_tree_verify_inputs,
@@ -376,3 +377,56 @@ def test_draft_writer_semantics():
     num_reqs = len(reqs)
     assert (qsl_out[num_reqs:] == num_reqs * (depth + 1)).all()
     assert (seq_lens[num_reqs:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "budget,num_reqs,max_reqs", [(6, 3, 5), (64, 4, 4), (1024, 2, 3)]
+)
+def test_store_draft_trees_is_indexed_copies_and_a_clamp(budget, num_reqs, max_reqs):
+    """One launch equals the four indexed copies into request-state rows and
+    the clamp of the draft tokens it replaces; other state rows and batch rows
+    past num_reqs stay untouched (budget 1024: the mask copy loops)."""
+    from vllm.v1.spec_decode.dflash_tree_builder import num_mask_words
+
+    gen = torch.Generator().manual_seed(budget)
+    words = num_mask_words(budget)
+    rows = max_reqs + 1  # the drafter's buffers hold more rows than run
+
+    def rand(shape, dtype, low=-1, high=1000):
+        return torch.randint(low, high, shape, generator=gen, dtype=dtype)
+
+    src = [
+        rand((rows, budget), torch.int64),
+        rand((rows, budget), torch.int32, 0, budget),
+        rand((rows, budget), torch.int32, 0, 16),
+        rand((rows, budget + 1, words), torch.int32, -(2**31), 2**31 - 1),
+    ]
+    state = [
+        rand((max_reqs, budget), torch.int64),
+        rand((max_reqs, budget), torch.int32),
+        rand((max_reqs, budget), torch.int32),
+        rand((max_reqs, budget + 1, words), torch.int32),
+    ]
+    src[0][:, budget // 2 :] = -1  # padding nodes
+    draft = rand((max_reqs, budget), torch.int64)
+    idx = torch.randperm(max_reqs, generator=gen)[:num_reqs].to(torch.int32)
+    want_state = [t.clone() for t in state]
+    for w, t in zip(want_state, src):
+        w[idx.long()] = t[:num_reqs]
+    want_draft = draft.clone()
+    want_draft[:num_reqs] = src[0][:num_reqs].clamp(min=0)
+    assert (src[0][:num_reqs] == -1).any()  # padding nodes are exercised
+
+    dev = [t.to(DEVICE) for t in state]
+    d_draft = draft.to(DEVICE)
+    store_draft_trees(
+        *dev, d_draft, *(t.to(DEVICE) for t in src), idx.to(DEVICE), num_reqs
+    )
+    compared = 0
+    for got, want in zip(dev, want_state):
+        assert torch.equal(got.cpu(), want)
+        compared += want.numel()
+    assert torch.equal(d_draft.cpu(), want_draft)
+    compared += want_draft.numel()
+    print(f"{compared} elements compared")
+    assert compared >= max_reqs * budget * 4

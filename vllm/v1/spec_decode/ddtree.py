@@ -35,7 +35,11 @@ import torch
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
-from vllm.v1.spec_decode.ddtree_inputs import draft_context_size, prepare_draft_inputs
+from vllm.v1.spec_decode.ddtree_inputs import (
+    draft_context_size,
+    prepare_draft_inputs,
+    store_draft_trees,
+)
 from vllm.v1.spec_decode.dflash_tree_builder import DDTree, build_ddtree
 from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
 from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
@@ -78,12 +82,24 @@ class DraftTrees:
         idx_mapping: torch.Tensor,
         src: DDTree,
         num_reqs: int,
+        # [>= num_reqs, budget] int64: also written, src's tokens clamped at 0
+        draft_tokens: torch.Tensor,
     ) -> None:
-        """``self[idx_mapping[r]] <- src[r]`` for r < num_reqs."""
-        self.token_ids[idx_mapping] = src.token_ids[:num_reqs]
-        self.parent_ids[idx_mapping] = src.parent_ids[:num_reqs]
-        self.depths[idx_mapping] = src.depths[:num_reqs]
-        self.attn_mask[idx_mapping] = src.attn_mask[:num_reqs]
+        """``self[idx_mapping[r]] <- src[r]`` for r < num_reqs, and the draft
+        tokens MRv2 schedules (:func:`store_draft_trees`, one launch)."""
+        store_draft_trees(
+            self.token_ids,
+            self.parent_ids,
+            self.depths,
+            self.attn_mask,
+            draft_tokens,
+            src.token_ids,
+            src.parent_ids,
+            src.depths,
+            src.attn_mask,
+            idx_mapping,
+            num_reqs,
+        )
 
 
 def fixed_draft_len_config(vllm_config: VllmConfig) -> VllmConfig:
@@ -362,12 +378,13 @@ class DDTreeSpeculator(DFlashSpeculator):
                 num_tokens_across_dp,
                 batch_desc.cg_mode,
             )
-        if not dummy_run:
-            assert self.state is not None
-            self.state.trees.scatter_(
-                input_batch.idx_mapping, self.batch_trees, num_reqs
-            )
-        return self._draft_tokens(num_reqs)
+        if dummy_run:
+            return self._draft_tokens(num_reqs)
+        assert self.state is not None
+        self.state.trees.scatter_(
+            input_batch.idx_mapping, self.batch_trees, num_reqs, self.draft_tokens
+        )
+        return self.draft_tokens[:num_reqs]
 
     def _prepare_inputs(
         self,

@@ -169,6 +169,112 @@ def _write_tree_verify_inputs_kernel(
         tl.store(dst + row * attn_mask_stride_row + word, words, mask=in_range)
 
 
+def store_draft_trees(
+    # [max_num_reqs, budget] int64 / int32 / int32, request-state order
+    state_token_ids: torch.Tensor,
+    state_parent_ids: torch.Tensor,
+    state_depths: torch.Tensor,
+    # [max_num_reqs, budget + 1, num_words] int32, request-state order
+    state_attn_mask: torch.Tensor,
+    # [>= num_reqs, budget] int64: the draft tokens MRv2 reads (batch order)
+    draft_tokens: torch.Tensor,
+    # the drafter's trees, batch order: same shapes with >= num_reqs rows
+    token_ids: torch.Tensor,
+    parent_ids: torch.Tensor,
+    depths: torch.Tensor,
+    attn_mask: torch.Tensor,
+    # [num_reqs] request-state row of each batch row
+    idx_mapping: torch.Tensor,
+    num_reqs: int,
+) -> None:
+    """One launch for what a drafted step keeps: each batch row's tree into its
+    request's state row, and the draft tokens MRv2 schedules (padding nodes,
+    token -1, as token 0: any valid id enters the target batch, none is
+    accepted). In place of four indexed copies and a clamp."""
+    budget = token_ids.shape[1]
+    mask_row = attn_mask.shape[1] * attn_mask.shape[2]
+    for t in (state_attn_mask, attn_mask):
+        if t.stride(2) != 1 or t.stride(1) != attn_mask.shape[2]:
+            raise ValueError("tree masks must be contiguous per request")
+    if num_reqs == 0:
+        return
+    _store_draft_trees_kernel[(num_reqs,)](
+        state_token_ids,
+        state_token_ids.stride(0),
+        state_parent_ids,
+        state_parent_ids.stride(0),
+        state_depths,
+        state_depths.stride(0),
+        state_attn_mask,
+        state_attn_mask.stride(0),
+        draft_tokens,
+        draft_tokens.stride(0),
+        token_ids,
+        token_ids.stride(0),
+        parent_ids,
+        parent_ids.stride(0),
+        depths,
+        depths.stride(0),
+        attn_mask,
+        attn_mask.stride(0),
+        idx_mapping,
+        budget,
+        mask_row,
+        NODE_BLOCK=triton.next_power_of_2(budget),
+        MASK_BLOCK=min(1024, triton.next_power_of_2(mask_row)),
+    )
+
+
+@triton.jit
+def _store_draft_trees_kernel(
+    state_token_ids_ptr,
+    state_token_ids_stride,
+    state_parent_ids_ptr,
+    state_parent_ids_stride,
+    state_depths_ptr,
+    state_depths_stride,
+    state_attn_mask_ptr,
+    state_attn_mask_stride,
+    draft_tokens_ptr,
+    draft_tokens_stride,
+    token_ids_ptr,
+    token_ids_stride,
+    parent_ids_ptr,
+    parent_ids_stride,
+    depths_ptr,
+    depths_stride,
+    attn_mask_ptr,
+    attn_mask_stride,
+    idx_mapping_ptr,
+    budget,
+    mask_row,
+    NODE_BLOCK: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    slot = tl.load(idx_mapping_ptr + r).to(tl.int64)
+    nodes = tl.arange(0, NODE_BLOCK)
+    valid = nodes < budget
+    tokens = tl.load(token_ids_ptr + r * token_ids_stride + nodes, mask=valid)
+    tl.store(state_token_ids_ptr + slot * state_token_ids_stride + nodes, tokens, valid)
+    tl.store(
+        draft_tokens_ptr + r * draft_tokens_stride + nodes,
+        tl.maximum(tokens, 0),
+        valid,
+    )
+    parents = tl.load(parent_ids_ptr + r * parent_ids_stride + nodes, mask=valid)
+    tl.store(
+        state_parent_ids_ptr + slot * state_parent_ids_stride + nodes, parents, valid
+    )
+    depth = tl.load(depths_ptr + r * depths_stride + nodes, mask=valid)
+    tl.store(state_depths_ptr + slot * state_depths_stride + nodes, depth, valid)
+    for start in range(0, mask_row, MASK_BLOCK):
+        words = start + tl.arange(0, MASK_BLOCK)
+        in_row = words < mask_row
+        w = tl.load(attn_mask_ptr + r * attn_mask_stride + words, mask=in_row)
+        tl.store(state_attn_mask_ptr + slot * state_attn_mask_stride + words, w, in_row)
+
+
 def draft_context_size(
     num_tokens: int, num_draft_tokens: int, num_reqs: int, depth: int
 ) -> int:
