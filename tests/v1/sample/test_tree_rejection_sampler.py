@@ -165,6 +165,35 @@ def test_walk_matches_reference(num_reqs, budget, depth, vocab):
     assert ref.num_accepted.max() > 0
 
 
+@pytest.mark.parametrize("num_reqs,num_slots,budget,depth,vocab", [(5, 8, 24, 6, 11)])
+def test_walk_reads_request_state_rows_in_place(
+    num_reqs, num_slots, budget, depth, vocab
+):
+    """``tree_rows``: request r's tree is row tree_rows[r] of slot-order tensors
+    (as DDTree keeps them), read in place; the same result as walking the rows
+    gathered into batch order, and as the reference."""
+    gen = torch.Generator().manual_seed(7)
+    slots = build_ddtree_reference(
+        torch.randn(num_slots, depth, vocab, generator=gen) * 2, budget
+    )
+    rows = torch.randperm(num_slots, generator=gen)[:num_reqs].to(torch.int32)
+    tokens, parents = slots.token_ids[rows.long()], slots.parent_ids[rows.long()]
+    num_nodes = [budget - (r % 3) * (budget // 3) for r in range(num_reqs)]
+    cu, _, _ = _layout(num_nodes)
+    node_sampled = torch.randint(0, vocab, (int(cu[-1]),), generator=gen)
+    _steer(node_sampled, tokens, parents, cu, num_nodes, gen)
+    ref = walk_trees_reference(node_sampled, tokens, parents, cu, depth)
+    gathered = walk_trees(*_to(DEVICE, node_sampled, tokens, parents, cu), depth)
+    in_place = walk_trees(
+        *_to(DEVICE, node_sampled, slots.token_ids, slots.parent_ids, cu),
+        depth,
+        tree_rows=rows.to(DEVICE),
+    )
+    _assert_same(gathered, ref)
+    _assert_same(in_place, ref)
+    assert ref.num_accepted.sum() >= num_reqs  # paths were accepted
+
+
 def _fed_tokens(tokens: torch.Tensor, cu: torch.Tensor, num_nodes, gen, flips):
     """[num_logits] input ids as the target was fed them: a random root token,
     then the tree's tokens (padding as 0), with ``flips`` random nodes fed

@@ -113,6 +113,9 @@ class TreeRejectionSampler:
         tree_token_ids: torch.Tensor,
         # [num_reqs, budget]
         tree_parent_ids: torch.Tensor,
+        # [num_reqs] row of each request's tree in the two above, if they are
+        # request-state tensors (read in place, no gather)
+        tree_rows: torch.Tensor | None = None,
     ) -> TreeSamplerOutput:
         # Count NaNs before any processing, as vLLM's samplers do.
         num_nans = get_num_nans(logits) if self.sampler.compute_nans else None
@@ -139,6 +142,7 @@ class TreeRejectionSampler:
             self.max_depth,
             use_fp64=self.sampler.use_fp64_gumbel,
             fed_token_ids=input_ids,
+            tree_rows=tree_rows,
         )
         use_processed = self.sampler.logprobs_mode in (
             "processed_logprobs",
@@ -216,6 +220,8 @@ def tree_rejection_sample(
     use_fp64: bool = False,
     # [num_logits] token fed to the target at each logit row, if known
     fed_token_ids: torch.Tensor | None = None,
+    # [num_reqs] tree row of each request (see walk_trees)
+    tree_rows: torch.Tensor | None = None,
 ) -> TreeSampleOutput:
     """Sample every tree token, then walk each tree to its accepted path.
 
@@ -243,6 +249,7 @@ def tree_rejection_sample(
         cu_num_logits,
         max_depth,
         fed_token_ids,
+        tree_rows,
     )
 
 
@@ -258,6 +265,9 @@ def walk_trees(
     max_depth: int,
     # [num_logits]
     fed_token_ids: torch.Tensor | None = None,
+    # [num_reqs] int32: request r's tree is row tree_rows[r] of the tree tensors
+    # (request-state order, read in place); None: row r
+    tree_rows: torch.Tensor | None = None,
 ) -> TreeSampleOutput:
     """Walk each request's tree along the target's samples ``node_sampled``.
 
@@ -271,6 +281,8 @@ def walk_trees(
     ``max_depth`` are cut at ``max_depth`` accepted nodes.
     """
     num_reqs, budget = tree_token_ids.shape
+    if tree_rows is not None:
+        num_reqs = tree_rows.shape[0]
     device = node_sampled.device
     sampled = torch.empty(num_reqs, budget + 1, dtype=torch.int64, device=device)
     num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=device)
@@ -290,9 +302,11 @@ def walk_trees(
         tree_parent_ids.stride(0),
         cu_num_logits,
         node_sampled if fed_token_ids is None else fed_token_ids,
+        cu_num_logits if tree_rows is None else tree_rows,
         budget,
         max_depth,
         CHECK_FED=fed_token_ids is not None,
+        HAS_ROWS=tree_rows is not None,
         NODE_BLOCK=triton.next_power_of_2(budget),
         OUT_BLOCK=triton.next_power_of_2(budget + 1),
         PATH_BLOCK=triton.next_power_of_2(max_depth + 1),
@@ -389,9 +403,12 @@ def _tree_walk_kernel(
     cu_num_logits_ptr,
     # [num_logits]
     fed_token_ids_ptr,
+    # [num_reqs] tree row of each request (HAS_ROWS)
+    tree_rows_ptr,
     budget,
     max_depth,
     CHECK_FED: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     NODE_BLOCK: tl.constexpr,
     OUT_BLOCK: tl.constexpr,
     PATH_BLOCK: tl.constexpr,
@@ -401,18 +418,22 @@ def _tree_walk_kernel(
     end = tl.load(cu_num_logits_ptr + req_idx + 1).to(tl.int64)
     has_root = end > start
     num_nodes = tl.minimum(end - start - 1, budget)
+    if HAS_ROWS:
+        tree_row = tl.load(tree_rows_ptr + req_idx).to(tl.int64)
+    else:
+        tree_row = req_idx
 
     # Column i holds node i + 1. Nodes past num_nodes and padding nodes
     # (token -1) never match.
     node_offs = tl.arange(0, NODE_BLOCK)
     node_mask = node_offs < num_nodes
     parents = tl.load(
-        parent_ids_ptr + req_idx * parent_ids_stride + node_offs,
+        parent_ids_ptr + tree_row * parent_ids_stride + node_offs,
         mask=node_mask,
         other=-1,
     )
     tokens = tl.load(
-        token_ids_ptr + req_idx * token_ids_stride + node_offs,
+        token_ids_ptr + tree_row * token_ids_stride + node_offs,
         mask=node_mask,
         other=-1,
     ).to(tl.int64)

@@ -81,8 +81,9 @@ class DDTreeRejectionSampler:
         out = self.tree_sampler(
             logits,
             input_batch,
-            trees.token_ids[idx_mapping],
-            trees.parent_ids[idx_mapping],
+            trees.token_ids,
+            trees.parent_ids,
+            tree_rows=idx_mapping,
         )
         cu_num_logits = input_batch.cu_num_logits
         num_reqs = input_batch.num_reqs
