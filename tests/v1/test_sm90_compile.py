@@ -38,7 +38,9 @@ PROBE = textwrap.dedent("""
     from vllm.v1.sample.tree_rejection_sampler import walk_trees
     from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree
     from vllm.v1.spec_decode.ddtree_inputs import (
-        prepare_draft_inputs, write_tree_verify_inputs)
+        prepare_draft_inputs, store_draft_trees, write_tree_verify_inputs)
+    from vllm.v1.attention.ops.triton_tree_attention import (
+        TreeAttentionConfig, TreeAttentionVariant, warm_up_tree_attention)
 
     build_ddtree(torch.zeros(2, 15, 100, dtype=torch.bfloat16), 64)  # whole rows
     for budget in (16, 128):
@@ -47,6 +49,23 @@ PROBE = textwrap.dedent("""
     walk_trees(torch.zeros(2 * 129, dtype=torch.int64), tree.token_ids,
                tree.parent_ids, torch.zeros(3, dtype=torch.int32), 15,
                torch.zeros(2 * 129, dtype=torch.int32))
+    # ... and as DDTree runs it: trees read in place from request-state rows.
+    walk_trees(torch.zeros(2 * 129, dtype=torch.int64), tree.token_ids,
+               tree.parent_ids, torch.zeros(3, dtype=torch.int32), 15,
+               torch.zeros(2 * 129, dtype=torch.int32),
+               tree_rows=torch.zeros(1, dtype=torch.int32))
+    store_draft_trees(tree.token_ids, tree.parent_ids, tree.depths,
+                      tree.attn_mask, torch.zeros(2, 128, dtype=torch.int64),
+                      tree.token_ids, tree.parent_ids, tree.depths,
+                      tree.attn_mask, torch.zeros(2, dtype=torch.int32), 2)
+    # TREE_ATTN's start-up warm-up, unsplit and split (the merge kernel too).
+    kv = torch.zeros(4, 16, 8, 256, dtype=torch.bfloat16)
+    cfg = TreeAttentionConfig(block_m=64, block_n=64, num_warps=4)
+    warm_up_tree_attention(
+        [TreeAttentionVariant(cfg, 1), TreeAttentionVariant(cfg, 4)],
+        torch.zeros(1, 32, 128, dtype=torch.bfloat16), kv[..., :128],
+        kv[..., 128:], 64, torch.zeros(4, 129, 5, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.int32), 0.088)
     caches = [torch.zeros(8, 16, 8, 256, dtype=torch.bfloat16).transpose(1, 2)
               .unflatten(-1, (2, 128)).permute(3, 0, 1, 2, 4) for _ in range(2)]
     TreeKVCompactor(caches)(torch.zeros(258, dtype=torch.int64),
@@ -120,4 +139,7 @@ def test_ddtree_kernels_compile_for_sm90():
         "_tree_kv_compaction_kernel",
         "_write_tree_verify_inputs_kernel",
         "_prepare_draft_inputs_kernel",
+        "_store_draft_trees_kernel",
+        "_tree_attention_kernel",
+        "_merge_splits_kernel",
     }
