@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session script: run on the H200 from the repo root after the vLLM bundle is
 # installed (see ../shared/gpu/README.md). Logs and results go to $OUT.
-#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|bench-ops|bench-attn|bench-ddtree|train-pair [args]
+#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|load|compiles|bench-ops|bench-attn|bench-ddtree|train-pair [args]
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see docs/bench_ddtree.md and docs/train_pair.md)
 set -uo pipefail
@@ -75,6 +75,26 @@ tests/v1/test_sm90_compile.py"
     wait $serve || rc=1
     summarize pytest_e2e test_ddtree_llm test_tree_attn_llm test_ddtree_serve
     exit $rc ;;
+  load)
+    # tests/e2e/test_ddtree_load.py alone: one device call. Its time budget is
+    # what this call has left (the install counted), at most 540 s; the module
+    # shortens its streams to fit and keeps its summary as each phase ends.
+    left=$((590 - SECONDS))
+    export DDTREE_LOAD_SECONDS=${DDTREE_LOAD_SECONDS:-300}
+    export DDTREE_LOAD_BUDGET_S=${DDTREE_LOAD_BUDGET_S:-$(( left - 25 < 540 ? left - 25 : 540 ))}
+    timeout $left python3 -m pytest -q -p no:cacheprovider -rfE -s "$@" \
+      tests/e2e/test_ddtree_load.py > "$OUT/pytest_e2e_load.log" 2>&1
+    rc=$?
+    grep -E '^\[load|: \{|passed|failed|^(FAILED|ERROR)' "$OUT/pytest_e2e_load.log" | tail -40
+    exit $rc ;;
+  compiles)
+    # tests/e2e/test_ddtree_compiles.py: two servers at vLLM's defaults (~2.5 min
+    # to start), the traffic twice, then the Triton variants met after ready.
+    pytest_to "$OUT/pytest_e2e_compiles.log" -s "$@" tests/e2e/test_ddtree_compiles.py
+    rc=$?
+    grep -E 'after ready|kernel|passed|failed|^(FAILED|ERROR)' \
+      "$OUT/pytest_e2e_compiles.log" | tail -40
+    exit $rc ;;
   bench-ops)
     timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_ops.log" | tail -30 ;;
@@ -89,6 +109,6 @@ tests/v1/test_sm90_compile.py"
     OUT=$OUT timeout $LIMIT bash benchmarks/train_pair/run_h200.sh \
       "${1:-$((LIMIT - 20))}" 2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|load|compiles|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac
