@@ -115,6 +115,7 @@ TREE_OPS_KERNELS = (
     # vllm/v1/spec_decode/ddtree_inputs.py
     "_write_tree_verify_inputs_kernel",
     "_prepare_draft_inputs_kernel",
+    "_store_draft_trees_kernel",
 )
 # vllm/v1/attention/ops/triton_tree_attention.py, and vLLM's merge_attn_states
 # (CUDA or Triton), which TREE_ATTN's cascade uses (FlashAttention's own cascade

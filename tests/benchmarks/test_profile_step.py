@@ -274,6 +274,7 @@ def test_child_env_keeps_the_engine_in_process(monkeypatch):
         ("_tree_kv_compaction_kernel", "tree_ops"),
         ("_write_tree_verify_inputs_kernel", "tree_ops"),
         ("_prepare_draft_inputs_kernel", "tree_ops"),
+        ("_store_draft_trees_kernel", "tree_ops"),
         ("copy_and_expand_dflash_inputs_kernel", "input_prep"),
         ("eagle_prepare_inputs_padded_kernel", "input_prep"),
         ("_compute_slot_mapping_kernel", "input_prep"),
