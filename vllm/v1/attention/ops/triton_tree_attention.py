@@ -570,7 +570,10 @@ def tree_attention_variants(
     out: dict[tuple, TreeAttentionVariant] = {}
     for (_, tiles), avg in reps.items():
         per_req = tiles * num_kv_heads
-        last = min(max_num_reqs, max(1, max_num_tokens // avg))
+        # A step of n requests averages avg tokens with as few as
+        # (avg - 1) * n + 1 of them.
+        fit = max_num_tokens if avg == 1 else (max_num_tokens - 1) // (avg - 1)
+        last = min(max_num_reqs, max(1, fit))
         for num_reqs in range(1, min(last, max_programs // per_req + 1) + 1):
             p = plan(
                 num_reqs * avg,
