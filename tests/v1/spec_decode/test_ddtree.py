@@ -745,7 +745,7 @@ def test_warm_up_covers_the_engines_tree_attention_variants(vllm_config, monkeyp
     assert len(calls) == 1  # both layers have one shape
     variants, q_like, key_cache, width, mask, is_tree, scale = calls[0]
     sched = vllm_config.scheduler_config
-    dtype = vllm_config.model_config.dtype
+    dtype = DTYPE  # the KV cache's
     want = tree_attention_variants(
         num_heads,
         NUM_KV_HEADS,

@@ -86,9 +86,9 @@ class TreeRejectionSampler:
     rows ``cu_num_logits[r] .. cu_num_logits[r + 1] - 1``, with ``b <= budget``
     (the scheduler may trim a tree to a prefix of its node list, which is still a
     tree because nodes are ordered parent-before-child). The tree tensors are owned
-    by the DDTree speculator and passed in per step, in batch order: row r is
-    request r of ``input_batch``, and its first b tokens are the draft tokens
-    scheduled for it. Outputs use vLLM's chain layout, so vLLM's post-update code
+    by the DDTree speculator and passed in per step: row r is request r of
+    ``input_batch`` (or row ``tree_rows[r]`` of request-state tensors, read in
+    place), and its first b tokens are the draft tokens scheduled for it. Outputs use vLLM's chain layout, so vLLM's post-update code
     consumes them unchanged; ``accepted_nodes`` feeds ``TreeKVCompactor``.
     A node is accepted only if its tree token is also the token the target was
     fed at its row (``input_batch.input_ids``): a tree that does not match the
@@ -273,7 +273,8 @@ def walk_trees(
 
     Request r's tree tokens are rows ``cu_num_logits[r] .. cu_num_logits[r+1]-1``
     of ``node_sampled``: the root, then nodes 1..b. Node i's token and parent
-    (0 = root) are ``tree_token_ids[r, i-1]`` and ``tree_parent_ids[r, i-1]``;
+    (0 = root) are ``tree_token_ids[t, i-1]`` and ``tree_parent_ids[t, i-1]``
+    with t = ``tree_rows[r]`` (r without ``tree_rows``);
     nodes beyond b are ignored, padding nodes (token -1) never match. With
     ``fed_token_ids`` (the target's input at each logit row), a node whose tree
     token differs from the token fed at its row never matches either, so only

@@ -193,6 +193,20 @@ def store_draft_trees(
     accepted). In place of four indexed copies and a clamp."""
     budget = token_ids.shape[1]
     mask_row = attn_mask.shape[1] * attn_mask.shape[2]
+    # The kernel trusts the shapes: a wider or narrower row would write into
+    # its neighbour.
+    for state, src in (
+        (state_token_ids, token_ids),
+        (state_parent_ids, parent_ids),
+        (state_depths, depths),
+        (state_attn_mask, attn_mask),
+        (draft_tokens, token_ids),
+    ):
+        if state.shape[1:] != src.shape[1:] or state.dtype != src.dtype:
+            raise ValueError(
+                f"tree rows differ: {tuple(state.shape)} {state.dtype} vs "
+                f"{tuple(src.shape)} {src.dtype}"
+            )
     for t in (state_attn_mask, attn_mask):
         if t.stride(2) != 1 or t.stride(1) != attn_mask.shape[2]:
             raise ValueError("tree masks must be contiguous per request")

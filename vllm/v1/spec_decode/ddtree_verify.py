@@ -206,7 +206,6 @@ class DDTreeModelState(DefaultModelState):
         start = time.perf_counter()
         layers = self.vllm_config.compilation_config.static_forward_context
         sched = self.vllm_config.scheduler_config
-        dtype = self.vllm_config.model_config.dtype
         launches, seen = 0, set()
         for group in self._tree_groups:
             for name in group.layer_names:
@@ -239,12 +238,15 @@ class DDTreeModelState(DefaultModelState):
                     num_sms,
                     sched.max_num_seqs,
                     sched.max_num_batched_tokens,
-                    itemsize=torch.empty((), dtype=dtype).element_size(),
+                    itemsize=key_cache.element_size(),
                 )
+                # The kernel requires the query in the KV cache's dtype.
                 launches += warm_up_tree_attention(
                     variants,
                     torch.empty(
-                        (1, impl.num_heads, impl.head_size), dtype=dtype, device=device
+                        (1, impl.num_heads, impl.head_size),
+                        dtype=key_cache.dtype,
+                        device=device,
                     ),
                     key_cache,
                     value_cache,
