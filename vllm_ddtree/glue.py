@@ -28,8 +28,10 @@ Engine-core and worker side:
    spec-decode stats with per-position counts sized by the drafter's depth
    (the scheduler's own ``make_spec_decoding_stats``, per instance).
 6. ``GPUModelRunner.__init__`` (MRv2): registers TREE_ATTN in the worker before
-   the model is built; ``init_speculator`` (as the runner imported it):
-   ``DDTreeSpeculator``.
+   the model is built; ``GPUModelRunner.initialize_kv_cache``: then compiles every
+   TREE_ATTN kernel variant a step can pick
+   (``DDTreeModelState.warm_up_tree_attention``); ``init_speculator`` (as the
+   runner imported it): ``DDTreeSpeculator``.
 7. ``init_model_state`` (as the runner imported it): ``DDTreeModelState``.
 
 Front end:
@@ -95,6 +97,7 @@ def _patch_model_runner(module) -> None:
     _wrap(module, "init_speculator", _init_speculator)
     _wrap(module, "init_model_state", _init_model_state)
     _wrap(module.GPUModelRunner, "__init__", _model_runner_init)
+    _wrap(module.GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
 
 
 def _patch_stat_loggers(module) -> None:
@@ -438,6 +441,16 @@ def _model_runner_init(original, self, vllm_config, *args, **kwargs):
         # Before the model (and its attention layers) is built in this worker.
         register_tree_attn_backend()
     original(self, vllm_config, *args, **kwargs)
+
+
+def _initialize_kv_cache(original, self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    warm_up = getattr(self.model_state, "warm_up_tree_attention", None)
+    if warm_up is not None:  # DDTree's model state (point 7)
+        # KV caches, block tables and attention groups exist now, whatever the
+        # CUDA-graph mode; capture then finds TREE_ATTN compiled.
+        warm_up(self.block_tables, self.attn_groups)
+    return out
 
 
 def _init_speculator(original, vllm_config, device):

@@ -715,7 +715,6 @@ def test_warm_up_covers_the_engines_tree_attention_variants(vllm_config, monkeyp
     from vllm.v1.spec_decode import ddtree_verify
 
     state_ms = _model_state(vllm_config)
-    state_ms._bind_tree_inputs(_attn_groups(vllm_config))
     num_heads = 4
     impl = types.SimpleNamespace(
         num_heads=num_heads,
@@ -740,7 +739,7 @@ def test_warm_up_covers_the_engines_tree_attention_variants(vllm_config, monkeyp
     monkeypatch.setattr(ddtree_verify, "warm_up_tree_attention", record)
     table = torch.zeros(NUM_STATES, 16, dtype=torch.int32, device=DEVICE)
     tables = types.SimpleNamespace(block_tables=[types.SimpleNamespace(gpu=table)])
-    launches = state_ms.warm_up_tree_attention(tables)
+    launches = state_ms.warm_up_tree_attention(tables, _attn_groups(vllm_config))
 
     assert len(calls) == 1  # both layers have one shape
     variants, q_like, key_cache, width, mask, is_tree, scale = calls[0]
@@ -767,19 +766,33 @@ def test_warm_up_covers_the_engines_tree_attention_variants(vllm_config, monkeyp
     assert is_tree is state_ms.tree_inputs.is_tree
 
 
-def test_speculator_capture_warms_tree_attention_after_the_graphs(monkeypatch):
-    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
-    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+def test_kv_cache_init_warms_tree_attention_in_every_graph_mode():
+    """The glue's ``GPUModelRunner.initialize_kv_cache`` wrapper: after vLLM's
+    own KV-cache set-up, a DDTree model state warms TREE_ATTN with the runner's
+    block tables and attention groups (eager engines and cudagraph_mode NONE
+    included: no capture is needed); another model state is left alone."""
+    import vllm_ddtree
+    from vllm.v1.worker.gpu import model_runner
 
+    vllm_ddtree.register()
+    runner_cls = model_runner.GPUModelRunner
+    assert getattr(runner_cls.initialize_kv_cache, "__ddtree_patched__", False)
     order = []
-    monkeypatch.setattr(
-        DFlashSpeculator, "capture", lambda self: order.append("graphs")
+
+    def fake_original(self, kv_cache_config):
+        order.append(("vllm", kv_cache_config))
+
+    from vllm_ddtree import glue
+
+    calls = []
+    warmed = types.SimpleNamespace(
+        warm_up_tree_attention=lambda tables, groups: calls.append((tables, groups))
     )
-    spec = object.__new__(DDTreeSpeculator)
-    tables = object()
-    spec._target_block_tables = tables
-    spec._target_model_state = types.SimpleNamespace(
-        warm_up_tree_attention=lambda t: order.append(("tree_attn", t))
+    runner = types.SimpleNamespace(
+        model_state=warmed, block_tables="tables", attn_groups="groups"
     )
-    spec.capture()
-    assert order == ["graphs", ("tree_attn", tables)]
+    glue._initialize_kv_cache(fake_original, runner, "config")
+    assert order == [("vllm", "config")] and calls == [("tables", "groups")]
+    runner.model_state = types.SimpleNamespace()  # not DDTree's
+    glue._initialize_kv_cache(fake_original, runner, "config")
+    assert calls == [("tables", "groups")] and len(order) == 2

@@ -234,14 +234,6 @@ class DDTreeSpeculator(DFlashSpeculator):
                 f"{type(model_state).__name__}"
             )
         self.state = state
-        self._target_model_state = model_state
-        self._target_block_tables = block_tables
-
-    def capture(self) -> None:
-        super().capture()
-        # After the target's graphs: the KV caches exist and the tree buffers
-        # are bound (DDTreeModelState.warm_up_tree_attention).
-        self._target_model_state.warm_up_tree_attention(self._target_block_tables)
 
     def _generate_draft(
         self,

@@ -193,16 +193,24 @@ class DDTreeModelState(DefaultModelState):
                 verified.num_accepted,
             )
 
-    def warm_up_tree_attention(self, block_tables: BlockTables) -> int:
+    @torch.inference_mode()
+    def warm_up_tree_attention(
+        self,
+        block_tables: BlockTables,
+        attn_groups: list[list[AttentionGroup]],
+    ) -> int:
         """Compile every TREE_ATTN variant a step of this engine can pick.
 
         CUDA-graph capture compiles the variants of uniform tree batches only;
         a step run outside the graphs (a prompt next to trees, a prefix-cache
         hit's short remainder, a batch size off the capture ladder) picks its
         tile shape and split count from its own sizes, and a variant met there
-        first would compile inside a user's step. Called after capture, with
-        the real KV caches and tree buffers; returns the kernel launches."""
-        assert self._tree_groups is not None, "prepare_attn runs before capture"
+        first would compile inside a user's step. Called once the KV caches
+        exist (the model runner's ``initialize_kv_cache``, in every CUDA-graph
+        mode), with the real KV caches and tree buffers; returns the kernel
+        launches."""
+        self._bind_tree_inputs(attn_groups)
+        assert self._tree_groups is not None
         start = time.perf_counter()
         layers = self.vllm_config.compilation_config.static_forward_context
         sched = self.vllm_config.scheduler_config
