@@ -35,6 +35,7 @@ from vllm.v1.attention.backends.tree_attn import (
 )
 from vllm.v1.attention.ops.tree_kv_compaction import TreeKVCompactor
 from vllm.v1.attention.ops.triton_tree_attention import (
+    num_sms,
     tree_attention_variants,
     warm_up_tree_attention,
 )
@@ -234,16 +235,11 @@ class DDTreeModelState(DefaultModelState):
                 seen.add(key)
                 key_cache, value_cache = split_kv_cache(kv_cache, impl.head_size)
                 device = kv_cache.device
-                num_sms = (
-                    torch.cuda.get_device_properties(device).multi_processor_count
-                    if device.type == "cuda"
-                    else 1
-                )
                 variants = tree_attention_variants(
                     impl.num_heads,
                     impl.num_kv_heads,
                     impl.head_size,
-                    num_sms,
+                    num_sms(device),
                     sched.max_num_seqs,
                     sched.max_num_batched_tokens,
                     itemsize=key_cache.element_size(),

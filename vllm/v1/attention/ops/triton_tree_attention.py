@@ -231,7 +231,7 @@ def tree_attention(
         num_q_heads,
         num_kv_heads,
         head_size,
-        _num_sms(q.device),
+        num_sms(q.device),
         config,
         num_splits,
         q.element_size(),
@@ -724,7 +724,7 @@ def _num_splits(
     return min(range(1, _MAX_SPLITS + 1), key=cost)
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _CPU_NUM_SMS
