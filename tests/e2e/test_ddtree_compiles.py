@@ -143,11 +143,15 @@ def compiles(tmp_path_factory):
         "ddtree": {"method": "ddtree", "model": drafter},
         "dflash": {"method": "dflash", "model": drafter, "num_speculative_tokens": 15},
     }
+    # At `vllm serve`'s H200 defaults (8192 batched tokens, 1024 sequences) vLLM
+    # refuses 15 draft slots per sequence; 256 sequences is what a DFlash user
+    # must set there. DDTree starts with the defaults unchanged.
+    flags = {"ddtree": {}, "dflash": {"max_num_seqs": 256}}
     servers, logs = {}, {}
     try:
         for name, spec in specs.items():
             logs[name] = tmp / f"{name}_compiles.jsonl"
-            args = load_client.server_args(1 << 30, spec)
+            args = load_client.server_args(1 << 30, spec, **flags[name])
             env = {
                 "PYTHONPATH": str(RECORDER),
                 "DDTREE_TRITON_COMPILE_LOG": str(logs[name]),
