@@ -47,6 +47,18 @@ def save_log(name: str, text: str) -> None:
         (Path(log_dir) / f"{name}.log").write_text(text)
 
 
+def report(name: str, line: str) -> None:
+    """Print a test's measured line (tokens compared, p-values, counts) and append
+    it to ``$DDTREE_E2E_LOG_DIR/<name>.log`` if set, so a GPU run keeps the
+    numbers without ``pytest -rP``."""
+    print(line)
+    log_dir = os.environ.get("DDTREE_E2E_LOG_DIR")
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(log_dir) / f"{name}.log", "a") as f:
+            f.write(line + "\n")
+
+
 def _free_blocks(llm) -> int:
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()

@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import json
 import random
+import time
 from functools import cache
 from pathlib import Path
 from typing import TextIO
@@ -180,6 +181,9 @@ async def _one(session, url: str, i: int, stream: bool, deadline: float) -> dict
         "aborted": False,
         "at_deadline": False,
         "error": None,
+        # Wall-clock start and end: when errors happen, next to the module's
+        # phases (its summary's ``start_epoch``).
+        "t0": round(time.time(), 2),
     }
     try:
         async with asyncio.timeout_at(deadline) as cut:
@@ -193,6 +197,7 @@ async def _one(session, url: str, i: int, stream: bool, deadline: float) -> dict
         else:
             out["at_deadline"] = True
             out["aborted"] = out["finish"] is None
+    out["t1"] = round(time.time(), 2)
     return out
 
 

@@ -312,6 +312,7 @@ def run_load(tmp: Path) -> dict:
         "concurrency": CONCURRENCY,
         "phases": {},
         "counts": {},
+        "start_epoch": time.time(),
     }
     runs: dict[str, dict] = {}
     clients: dict[str, subprocess.Popen] = {}
@@ -421,7 +422,21 @@ def run_load(tmp: Path) -> dict:
                     clients[n].wait()
             runs.update({n: _read(tmp / f"{n}.jsonl") for n in REFS})
             result["counts"].update({n: _counts(runs[n]) for n in REFS})
-            replayed = sum(len(runs[n]) for n in REFS)
+            # The references run ahead of the DDTree servers until the limit is
+            # known: only requests below it are compared.
+            replayed = sum(sum(i < limit for i in runs[n]) for n in REFS)
+            result["reference_errors"] = {
+                n: {
+                    "below_limit": sum(
+                        bool(r["error"]) for i, r in runs[n].items() if i < limit
+                    ),
+                    "all": sum(bool(r["error"]) for r in runs[n].values()),
+                    "first": next((r for r in runs[n].values() if r["error"]), {}).get(
+                        "error"
+                    ),
+                }
+                for n in REFS
+            }
             phase("reference done", f"; {replayed} of {limit} requests replayed")
             result["alive"] = {n: s.proc.poll() is None for n, s in servers.items()}
             logs = {n: s.log_text() for n, s in servers.items()}

@@ -58,6 +58,7 @@ from tests.e2e.compare import (
     compare_seeded,
 )
 from tests.e2e.engines import run_engines
+from tests.e2e.generate import report
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"
@@ -340,6 +341,11 @@ def results(tmp_path_factory) -> dict[str, dict]:
     return out
 
 
+def _report(line: str) -> None:
+    """Print and keep a measured line (``serving_report.log`` in the log folder)."""
+    report("serving_report", line)
+
+
 def _get(results, name) -> dict:
     result = results[name]
     if "error" in result:
@@ -351,7 +357,7 @@ def _check_greedy(got: dict, want: dict, label: str, skip=()):
     want_tokens = [None if i in skip else t for i, t in enumerate(want["token_ids"])]
     got_tokens = [None if i in skip else t for i, t in enumerate(got["token_ids"])]
     cmp = compare_greedy(got_tokens, got["logprobs"], want_tokens, want["logprobs"])
-    print(f"{label}: {cmp.summary()}")
+    _report(f"{label}: {cmp.summary()}")
     assert not cmp.errors, f"{label}: " + "; ".join(cmp.errors[:5])
     assert cmp.num_requests == len(want_tokens) - len(skip)
     assert cmp.num_compared >= COMPARED_FLOOR * cmp.num_total, cmp.summary()
@@ -369,7 +375,7 @@ def test_engine_runs_vllm_defaults(results):
         assert facts["async_scheduling"], name
         assert facts["enable_prefix_caching"], name
         assert "NONE" not in facts["cudagraph_mode"], name
-        print(name, facts)
+        _report(f"{name} {facts}")
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -391,7 +397,7 @@ def test_joins_prefix_hits_stops_chunks_aborts(results, budget):
     }
     _check_greedy(run, want, f"joins, B={budget}", skip=aborted)
     paths = run["paths"]
-    print(
+    _report(
         f"joins, B={budget}: paths {paths}; finish reasons "
         f"{sorted(set(map(str, run['finish_reasons'])))}"
     )
@@ -420,7 +426,7 @@ def test_seeded_equals_seeded_no_speculation(results, budget):
     cmp = compare_seeded(
         run["token_ids"], run["logprobs"], want["token_ids"], want["logprobs"]
     )
-    print(f"seeded, B={budget}: {cmp.summary()}")
+    _report(f"seeded, B={budget}: {cmp.summary()}")
     assert not cmp.errors, "; ".join(cmp.errors[:5])
     assert cmp.num_compared >= COMPARED_FLOOR * cmp.num_total, cmp.summary()
 
@@ -428,14 +434,14 @@ def test_seeded_equals_seeded_no_speculation(results, budget):
 def test_kv_blocks_return_to_start(results):
     for name in [f"ddtree_{b}" for b in BUDGETS] + ["preempt_128", "profiled_512"]:
         blocks = _get(results, name)["free_blocks"]
-        print(name, blocks)
+        _report(f"{name} {blocks}")
         assert blocks["end"] == blocks["start"], name
 
 
 def test_preemption_and_recompute(results):
     ref, got = _get(results, "preempt_ref"), _get(results, "preempt_128")
     run, want = got["runs"]["preempt"], ref["runs"]["preempt"]
-    print(
+    _report(
         f"preemptions: ddtree {run['paths']['preemptions']}, "
         f"ref {want['paths']['preemptions']}"
     )
@@ -454,7 +460,7 @@ def test_preemption_and_recompute(results):
         *(pick(run, seeded)[k] for k in ("token_ids", "logprobs")),
         *(pick(want, seeded)[k] for k in ("token_ids", "logprobs")),
     )
-    print(f"preempt, seeded: {cmp.summary()}")
+    _report(f"preempt, seeded: {cmp.summary()}")
     assert not cmp.errors, "; ".join(cmp.errors[:5])
     assert cmp.num_compared >= COMPARED_FLOOR * cmp.num_total
 
@@ -482,7 +488,7 @@ def test_distribution_matches_no_speculation(results):
         bstat, bdof, bpv = chi_square_two_sample(
             list(map(key, biased)), list(map(key, ref))
         )
-        print(
+        _report(
             f"{label}: ddtree chi2 {stat:.1f} dof {dof} p {pv:.3g}; biased chi2 "
             f"{bstat:.1f} dof {bdof} p {bpv:.3g}; "
             f"{len(set(map(key, ref)))} distinct in the reference"
@@ -492,7 +498,7 @@ def test_distribution_matches_no_speculation(results):
         if label == "3 tokens":
             assert bpv < 1e-4
     paths = _get(results, "ddtree_128")["runs"]["dist"]["paths"]
-    print(f"dist, B=128: paths {paths}")
+    _report(f"dist, B=128: paths {paths}")
     assert paths["padded_joins"] > 0
 
 
@@ -500,7 +506,7 @@ def test_profiled_start_budget_512_full_batch(results):
     got = _get(results, "profiled_512")
     facts = got["engine"]
     run = got["runs"]["full"]
-    print(f"profiled_512: {facts}, paths {run['paths']}")
+    _report(f"profiled_512: {facts}, paths {run['paths']}")
     assert all(t is not None and len(t) == 48 for t in run["token_ids"])
     # vLLM's default max_num_seqs, fitted to trees of 513 tokens: full batches.
     assert facts["max_num_seqs"] * 513 <= facts["max_num_batched_tokens"]

@@ -395,6 +395,10 @@ def test_fixture_dry_run(tmp_path, monkeypatch, capsys):
     brief = json.loads(kept["ddtree"][0])
     assert "top" not in brief and "tokens" not in brief
     assert brief["num_tokens"] == len(load["got"]["ddtree"][brief["i"]]["tokens"])
+    # Every record says when it ran, on the clock of the summary's start.
+    assert summary["start_epoch"] <= brief["t0"] <= brief["t1"]
+    assert set(summary["reference_errors"]) == set(load_module.REFS)
+    assert all(e["below_limit"] == 0 for e in summary["reference_errors"].values())
     assert len(tail) == load_module.LOG_TAIL_BYTES
     assert sorted(p.name for p in logs.iterdir()) == [
         "ddtree_load_data.tgz",
