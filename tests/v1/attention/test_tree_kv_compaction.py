@@ -88,6 +88,57 @@ def _assert_bits_equal(got, want):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
 
 
+@pytest.mark.parametrize("layout", ["nhd", "packed_kv"])
+def test_tree_at_end_of_query(layout):
+    """With ``cu_num_logits`` the kernel finds each tree at the end of its
+    request's query (a chunked prefill's rows come first, as in MRv2's step
+    layout): the result equals the reference given explicit tree starts, and a
+    wrong start (the query's first row) would move other slots."""
+    gen = torch.Generator().manual_seed(7)
+    block_size, num_blocks = 16, 32
+    num_nodes, num_accepted = [9, 12, 6, 3], [4, 5, 0, 2]
+    # Rows before each tree: none, a 5-token prefill chunk, 17, and 2.
+    prefix = [0, 5, 17, 2]
+    caches = _kv_caches(2, num_blocks, block_size, 2, 8, torch.float16, layout)
+    slots, qsl, _, _ = _batch(
+        [b + p for b, p in zip(num_nodes, prefix)],
+        [0] * len(num_nodes),
+        block_size,
+        num_blocks,
+        [3, 0, 7, 1],
+        gen,
+    )
+    # The batch helper laid out b + p + 1 rows per request; its trees are the
+    # last b + 1 of them.
+    max_depth = max(num_accepted)
+    accepted = torch.zeros(len(num_nodes), max_depth, dtype=torch.int32)
+    for r, (b, n) in enumerate(zip(num_nodes, num_accepted)):
+        path = torch.randperm(b, generator=gen)[:n].sort().values + 1
+        accepted[r, :n] = path.to(torch.int32)
+    k = torch.tensor(num_accepted, dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(num_nodes).add(1).cumsum(0).tolist()])
+    cu = cu.to(torch.int32)
+    starts = qsl[1:] - (cu[1:] - cu[:-1])
+    assert starts.tolist() != qsl[:-1].tolist()
+    want = [c.clone() for c in caches]
+    compact_tree_kv_reference(want, slots, starts, accepted, k)
+    before = [c.clone() for c in caches]
+    TreeKVCompactor(caches)(
+        slots.to(DEVICE),
+        qsl.to(DEVICE),
+        accepted.to(DEVICE),
+        k.to(DEVICE),
+        cu.to(DEVICE),
+    )
+    _assert_bits_equal(caches, want)
+    moved = sum(int((c != b).any(dim=-1).sum()) for c, b in zip(caches, before))
+    # Each accepted node off its place moves one slot's K and V in every layer.
+    assert moved > 0
+    wrong = [c.clone() for c in before]
+    compact_tree_kv_reference(wrong, slots, qsl, accepted, k)
+    assert any(not torch.equal(w, c) for w, c in zip(wrong, caches))
+
+
 # Copied as raw bits, so bf16 and fp8 also run under the CPU interpreter.
 DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32]
 

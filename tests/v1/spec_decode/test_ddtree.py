@@ -295,7 +295,10 @@ def test_verify_inputs_walk_and_compaction(vllm_config, monkeypatch):
     out = rejection_sampler(logits.to(DEVICE), batch, None)
     verified = state.verified
     assert verified is not None
-    assert verified.tree_start.tolist() == [0, 7, 16]
+    # Each tree is the end of its request's query: the roots at rows 0, 7, 16.
+    qsl, cu_logits = verified.query_start_loc, verified.cu_num_logits
+    tree_start = qsl[1:] - (cu_logits[1:] - cu_logits[:-1])
+    assert tree_start.tolist() == [0, 7, 16]
     k = out.num_accepted.tolist()
     assert k[:2] == [len(p) for p in paths] and k[2] == 0
     for r, path in enumerate(paths):
@@ -592,7 +595,8 @@ def test_speculator_drafts_trees_from_the_accepted_path(vllm_config):
     from vllm.v1.spec_decode.ddtree import VerifiedPaths
 
     model_state.ddtree_state.verified = VerifiedPaths(
-        tree_start=torch.tensor([0, 7, 16], dtype=torch.int32, device=DEVICE),
+        query_start_loc=batch.query_start_loc,
+        cu_num_logits=batch.cu_num_logits,
         accepted_nodes=accepted[0].to(DEVICE),
         num_accepted=accepted[1].to(DEVICE),
     )

@@ -128,8 +128,11 @@ def fixed_draft_len_config(vllm_config: VllmConfig) -> VllmConfig:
 class VerifiedPaths:
     """What the tree walk of the current step accepted, in batch order."""
 
-    # [num_reqs] int32: flattened index of each request's root in the step.
-    tree_start: torch.Tensor
+    # [num_reqs + 1] int32: the step's query_start_loc and cu_num_logits. A
+    # request's tree is the last num_logits rows of its query, so its root is at
+    # query_start_loc[r + 1] - (cu_num_logits[r + 1] - cu_num_logits[r]).
+    query_start_loc: torch.Tensor
+    cu_num_logits: torch.Tensor
     # [num_reqs, depth] int32: accepted node (1-based tree index) per depth.
     accepted_nodes: torch.Tensor
     # [num_reqs] int32: accepted path length k.
@@ -444,8 +447,11 @@ class DDTreeSpeculator(DFlashSpeculator):
             pick = lambda x: x[:num_context]  # noqa: E731
         if not aux_hidden_states:
             return pick(last_hidden_states)
+        # One concatenation and one gather (two launches), not a gather per
+        # layer: the step is host-bound at small batch. DFlash concatenates
+        # every target row too.
         return self.model.combine_hidden_states(
-            torch.cat([pick(x) for x in aux_hidden_states], dim=-1)
+            pick(torch.cat(aux_hidden_states, dim=-1))
         )
 
     def _context_slots(

@@ -86,11 +86,10 @@ class DDTreeRejectionSampler:
             trees.parent_ids,
             tree_rows=idx_mapping,
         )
-        cu_num_logits = input_batch.cu_num_logits
         num_reqs = input_batch.num_reqs
         self.state.verified = VerifiedPaths(
-            tree_start=input_batch.query_start_loc[1 : num_reqs + 1]
-            - (cu_num_logits[1:] - cu_num_logits[:-1]),
+            query_start_loc=input_batch.query_start_loc[: num_reqs + 1],
+            cu_num_logits=input_batch.cu_num_logits[: num_reqs + 1],
             accepted_nodes=out.accepted_nodes,
             num_accepted=out.num_accepted,
         )
@@ -189,9 +188,10 @@ class DDTreeModelState(DefaultModelState):
         for gid, compactor in self._get_compactors().items():
             compactor(
                 self._slot_mappings[gid],
-                verified.tree_start,
+                verified.query_start_loc,
                 verified.accepted_nodes,
                 verified.num_accepted,
+                verified.cu_num_logits,
             )
 
     @torch.inference_mode()

@@ -20,6 +20,9 @@ Example::
 
     compactor = TreeKVCompactor(kv_caches)   # once, at KV-cache init
     compactor(slot_mapping, query_start_loc, accepted_nodes, num_accepted)
+    # a step whose queries end in their trees (chunked-prefill rows first):
+    compactor(slot_mapping, query_start_loc, accepted_nodes, num_accepted,
+              cu_num_logits)
 """
 
 import torch
@@ -87,6 +90,11 @@ class TreeKVCompactor:
         accepted_nodes: torch.Tensor,
         # [num_reqs] int32
         num_accepted: torch.Tensor,
+        # [num_reqs + 1] int32, optional: then each request's tree is the last
+        # cu_num_logits[r + 1] - cu_num_logits[r] rows of its query (rows before
+        # it are a chunked prefill's), and its root is at query_start_loc[r + 1]
+        # minus that count; computed in the kernel, which saves two launches.
+        cu_num_logits: torch.Tensor | None = None,
     ) -> None:
         num_reqs, max_depth = accepted_nodes.shape
         kv_stride, block_stride, slot_stride, head_stride, dim_stride = self.strides
@@ -104,6 +112,7 @@ class TreeKVCompactor:
             self.layer_ptrs,
             slot_mapping,
             query_start_loc,
+            query_start_loc if cu_num_logits is None else cu_num_logits,
             accepted_nodes,
             accepted_nodes.stride(0),
             num_accepted,
@@ -120,6 +129,7 @@ class TreeKVCompactor:
             DEPTH_BLOCK=depth_block,
             ELEM_BLOCK=elem_block,
             NUM_PLANES=self.num_planes,
+            TREE_AT_END=cu_num_logits is not None,
             num_warps=4,
         )
 
@@ -181,6 +191,8 @@ def _tree_kv_compaction_kernel(
     slot_mapping_ptr,
     # [num_reqs + 1]
     query_start_loc_ptr,
+    # [num_reqs + 1] (read if TREE_AT_END)
+    cu_num_logits_ptr,
     # [num_reqs, max_depth]
     accepted_nodes_ptr,
     accepted_nodes_stride,
@@ -199,6 +211,7 @@ def _tree_kv_compaction_kernel(
     DEPTH_BLOCK: tl.constexpr,
     ELEM_BLOCK: tl.constexpr,
     NUM_PLANES: tl.constexpr,
+    TREE_AT_END: tl.constexpr,
 ):
     req_idx = tl.program_id(0).to(tl.int64)
     num_accepted = tl.minimum(tl.load(num_accepted_ptr + req_idx), max_depth)
@@ -206,7 +219,13 @@ def _tree_kv_compaction_kernel(
         return
     layer = tl.program_id(1) // NUM_PLANES
     kv = (tl.program_id(1) % NUM_PLANES).to(tl.int64)
-    start = tl.load(query_start_loc_ptr + req_idx).to(tl.int64)
+    if TREE_AT_END:
+        num_logits = tl.load(cu_num_logits_ptr + req_idx + 1) - tl.load(
+            cu_num_logits_ptr + req_idx
+        )
+        start = (tl.load(query_start_loc_ptr + req_idx + 1) - num_logits).to(tl.int64)
+    else:
+        start = tl.load(query_start_loc_ptr + req_idx).to(tl.int64)
 
     # Row d - 1 of the tile moves flattened index idx_d to flattened index d.
     depth = tl.arange(0, DEPTH_BLOCK)
