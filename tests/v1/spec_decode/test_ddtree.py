@@ -560,6 +560,60 @@ def _speculator(vllm_config, model_state):
     return spec
 
 
+def test_target_steps_skip_drafter_only_attention_groups(vllm_config, monkeypatch):
+    """The model runner's attention groups hold the drafter's layers too; under
+    DDTree they are a group of their own (FLASH_ATTN next to TREE_ATTN), whose
+    metadata the target step need not build: the drafter builds its own. A
+    group holding target layers is kept, and the speculator's ``set_attn``
+    hands the model state the drafter's layers."""
+    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
+    from vllm.v1.worker.gpu.model_states import default
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    draft_layers = ["model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn"]
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE
+    )
+    target = _attn_groups(vllm_config)[0][0]
+    drafter = AttentionGroup(TreeAttentionBackend, list(draft_layers), spec, 0)
+    mixed = AttentionGroup(TreeAttentionBackend, [LAYERS[0], draft_layers[0]], spec, 0)
+    second = AttentionGroup(TreeAttentionBackend, [draft_layers[1]], spec, 1)
+    attn_groups = [[target, drafter, mixed], [second]]
+    built = []
+    monkeypatch.setattr(
+        default,
+        "build_attn_metadata",
+        lambda attn_groups, **kwargs: built.append(attn_groups) or {},
+    )
+    state_ms = _model_state(vllm_config)
+    block_table = _block_table(torch.Generator().manual_seed(2)).to(DEVICE)
+    slot_mapping = _slot_mapping(block_table.cpu(), _flat_positions())[None]
+
+    def prepare():
+        batch = _input_batch(_flat_positions())
+        batch.num_draft_tokens = 0
+        state_ms.prepare_attn(
+            batch,
+            CUDAGraphMode.NONE,
+            (block_table, block_table),
+            slot_mapping.to(DEVICE).expand(2, -1),
+            attn_groups,
+            types.SimpleNamespace(kv_cache_groups=[None, None]),
+        )
+        return built[-1]
+
+    assert prepare() == attn_groups  # no drafter layers known yet: all of them
+
+    monkeypatch.setattr(DFlashSpeculator, "set_attn", lambda self, *args: None)
+    speculator = _speculator(vllm_config, state_ms)
+    speculator.draft_attn_layer_names = set(draft_layers)
+    speculator.set_attn(state_ms, None, None, None, attn_groups)
+    kept = prepare()
+    assert kept == [[target, mixed], []]
+    assert prepare() is kept  # filtered once, not per step
+    assert isinstance(speculator, DDTreeSpeculator)
+
+
 def test_speculator_drafts_trees_from_the_accepted_path(vllm_config):
     gen = torch.Generator().manual_seed(3)
     model_state = _model_state(vllm_config)

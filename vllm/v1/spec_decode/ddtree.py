@@ -237,6 +237,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                 f"{type(model_state).__name__}"
             )
         self.state = state
+        model_state.set_draft_attn_layers(self.draft_attn_layer_names)
 
     def _generate_draft(
         self,

@@ -122,6 +122,23 @@ class DDTreeModelState(DefaultModelState):
         self._compactors: dict[int, TreeKVCompactor] | None = None
         # [num_kv_cache_groups, num_tokens] slot mappings of the current step.
         self._slot_mappings: torch.Tensor | None = None
+        # The drafter's attention layers (set_draft_attn_layers) and the model
+        # runner's attention groups without them, built once.
+        self._draft_layers: frozenset[str] = frozenset()
+        self._target_groups: tuple[list, list[list[AttentionGroup]]] | None = None
+
+    def set_draft_attn_layers(self, layer_names: set[str]) -> None:
+        """The drafter's attention layers, from the speculator's ``set_attn``.
+
+        The model runner's attention groups hold every layer, the drafter's too.
+        Under DFlash the drafter shares the target's FLASH_ATTN group, so its
+        layers cost nothing extra; under DDTree they form a FLASH_ATTN group of
+        their own next to the target's TREE_ATTN group, and building its
+        metadata in every target step is wasted: the drafter builds its own in
+        ``propose``. ``prepare_attn`` leaves such groups out.
+        """
+        self._draft_layers = frozenset(layer_names)
+        self._target_groups = None
 
     def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
         super().add_request(req_index, new_req_data)
@@ -145,6 +162,7 @@ class DDTreeModelState(DefaultModelState):
         for_capture: bool = False,
     ) -> dict[str, Any]:
         self._bind_tree_inputs(attn_groups)
+        attn_groups = self._without_draft_groups(attn_groups)
         self.ddtree_state.verified = None
         self._slot_mappings = slot_mappings
         if for_capture or input_batch.num_draft_tokens == 0:
@@ -286,6 +304,26 @@ class DDTreeModelState(DefaultModelState):
                 assert isinstance(builder, TreeAttentionMetadataBuilder)
                 builder.set_tree_inputs(self.tree_inputs)
         self._tree_groups = tree_groups
+
+    def _without_draft_groups(
+        self, attn_groups: list[list[AttentionGroup]]
+    ) -> list[list[AttentionGroup]]:
+        """``attn_groups`` less the groups of drafter layers only (one list per
+        KV-cache group kept, as ``build_attn_metadata`` indexes them)."""
+        if not self._draft_layers:
+            return attn_groups
+        cached = self._target_groups
+        if cached is None or cached[0] is not attn_groups:
+            kept = [
+                [
+                    group
+                    for group in groups
+                    if not set(group.layer_names) <= self._draft_layers
+                ]
+                for groups in attn_groups
+            ]
+            cached = self._target_groups = (attn_groups, kept)
+        return cached[1]
 
     def _get_compactors(self) -> dict[int, TreeKVCompactor]:
         """Built on first use: the KV caches exist only after MRv2's KV init."""
