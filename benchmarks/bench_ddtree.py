@@ -91,6 +91,11 @@ CASCADE_SETUP_KEYS = {
     CONTEXT_CASCADE_REQS_ENV: "tree_attn_context_cascade_min_reqs",
 }
 DFLASH_TOKENS = 15  # DFlash's chain: a block of 16 minus the root
+# `vllm serve` on a GPU of >= 70 GiB defaults to 8192 batched tokens and 1024
+# sequences, and vLLM then refuses DFlash's 14 new slots per sequence for
+# drafting (8192 - 1024 * 14 < 0); a DFlash user must lower max_num_seqs. 256,
+# vLLM's default on smaller GPUs, is what the benchmark sets, and says so.
+DFLASH_SERVE_MAX_NUM_SEQS = 256
 DRAFT_LEN = DFLASH_TOKENS + 1
 MAX_BUDGET = 1024
 ALL_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
@@ -574,6 +579,8 @@ def engine_kwargs(args, config: str, max_batch: int) -> dict:
     if settings_of(args) == "defaults":
         if arrivals_of(args) == "continuous":
             kwargs["max_num_seqs"] = max_batch
+        elif args.mode == "serve" and spec is not None and spec["method"] == "dflash":
+            kwargs["max_num_seqs"] = DFLASH_SERVE_MAX_NUM_SEQS
     else:
         kwargs.update(max_num_seqs=max_batch, enable_prefix_caching=False)
         kwargs.setdefault("gpu_memory_utilization", TUNED_GPU_MEMORY_UTILIZATION)

@@ -1198,11 +1198,15 @@ def test_serve_row_and_commands(tmp_path):
     cmd = bd.serve_command(args, "ddtree-64", 32, 8000)
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {"method": "ddtree", "model": str(args.drafter), "tree_budget": 64}
+    dflash = bd.serve_command(args, "dflash", 32, 8000)
     for flag in ("--max-num-seqs", "--compilation-config",
                  "--no-enable-prefix-caching", "--gpu-memory-utilization"):
-        assert flag not in cmd and flag not in bd.serve_command(
-            args, "dflash", 32, 8000
-        )
+        assert flag not in cmd
+        # DFlash: the one setting vLLM's serve defaults make a user change.
+        assert (flag in dflash) == (flag == "--max-num-seqs")
+    assert dflash[dflash.index("--max-num-seqs") + 1] == str(
+        bd.DFLASH_SERVE_MAX_NUM_SEQS
+    )
     tuned = bd.parse_args(
         ["serve", "--out", str(tmp_path / "t"), *_pair(tmp_path), "--settings",
          "tuned"]
