@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session script: run on the H200 from the repo root after the vLLM bundle is
 # installed (see ../shared/gpu/README.md). Logs and results go to $OUT.
-#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|load|compiles|bench-ops|bench-attn|bench-ddtree|train-pair [args]
+#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|serving|load|compiles|bench-ops|bench-attn|bench-ddtree|train-pair [args]
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see docs/bench_ddtree.md and docs/train_pair.md)
 set -uo pipefail
@@ -75,6 +75,15 @@ tests/v1/test_sm90_compile.py"
     wait $serve || rc=1
     summarize pytest_e2e test_ddtree_llm test_tree_attn_llm test_ddtree_serve
     exit $rc ;;
+  serving)
+    # tests/e2e/test_ddtree_serving.py alone (~6.5 min with 9 engines side by
+    # side); its measured lines (tokens compared, p-values, preemptions, blocks)
+    # also go to $DDTREE_E2E_LOG_DIR/serving_report.log.
+    DDTREE_E2E_PARALLEL=${SERVING_PARALLEL:-9} pytest_to \
+      "$OUT/pytest_e2e_serving.log" -s "$@" tests/e2e/test_ddtree_serving.py
+    rc=$?
+    grep -E 'passed|failed|^(FAILED|ERROR)' "$OUT/pytest_e2e_serving.log" | tail -20
+    exit $rc ;;
   load)
     # tests/e2e/test_ddtree_load.py alone: one device call. Its time budget is
     # what this call has left (the install counted), at most 540 s; the module
@@ -109,6 +118,6 @@ tests/v1/test_sm90_compile.py"
     OUT=$OUT timeout $LIMIT bash benchmarks/train_pair/run_h200.sh \
       "${1:-$((LIMIT - 20))}" 2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|load|compiles|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|load|compiles|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac

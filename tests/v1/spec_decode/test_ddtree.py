@@ -560,6 +560,30 @@ def _speculator(vllm_config, model_state):
     return spec
 
 
+def test_context_features_either_way(vllm_config, monkeypatch):
+    """The drafter's context features are the same whether the aux layers are
+    concatenated over every row first (small steps: fewer launches) or gathered
+    per layer first (large trees: fewer bytes)."""
+    from vllm.v1.spec_decode import ddtree
+
+    spec = _speculator(vllm_config, _model_state(vllm_config))
+    gen = torch.Generator().manual_seed(5)
+    hidden = vllm_config.model_config.get_hidden_size()
+    aux = [torch.randn(40, hidden, generator=gen).to(DEVICE) for _ in range(3)]
+    rows = torch.tensor([3, 0, 7, 7, 39, 12], device=DEVICE)
+    want = spec.model.combine_hidden_states(torch.cat(aux, -1)[rows[:5]])
+    got = {}
+    for name, limit in (("concat first", 1 << 30), ("gather first", 0)):
+        monkeypatch.setattr(ddtree, "_CONCAT_ALL_ROWS_BYTES", limit)
+        got[name] = spec._context_hidden_states(aux[0], aux, rows, 5)
+        torch.testing.assert_close(got[name], want, rtol=0, atol=0)
+    # Without explicit rows: the first num_context rows.
+    first = spec._context_hidden_states(aux[0], aux, None, 4)
+    torch.testing.assert_close(
+        first, spec.model.combine_hidden_states(torch.cat(aux, -1)[:4])
+    )
+
+
 def test_target_steps_skip_drafter_only_attention_groups(vllm_config, monkeypatch):
     """The model runner's attention groups hold the drafter's layers too; under
     DDTree they are a group of their own (FLASH_ATTN next to TREE_ATTN), whose
@@ -575,9 +599,13 @@ def test_target_steps_skip_drafter_only_attention_groups(vllm_config, monkeypatc
         block_size=BLOCK, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE
     )
     target = _attn_groups(vllm_config)[0][0]
-    drafter = AttentionGroup(TreeAttentionBackend, list(draft_layers), spec, 0)
+
+    class FlashLike:  # the drafter's FLASH_ATTN groups: never tree groups
+        pass
+
+    drafter = AttentionGroup(FlashLike, list(draft_layers), spec, 0)
     mixed = AttentionGroup(TreeAttentionBackend, [LAYERS[0], draft_layers[0]], spec, 0)
-    second = AttentionGroup(TreeAttentionBackend, [draft_layers[1]], spec, 1)
+    second = AttentionGroup(FlashLike, [draft_layers[1]], spec, 1)
     attn_groups = [[target, drafter, mixed], [second]]
     built = []
     monkeypatch.setattr(

@@ -124,6 +124,13 @@ def fixed_draft_len_config(vllm_config: VllmConfig) -> VllmConfig:
     return fixed
 
 
+# The drafter's context concatenates the target's aux layers over every row of
+# the step (one launch fewer per layer) while the rows it then drops cost at most
+# this many bytes, a few microseconds of HBM traffic; beyond, per-layer gathers
+# first.
+_CONCAT_ALL_ROWS_BYTES = 8 << 20
+
+
 @dataclass
 class VerifiedPaths:
     """What the tree walk of the current step accepted, in batch order."""
@@ -131,6 +138,8 @@ class VerifiedPaths:
     # [num_reqs + 1] int32: the step's query_start_loc and cu_num_logits. A
     # request's tree is the last num_logits rows of its query, so its root is at
     # query_start_loc[r + 1] - (cu_num_logits[r + 1] - cu_num_logits[r]).
+    # query_start_loc is a view of MRv2's persistent input buffer: valid until
+    # the next step's prepare_inputs (prepare_attn clears ``verified`` first).
     query_start_loc: torch.Tensor
     cu_num_logits: torch.Tensor
     # [num_reqs, depth] int32: accepted node (1-based tree index) per depth.
@@ -448,12 +457,16 @@ class DDTreeSpeculator(DFlashSpeculator):
             pick = lambda x: x[:num_context]  # noqa: E731
         if not aux_hidden_states:
             return pick(last_hidden_states)
-        # One concatenation and one gather (two launches), not a gather per
-        # layer: the step is host-bound at small batch. DFlash concatenates
-        # every target row too.
-        return self.model.combine_hidden_states(
-            pick(torch.cat(aux_hidden_states, dim=-1))
-        )
+        extra_rows = aux_hidden_states[0].shape[0] - num_context
+        row_bytes = sum(x.shape[-1] * x.element_size() for x in aux_hidden_states)
+        if extra_rows * row_bytes <= _CONCAT_ALL_ROWS_BYTES:
+            # Small steps are host-bound: one concatenation and one gather (two
+            # launches) instead of a gather per layer and a concatenation.
+            features = pick(torch.cat(aux_hidden_states, dim=-1))
+        else:
+            # Large trees: the tree rows that are not context would dominate.
+            features = torch.cat([pick(x) for x in aux_hidden_states], dim=-1)
+        return self.model.combine_hidden_states(features)
 
     def _context_slots(
         self, num_context: int

@@ -3,7 +3,9 @@
 """Move the KV of a DDTree's accepted path into place, in every attention layer.
 
 A request verifies its flattened tree ``[root, node_1, ..., node_b]`` and each tree
-token's KV lands in the slot of its flattened index: ``slot_mapping[qsl[r] + i]``.
+token's KV lands in the slot of its flattened index: ``slot_mapping[start_r + i]``,
+where ``start_r`` is ``qsl[r]``, or, given ``cu_num_logits`` (a step whose queries
+may begin with chunked-prefill rows), ``qsl[r + 1]`` minus the request's logits.
 After the walk accepts nodes ``idx_1 < ... < idx_k`` (depth order, idx_d >= d),
 the committed sequence continues root, idx_1, ..., idx_k, so the KV of idx_d must
 move to the slot of flattened index d. Slots past k then hold garbage and are
