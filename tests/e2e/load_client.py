@@ -8,7 +8,7 @@
 
 ``stream``: C workers keep C streaming requests in flight for S seconds, taking
 request 0, 1, 2, ... (:func:`request`); every fifth request is aborted mid-stream
-(the client closes the connection after a few chunks). At S seconds the streams
+(the client closes the connection once some of its tokens arrived). At S seconds the streams
 still open are closed too: those are aborted at the deadline, with the prefix
 they received. ``replay``: the same requests without streaming or aborts, in
 order, until the count written to F (by the test, once the streams are done) is
@@ -84,8 +84,10 @@ def request(i: int) -> dict:
     """Request i: a fresh prompt of mixed length (short, medium or long), mixed
     output lengths, greedy or seeded temperature 1 in pairs (i // 2 even: greedy;
     so each reference's parity gets both kinds alike), half of them
-    stopping at the end-of-sequence token; ``abort_after`` chunks for every
-    fifth."""
+    stopping at the end-of-sequence token; every fifth closes its stream once
+    ``abort_after`` tokens arrived (up to half its ``max_tokens``: a count of
+    chunks would let most finish first, as a loaded server merges the deltas
+    of several steps into one chunk)."""
     rng = random.Random(i)
     corpus = _corpus()
     length = rng.choice(
@@ -105,7 +107,11 @@ def request(i: int) -> dict:
     }
     if not greedy:
         body["seed"] = 10_000 + i
-    abort_after = rng.randint(1, 6) if i % ABORT_EVERY == ABORT_EVERY - 1 else None
+    abort_after = (
+        rng.randint(1, max(1, max_tokens // 2))
+        if i % ABORT_EVERY == ABORT_EVERY - 1
+        else None
+    )
     return {"body": body, "greedy": greedy, "abort_after": abort_after}
 
 
@@ -150,7 +156,6 @@ async def _fetch(session, url: str, spec: dict, stream: bool, out: dict) -> None
             _add_logprobs(out, choice["logprobs"])
             out["finish"] = choice["finish_reason"]
             return
-        chunks = 0
         async for line in _lines(resp.content):
             line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -160,8 +165,7 @@ async def _fetch(session, url: str, spec: dict, stream: bool, out: dict) -> None
                 continue
             _add_logprobs(out, choices[0].get("logprobs"))
             out["finish"] = choices[0].get("finish_reason") or out["finish"]
-            chunks += 1
-            if abort_after is not None and chunks >= abort_after:
+            if abort_after is not None and len(out["tokens"]) >= abort_after:
                 if out["finish"] is None:
                     out["aborted"] = True
                 # Leaving the block closes the connection: vLLM aborts.

@@ -19,7 +19,7 @@ can share the GPU without memory profiling:
 Each DDTree server gets 200 concurrent streaming completions
 (``tests.e2e.load_client``: fresh prompts of 4-1400 tokens, 16-512 output
 tokens, greedy and seeded temperature 1 alternating, half stopping at
-end-of-sequence, every fifth aborted after a few chunks) for
+end-of-sequence, every fifth aborted within its first half) for
 ``DDTREE_LOAD_SECONDS`` (default 300), fewer if start-up left too little of
 ``DDTREE_LOAD_BUDGET_S`` (default 540, the whole module from the fixture's
 start: :func:`plan`). At the end the streams still open are closed: aborted at

@@ -220,9 +220,12 @@ def test_streams_closed_at_the_deadline(tmp_path):
             assert 0 <= len(r["tokens"]) < len(tokens)
             assert r["tokens"] == tokens[: len(r["tokens"])]
         elif r["aborted"]:
-            # The fifth aborted at random, after 1-6 chunks of one token.
+            # The fifth aborted at random, once abort_after tokens (one per
+            # chunk here) arrived: before half of max_tokens.
+            spec = load_client.request(r["i"])
             assert r["i"] % load_client.ABORT_EVERY == load_client.ABORT_EVERY - 1
-            assert r["tokens"] == tokens[: load_client.request(r["i"])["abort_after"]]
+            assert r["tokens"] == tokens[: spec["abort_after"]]
+            assert spec["abort_after"] <= max(1, spec["body"]["max_tokens"] // 2)
         else:
             assert (r["tokens"], r["finish"]) == (tokens, finish)
     test_counts = load_module._counts({r["i"]: r for r in runs})
