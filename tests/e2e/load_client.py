@@ -13,8 +13,8 @@ streams still open are closed too: those are aborted at the deadline, with the
 prefix they received. ``replay``: the same requests without streaming or aborts, in
 order, until the count written to F (by the test, once the streams are done) is
 reached or S seconds have passed (a reply still pending then is dropped);
-``--offset K --stride N`` replays only requests K, K + N, K + 2N, ... so that N servers can
-share the replay. Each request is one JSON line in OUT: its index, tokens,
+``--offset K --stride N`` replays only requests K, K + N, K + 2N, ... so that N
+servers can share the replay. Each request is one JSON line in OUT: its index, tokens,
 per-position top logprobs ``[[token_id, logprob], ...]``, finish reason, whether it
 was aborted and whether at the deadline, and the HTTP error if one happened.
 """
