@@ -54,6 +54,7 @@ step").
 """
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -413,11 +414,14 @@ def make_window(
     host_sync_us: float = 0.0,
     host_scopes: Mapping[str, float] | None = None,
     host_scope_calls: Mapping[str, int] | None = None,
+    eager_kernels: Mapping[str, int] | None = None,
 ) -> dict:
     """One profiled generation: ``events`` are ``(name, duration_us[, start_us])``;
     ``steps`` its engine steps (from vLLM's metrics); ``host_scopes`` the CPU
     time (us) of each host scope and ``host_scope_calls`` its calls,
-    ``host_sync_us`` the CPU time spent in synchronizing CUDA calls."""
+    ``host_sync_us`` the CPU time spent in synchronizing CUDA calls,
+    ``eager_kernels`` the kernels launched one by one from the host (not from a
+    CUDA graph), by name."""
     window = aggregate(events)
     spans = [
         (float(e[2]), float(e[2]) + float(e[1]))
@@ -436,6 +440,7 @@ def make_window(
         host_sync_us=float(host_sync_us),
         host_scopes={str(k): float(v) for k, v in (host_scopes or {}).items()},
         host_scope_calls={str(k): int(v) for k, v in (host_scope_calls or {}).items()},
+        eager_kernels={str(k): int(v) for k, v in (eager_kernels or {}).items()},
     )
     return window
 
@@ -525,6 +530,7 @@ def decode_breakdown(
             full, prefill, steps, "host_scope_calls"
         ),
         "top_kernels": kernels[:top],
+        "eager_kernels_per_step": eager_kernels_per_step(full, prefill, steps),
     }
     base = wall_us if wall_us else wall_profiled
     out["busy_fraction"] = busy / base if base > 0 else None
@@ -536,6 +542,15 @@ def decode_breakdown(
         out["kernel_launches"],
     )
     return out
+
+
+def eager_kernels_per_step(full: Mapping, prefill: Mapping, steps: int) -> dict:
+    """Kernels launched from the host per decode step, by name, most first (the
+    whole generation's less the prefill-only pass's; windows without the
+    record, from older results, give {})."""
+    whole, first = full.get("eager_kernels", {}), prefill.get("eager_kernels", {})
+    per = {n: (c - first.get(n, 0)) / steps for n, c in whole.items()}
+    return dict(sorted(((n, c) for n, c in per.items() if c > 0), key=lambda x: -x[1]))
 
 
 def repeated_timing(repeats: Sequence[Mapping]) -> dict:
@@ -839,8 +854,36 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
     host = host_table(configs, decode)
     if host:
         lines += [host, ""]
+    eager = eager_table(configs, decode)
+    if eager:
+        lines += [eager, ""]
     lines.append(rep.markdown_table(["us / decode step"] + configs, rows))
     return "\n".join(lines) + "\n"
+
+
+def eager_table(
+    configs: Sequence[str], decode: Sequence[Mapping], most: int = 40
+) -> str | None:
+    """Kernels launched from the host per decode step, side by side (the host
+    cost a CUDA graph does not hide), or None where no config recorded them."""
+    per = [d.get("eager_kernels_per_step") or {} for d in decode]
+    if not any(per):
+        return None
+    names = sorted(
+        {n for p in per for n in p}, key=lambda n: -max(p.get(n, 0) for p in per)
+    )
+    rows = [
+        [f"`{short_name(n)}`"] + [f"{p[n]:.2f}" if n in p else "-" for p in per]
+        for n in names[:most]
+    ]
+    rows.append(["**all**"] + [f"**{sum(p.values()):.1f}**" for p in per])
+    text = rep.markdown_table(["eager launches / decode step"] + list(configs), rows)
+    left = len(names) - most
+    more = f" ({left} more kernels not listed)" if left > 0 else ""
+    return (
+        "Kernels launched from the host, one by one, per decode step (not from a "
+        f"CUDA graph){more}:\n\n" + text
+    )
 
 
 def host_table(configs: Sequence[str], decode: Sequence[Mapping]) -> str | None:
@@ -1414,6 +1457,9 @@ def window_from_profiler(prof, *, steps: int, wall_s: float) -> dict:
         kernel_launches=launches,
         graph_kernels=sum(1 for c in correlations if c in graph_ids),
         linked_kernels=sum(1 for c in correlations if c in launch_ids),
+        eager_kernels=collections.Counter(
+            e[0] for e, c in zip(events, correlations) if c in launch_ids
+        ),
         host_syncs=syncs,
         host_sync_us=sync_us,
         host_scopes=scopes,

@@ -491,6 +491,43 @@ def test_decode_breakdown_subtracts_the_prefill():
     assert ps.decode_breakdown(full, prefill)["busy_fraction"] == pytest.approx(0.75)
 
 
+def test_decode_breakdown_counts_eager_kernels():
+    prefill = ps.make_window([], steps=1, wall_s=0.01, eager_kernels={"a": 5, "c": 3})
+    full = ps.make_window(
+        [(GEMM, 1.0)], steps=11, wall_s=0.02, eager_kernels={"a": 25, "b": 10, "c": 3}
+    )
+    d = ps.decode_breakdown(full, prefill)
+    # Per decode step, most first; kernels only the prefill pass launched drop.
+    assert d["eager_kernels_per_step"] == {"a": 2.0, "b": 1.0}
+    assert list(d["eager_kernels_per_step"]) == ["a", "b"]
+    # Windows of an older profile_step have no record: nothing, not an error.
+    old_full, old_prefill = _windows([(GEMM, 1.0)], [], steps=2)
+    for w in (old_full, old_prefill):
+        w.pop("eager_kernels")
+    assert ps.decode_breakdown(old_full, old_prefill)["eager_kernels_per_step"] == {}
+
+
+def test_markdown_report_eager_table():
+    ddtree, dflash = _result("ddtree-15", 90.0, 20.0), _result("dflash")
+    assert "launched from the host" not in ps.markdown_report([ddtree, dflash])
+    ddtree["decode"]["eager_kernels_per_step"] = {WALK: 1.0, "memcpy32_post": 4.0}
+    dflash["decode"]["eager_kernels_per_step"] = {"memcpy32_post": 5.0}
+    text = ps.markdown_report([ddtree, dflash])
+    lines = text.splitlines()
+    assert "| eager launches / decode step | dflash | ddtree-15 |" in lines
+    assert "| `memcpy32_post` | 5.00 | 4.00 |" in lines
+    assert f"| `{ps.short_name(WALK)}` | - | 1.00 |" in lines
+    assert "| **all** | **5.0** | **5.0** |" in lines
+    # Listed most first; the kernel table stays last.
+    assert lines.index("| `memcpy32_post` | 5.00 | 4.00 |") < lines.index(
+        f"| `{ps.short_name(WALK)}` | - | 1.00 |"
+    )
+    assert lines[-1].startswith("| accept len")
+    ddtree["decode"]["eager_kernels_per_step"] = {f"k{i}": 1.0 for i in range(45)}
+    # 45 + DFlash's one: 46 names, 40 listed.
+    assert "(6 more kernels not listed)" in ps.markdown_report([ddtree, dflash])
+
+
 def test_decode_breakdown_needs_decode_steps():
     full, prefill = _windows([], [(GEMM, 1.0)], steps=0)
     with pytest.raises(ValueError, match="no decode steps"):
@@ -595,6 +632,7 @@ def test_window_from_profiler_reads_kineto_events():
     assert w["graph_launches"] == 1 and w["graph_kernels"] == 2
     assert w["kernel_launches"] == 1 and w["host_syncs"] == 1
     assert w["linked_kernels"] == 1
+    assert w["eager_kernels"] == {WALK: 1}  # the graph's kernels are not eager
     assert w["categories"]["tree_ops"] == 1.0
     # The GPU-side annotation is neither a kernel nor a host scope.
     assert w["host_scopes"] == {"schedule": 60.0, "propose (drafter, tree build)": 7.0}
