@@ -41,6 +41,8 @@ GREEDY_LOGPROBS = 5
 # servers start with --max-logprobs SEEDED_LOGPROBS).
 SEEDED_LOGPROBS = 50
 REQUEST_TIMEOUT_S = 300
+# Tries more for a reference reply whose connection the server dropped.
+REPLAY_RETRIES = 1
 
 
 def server_args(kv_bytes: int, spec: dict | None = None, **flags) -> list[str]:
@@ -190,7 +192,17 @@ async def _one(session, url: str, i: int, stream: bool, deadline: float) -> dict
     }
     try:
         async with asyncio.timeout_at(deadline) as cut:
-            await _fetch(session, url, spec, stream, out)
+            for attempt in range(1 + REPLAY_RETRIES * (not stream)):
+                try:
+                    await _fetch(session, url, spec, stream, out)
+                    break
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                    # A reference reply lost in transport is asked again (the
+                    # same request gives the same output); a DDTree stream's
+                    # loss stays an error.
+                    if stream or attempt == REPLAY_RETRIES or out["tokens"]:
+                        raise
+                    out["retries"] = attempt + 1
     except Exception as e:  # noqa: BLE001 - counted as this request's error
         # aiohttp's own timeout raises TimeoutError too: only ours is the deadline.
         if not cut.expired():
@@ -224,7 +236,10 @@ async def _drive(
     deadline = loop.time() + seconds
     indices = itertools.count(offset, stride)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    # No keep-alive: a pooled connection the server closed while idle fails
+    # the next request on it with ServerDisconnectedError (aiohttp does not
+    # retry); a new connection per request costs little on the loopback.
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
 
         async def worker():

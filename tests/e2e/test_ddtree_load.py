@@ -431,6 +431,8 @@ def run_load(tmp: Path) -> dict:
                         bool(r["error"]) for i, r in runs[n].items() if i < limit
                     ),
                     "all": sum(bool(r["error"]) for r in runs[n].values()),
+                    # Replies asked again after a dropped connection.
+                    "retried": sum(bool(r.get("retries")) for r in runs[n].values()),
                     "first": next((r for r in runs[n].values() if r["error"]), {}).get(
                         "error"
                     ),

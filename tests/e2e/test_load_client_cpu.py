@@ -60,9 +60,16 @@ class FakeVllm:
         event_delay_s: float = 0.0,
         top_k: int | None = None,
         preemptions: int = 0,
+        drop_once: set[int] | None = None,
     ):
         self.event_tokens, self.event_delay_s = event_tokens, event_delay_s
         self.top_k, self.preemptions = top_k, preemptions
+        # Requests (by index) whose first connection the fake drops unanswered.
+        self._drop = {
+            json.dumps(load_client.request(i)["body"]["prompt"])
+            for i in drop_once or ()
+        }
+        self.dropped = 0
         self.running = 0
         self.longest_line = 0
         self.port = free_port()
@@ -114,6 +121,12 @@ class FakeVllm:
             if next(iter(key)) in body:
                 message = f"DDTree does not support {words}"
                 return web.json_response({"error": {"message": message}}, status=400)
+        key = json.dumps(body["prompt"])
+        if key in self._drop:
+            self._drop.discard(key)
+            self.dropped += 1
+            request.transport.abort()  # the client sees the server disconnect
+            return web.Response()
         tokens, finish = fake_completion(body)
         k = min(body.get("logprobs") or 1, self.top_k or 1_000)
         self.running += 1
@@ -185,6 +198,26 @@ def test_replay_of_one_parity(tmp_path):
         assert not r["aborted"] and not r["at_deadline"] and r["error"] is None
         assert len(r["top"]) == len(tokens)
         assert r["top"][0][0] == [tokens[0], -0.123456789]
+
+
+def test_replay_asks_again_after_a_dropped_connection(tmp_path):
+    """A reference reply whose connection the server dropped is asked again
+    (once); a DDTree stream's drop stays that request's error."""
+    with FakeVllm(drop_once={0, 2}) as fake:
+        runs = _drive(tmp_path, fake.base, 60, 2, stream=False, limit=4)
+        assert fake.dropped == 2
+    assert sorted(r["i"] for r in runs) == [0, 1, 2, 3]
+    for r in runs:
+        assert r["error"] is None
+        assert (r["tokens"], r["finish"]) == _want(r["i"])
+        assert r.get("retries", 0) == (1 if r["i"] in (0, 2) else 0)
+    with FakeVllm(drop_once={1}) as fake:
+        runs = _drive(tmp_path, fake.base, 3, 1, stream=True)
+        assert fake.dropped == 1
+    failed = [r for r in runs if r["error"]]
+    assert [r["i"] for r in failed] == [1]
+    assert "Disconnected" in failed[0]["error"] or "OSError" in failed[0]["error"]
+    assert "retries" not in failed[0]
 
 
 def test_replay_drops_replies_pending_at_the_deadline(tmp_path):
@@ -427,7 +460,7 @@ def test_fixture_dry_run_reference_behind(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="with_reference"):
         load_module.test_outputs_equal_no_speculation(load, "ddtree")
     summary = json.loads((logs / "ddtree_load_summary.log").read_text())
-    assert (
-        summary["counts"]["ref_odd"]["requests"]
-        < summary["counts"]["ddtree"]["requests"] // 2
-    )
+    # Behind, not caught up: fewer requests with a reference than the floor
+    # (a count of the references' own requests would race the streams').
+    report = summary["ddtree_comparison"]
+    assert report["with_reference"] < load_module.COVERED_FLOOR * report["requests"]
