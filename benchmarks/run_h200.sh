@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session script: run on the H200 from the repo root after the vLLM bundle is
 # installed (see ../shared/gpu/README.md). Logs and results go to $OUT.
-#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|serving|load|compiles|bench-ops|bench-attn|bench-ddtree|train-pair [args]
+#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|serving|load|compiles|profile-b1|bench-ops|bench-attn|bench-ddtree|train-pair [args]
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see docs/bench_ddtree.md and docs/train_pair.md)
 set -uo pipefail
@@ -104,6 +104,14 @@ tests/v1/test_sm90_compile.py"
     grep -E 'after ready|kernel|passed|failed|^(FAILED|ERROR)' \
       "$OUT/pytest_e2e_compiles.log" | tail -40
     exit $rc ;;
+  profile-b1)
+    # The trained pair at batch 1 under vLLM's defaults, one config after
+    # another in this command (configs: the argument, default below).
+    timeout $LIMIT python3 benchmarks/profile_step.py --out "$OUT/profile_b1_defaults" \
+      --pair benchmarks/models/pycode --settings defaults \
+      --configs "${1:-dflash,ddtree-32,ddtree-auto}" --batch 1 --max-tokens 256 \
+      --timing-repeats 2 --limit-seconds $((LIMIT - 20)) 2>&1 \
+      | tee "$OUT/profile_b1_defaults.log" | grep -v -i warn | tail -30 ;;
   bench-ops)
     timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_ops.log" | tail -30 ;;
@@ -118,6 +126,6 @@ tests/v1/test_sm90_compile.py"
     OUT=$OUT timeout $LIMIT bash benchmarks/train_pair/run_h200.sh \
       "${1:-$((LIMIT - 20))}" 2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|load|compiles|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|load|compiles|profile-b1|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac
