@@ -68,11 +68,11 @@ PROBE = textwrap.dedent("""
         torch.zeros(4, dtype=torch.int32), 0.088)
     caches = [torch.zeros(8, 16, 8, 256, dtype=torch.bfloat16).transpose(1, 2)
               .unflatten(-1, (2, 128)).permute(3, 0, 1, 2, 4) for _ in range(2)]
-    for cu_num_logits in (None, torch.zeros(3, dtype=torch.int32)):  # both forms
-        TreeKVCompactor(caches)(torch.zeros(258, dtype=torch.int64),
-                                torch.zeros(3, dtype=torch.int32),
-                                torch.zeros(2, 15, dtype=torch.int32),
-                                torch.zeros(2, dtype=torch.int32), cu_num_logits)
+    TreeKVCompactor(caches)(torch.zeros(258, dtype=torch.int64),
+                            torch.zeros(3, dtype=torch.int32),
+                            torch.zeros(2, 15, dtype=torch.int32),
+                            torch.zeros(2, dtype=torch.int32),
+                            torch.zeros(3, dtype=torch.int32))
 
     i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32)
     i64 = lambda *shape: torch.zeros(*shape, dtype=torch.int64)

@@ -3,9 +3,10 @@
 """Move the KV of a DDTree's accepted path into place, in every attention layer.
 
 A request verifies its flattened tree ``[root, node_1, ..., node_b]`` and each tree
-token's KV lands in the slot of its flattened index: ``slot_mapping[start_r + i]``,
-where ``start_r`` is ``qsl[r]``, or, given ``cu_num_logits`` (a step whose queries
-may begin with chunked-prefill rows), ``qsl[r + 1]`` minus the request's logits.
+token's KV lands in the slot of its flattened index: ``slot_mapping[start_r + i]``.
+The tree is the end of the request's query (rows before it are a chunked
+prefill's): ``start_r = qsl[r + 1] - (cu_num_logits[r + 1] - cu_num_logits[r])``,
+which is ``qsl[r]`` when every row is a tree row (``cu_num_logits = qsl``).
 After the walk accepts nodes ``idx_1 < ... < idx_k`` (depth order, idx_d >= d),
 the committed sequence continues root, idx_1, ..., idx_k, so the KV of idx_d must
 move to the slot of flattened index d. Slots past k then hold garbage and are
@@ -21,8 +22,6 @@ so the call can be captured in a CUDA graph.
 Example::
 
     compactor = TreeKVCompactor(kv_caches)   # once, at KV-cache init
-    compactor(slot_mapping, query_start_loc, accepted_nodes, num_accepted)
-    # a step whose queries end in their trees (chunked-prefill rows first):
     compactor(slot_mapping, query_start_loc, accepted_nodes, num_accepted,
               cu_num_logits)
 """
@@ -92,10 +91,10 @@ class TreeKVCompactor:
         accepted_nodes: torch.Tensor,
         # [num_reqs] int32
         num_accepted: torch.Tensor,
-        # [num_reqs + 1] int32, optional: then each request's tree is the last
-        # cu_num_logits[r + 1] - cu_num_logits[r] rows of its query (rows before
-        # it are a chunked prefill's), and its root is at query_start_loc[r + 1]
-        # minus that count; computed in the kernel, which saves two launches.
+        # [num_reqs + 1] int32: each request's tree is the last
+        # cu_num_logits[r + 1] - cu_num_logits[r] rows of its query; None: all of
+        # them (query_start_loc). The kernel finds the root from these, so the
+        # caller launches nothing for it.
         cu_num_logits: torch.Tensor | None = None,
     ) -> None:
         num_reqs, max_depth = accepted_nodes.shape
@@ -131,7 +130,6 @@ class TreeKVCompactor:
             DEPTH_BLOCK=depth_block,
             ELEM_BLOCK=elem_block,
             NUM_PLANES=self.num_planes,
-            TREE_AT_END=cu_num_logits is not None,
             num_warps=4,
         )
 
@@ -193,7 +191,7 @@ def _tree_kv_compaction_kernel(
     slot_mapping_ptr,
     # [num_reqs + 1]
     query_start_loc_ptr,
-    # [num_reqs + 1] (read if TREE_AT_END)
+    # [num_reqs + 1]
     cu_num_logits_ptr,
     # [num_reqs, max_depth]
     accepted_nodes_ptr,
@@ -213,7 +211,6 @@ def _tree_kv_compaction_kernel(
     DEPTH_BLOCK: tl.constexpr,
     ELEM_BLOCK: tl.constexpr,
     NUM_PLANES: tl.constexpr,
-    TREE_AT_END: tl.constexpr,
 ):
     req_idx = tl.program_id(0).to(tl.int64)
     num_accepted = tl.minimum(tl.load(num_accepted_ptr + req_idx), max_depth)
@@ -221,13 +218,10 @@ def _tree_kv_compaction_kernel(
         return
     layer = tl.program_id(1) // NUM_PLANES
     kv = (tl.program_id(1) % NUM_PLANES).to(tl.int64)
-    if TREE_AT_END:
-        num_logits = tl.load(cu_num_logits_ptr + req_idx + 1) - tl.load(
-            cu_num_logits_ptr + req_idx
-        )
-        start = (tl.load(query_start_loc_ptr + req_idx + 1) - num_logits).to(tl.int64)
-    else:
-        start = tl.load(query_start_loc_ptr + req_idx).to(tl.int64)
+    num_logits = tl.load(cu_num_logits_ptr + req_idx + 1) - tl.load(
+        cu_num_logits_ptr + req_idx
+    )
+    start = (tl.load(query_start_loc_ptr + req_idx + 1) - num_logits).to(tl.int64)
 
     # Row d - 1 of the tile moves flattened index idx_d to flattened index d.
     depth = tl.arange(0, DEPTH_BLOCK)
