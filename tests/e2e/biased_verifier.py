@@ -31,6 +31,7 @@ def biased_tree_rejection_sample(
     max_depth,
     use_fp64=False,
     fed_token_ids=None,
+    tree_rows=None,
 ):
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
@@ -44,8 +45,15 @@ def biased_tree_rejection_sample(
         use_fp64=use_fp64,
     )
     probs = torch.softmax(processed_logits.float(), dim=-1)
-    num_reqs, budget = tree_token_ids.shape
-    tokens, parents = tree_token_ids.tolist(), tree_parent_ids.tolist()
+    budget = tree_token_ids.shape[1]
+    # Request r's tree is row tree_rows[r] of the tree tensors (MRv2 slot order).
+    if tree_rows is None:
+        rows = list(range(tree_token_ids.shape[0]))
+    else:
+        rows = tree_rows.tolist()
+    num_reqs = len(rows)
+    tokens = [tree_token_ids[t].tolist() for t in rows]
+    parents = [tree_parent_ids[t].tolist() for t in rows]
     cu, ys = cu_num_logits.tolist(), node_sampled.tolist()
     fed = None if fed_token_ids is None else fed_token_ids.tolist()
     sampled = torch.full((num_reqs, budget + 1), -1, dtype=torch.int64)

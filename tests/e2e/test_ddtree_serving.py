@@ -70,7 +70,7 @@ MAX_MODEL_LEN = 2048
 BLOCK = 16
 NUM_SEQS = 16
 BUDGETS = ("8", "64", "128", "auto")
-SEEDED_LOGPROBS = 20
+SEEDED_LOGPROBS = 50
 DIST_SAMPLES = 3000
 DIST = {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "max_tokens": 3}
 # The pair's target is sure of its next tokens inside a file; at the start of
@@ -456,12 +456,20 @@ def test_preemption_and_recompute(results):
         }
 
     _check_greedy(pick(run, greedy), pick(want, greedy), "preempt, greedy")
+    # A preempted request is recomputed by a prefill, whose numerics differ
+    # from the decode steps it replaces, so a T=1 sample far down the
+    # distribution (outside the returned logprobs) can flip where two perturbed
+    # scores were near-equal: such a difference cannot be judged. At most one
+    # request of the eight may end that way (a wrong verifier parts most of them,
+    # early; those differences are judged and fail).
     cmp = compare_seeded(
         *(pick(run, seeded)[k] for k in ("token_ids", "logprobs")),
         *(pick(want, seeded)[k] for k in ("token_ids", "logprobs")),
+        allow_unchecked=True,
     )
     _report(f"preempt, seeded: {cmp.summary()}")
     assert not cmp.errors, "; ".join(cmp.errors[:5])
+    assert len(cmp.unchecked) <= 1, cmp.unchecked
     assert cmp.num_compared >= COMPARED_FLOOR * cmp.num_total
 
 

@@ -753,6 +753,43 @@ def test_biased_verifier_is_detected():
     assert _chi_square_pvalue(samples, law) < 1e-8
 
 
+def test_e2e_biased_verifier_takes_the_samplers_arguments():
+    """tests/e2e/biased_verifier.py replaces tree_rejection_sample inside an
+    engine (the serving module's distribution test); an argument added to the
+    sampler and not to it fails that engine on the GPU only, so check here."""
+    import inspect
+
+    from tests.e2e.biased_verifier import biased_tree_rejection_sample
+    from vllm.v1.sample import tree_rejection_sampler as trs
+
+    want = inspect.signature(trs.tree_rejection_sample).parameters
+    got = inspect.signature(biased_tree_rejection_sample).parameters
+    assert list(got) == list(want)
+    assert len(want) >= 12
+    # One call in MRv2's slot order: request r walks tree row tree_rows[r]; each
+    # row's logits put all their mass on the row's chain, so every node passes.
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], device=DEVICE)
+    parents = torch.tensor([[0, 1, 2]] * 3, device=DEVICE)
+    rows = [2, 0]
+    logits = torch.full((8, 16), -1e4, device=DEVICE)
+    for r, t in enumerate(rows):
+        for i, nxt in enumerate([*tokens[t].tolist(), 11]):
+            logits[4 * r + i, nxt] = 0.0
+    out = biased_tree_rejection_sample(
+        logits,
+        tokens,
+        parents,
+        torch.tensor([0, 4, 8], device=DEVICE),
+        torch.arange(8, device=DEVICE),
+        torch.tensor([0] * 4 + [1] * 4, dtype=torch.int32, device=DEVICE),
+        torch.ones(2, device=DEVICE),
+        torch.zeros(2, dtype=torch.int64, device=DEVICE),
+        3,
+        tree_rows=torch.tensor(rows, dtype=torch.int32, device=DEVICE),
+    )
+    assert out.sampled_token_ids[:, :4].tolist() == [[7, 8, 9, 11], [1, 2, 3, 11]]
+
+
 # ---------------------------------------------------------------------------
 # The MRv2 sampler class.
 # ---------------------------------------------------------------------------
