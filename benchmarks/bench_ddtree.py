@@ -77,6 +77,7 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
     schedule_budget,
     spec_stats,
     timing_stats,
+    write_rounds_report,
 )
 from tests.e2e.servers import free_port, plugin_site  # noqa: E402
 
@@ -325,6 +326,16 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
         default=d["config_seconds"],
         help="expected seconds per config before one was measured",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the whole sweep this many times, each round in "
+        "<out>/round<k> with fresh engine processes and the config order "
+        "reversed every other round; <out>/rounds.md gives each result's "
+        "median and range over rounds (a host-bound step's speed varies from "
+        "one engine process to the next)",
+    )
 
 
 def parse_int_list(text: str, name: str, lo: int, hi: int | None = None) -> list[int]:
@@ -391,7 +402,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             "--max-tokens must be >= 2 (the decode phase is the "
             "difference to a max_tokens=1 run)"
         )
-    for key in ("num_prompts", "waves", "min_waves"):
+    for key in ("num_prompts", "waves", "min_waves", "rounds"):
         if getattr(args, key, 1) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1")
     if arrivals_of(args) == "continuous" and len(args.batches) != 1:
@@ -702,6 +713,9 @@ def setup_of(args) -> dict:
     if settings_of(args) == "defaults":
         # Absent for tuned, the settings every earlier setup was measured with.
         setup["settings"] = "defaults"
+    if args.mode != "serve" and engine_process_of(args) == "multiprocess":
+        # Absent when in-process, as every earlier offline setup ran.
+        setup["engine_process"] = "multiprocess"
     if getattr(args, "engine_arg", []):
         setup["engine_args"] = parse_engine_args(args.engine_arg)
     if getattr(args, "request_rate", "inf") != "inf":
@@ -788,7 +802,36 @@ def plan(args, done: set) -> list[tuple[str, list[int], list]]:
     return out
 
 
-def run_sweep(args) -> int:
+def run_rounds(args) -> int:
+    """``--rounds N``: the sweep N times, round k in ``<out>/round<k>`` (resumed
+    from ``<dir>/round<k>`` of each ``--resume-from``), one time budget for all,
+    then ``<out>/rounds.md`` and ``rounds.json``."""
+    clock, rid = Clock(args.limit_seconds, args.config_seconds), run_id()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dirs, rc = [], 0
+    for k in range(1, args.rounds + 1):
+        sub = argparse.Namespace(**vars(args))
+        sub.out = args.out / f"round{k}"
+        sub.resume_from = [d / f"round{k}" for d in args.resume_from]
+        sub.resume_from = [d for d in sub.resume_from if d.is_dir()]
+        # Reversed every other round: the first engine on a machine can run
+        # differently from later ones.
+        sub.configs = list(args.configs if k % 2 else reversed(args.configs))
+        print(f"bench_ddtree: round {k}/{args.rounds}: {', '.join(sub.configs)}")
+        rc = max(rc, run_sweep(sub, clock, rid))
+        dirs.append(sub.out)
+        if not clock.can_start():
+            if k < args.rounds:
+                print(
+                    f"bench_ddtree: stopping after round {k} of {args.rounds} "
+                    "(--limit-seconds); rerun with --resume-from this --out"
+                )
+            break
+    print(write_rounds_report(args.out, dirs, args.mode))
+    return rc
+
+
+def run_sweep(args, clock: Clock | None = None, rid: str | None = None) -> int:
     setup = setup_of(args)
     done = prepare_out(args, setup)
     prompts = None
@@ -800,7 +843,8 @@ def run_sweep(args) -> int:
                 "serve mode needs text prompts (vllm bench serve's "
                 "ShareGPT-style dataset); --prompts holds token ids"
             )
-    clock, rid = Clock(args.limit_seconds, args.config_seconds), run_id()
+    clock = clock or Clock(args.limit_seconds, args.config_seconds)
+    rid = rid or run_id()
     failed, cut = [], []
     todo = plan(args, done)
     for i, (config, fit, runs) in enumerate(todo, 1):
@@ -863,12 +907,16 @@ def run_offline_config(args, config, max_batch, runs, prompts, rid, time_left) -
     spec_path.write_text(
         json.dumps(worker_spec(args, config, max_batch, runs, prompts, rid))
     )
+    in_process = engine_process_of(args) == "in-process"
+    env = _worker_env(engine_in_process=in_process)
+    if not in_process:
+        env = _with_plugin(env, logs)
     with (logs / f"{config}.log").open("a") as log:
         return _run_logged(
             [sys.executable, str(Path(__file__).resolve()), "_worker", str(spec_path)],
             log,
             time_left,
-            _worker_env(),
+            env,
         )
 
 
@@ -901,15 +949,37 @@ def worker_spec(args, config, max_batch, runs, prompts, rid) -> dict:
             "run_id": rid,
             "tree_budget": budget_of(config),
             "max_tokens": args.max_tokens,
+            "engine_process": engine_process_of(args),
             **_schedule_field(args, config),
         },
     }
 
 
+def engine_process_of(args) -> str:
+    """Where an offline worker's engine core runs: ``multiprocess`` (vLLM's
+    default, a process of its own, as a user's ``LLM`` has it) under ``--settings
+    defaults``, ``in-process`` under ``tuned``. ``VLLM_ENABLE_V1_MULTIPROCESSING``
+    in the caller's environment wins."""
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "").strip().lower()
+    if value:
+        return "in-process" if value in ("0", "false") else "multiprocess"
+    return "multiprocess" if settings_of(args) == "defaults" else "in-process"
+
+
+def _with_plugin(env: dict, logs: Path) -> dict:
+    """Let processes that vLLM starts itself (``vllm serve``, a multiprocess
+    engine core) load the plugin: its entry point and this checkout on
+    ``PYTHONPATH``."""
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(plugin_site(logs / "plugin_site")), str(ROOT), env.get("PYTHONPATH", "")]
+    )
+    return env
+
+
 def _worker_env(engine_in_process: bool = True) -> dict:
-    """The environment of an engine process. ``engine_in_process``: offline
-    workers keep the engine core in their own process (unless the caller's
-    environment says otherwise); ``vllm serve`` gets vLLM's default."""
+    """The environment of an engine process. ``engine_in_process``: the engine
+    core in the worker's own process (unless the caller's environment says
+    otherwise); else vLLM's default."""
     env = dict(os.environ)
     if engine_in_process:
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -991,10 +1061,96 @@ def run_worker(spec: dict) -> None:
             run_spec,
         )
         row.update(
-            spec["row"], engine=engine, gpu=gpu, time=time.strftime("%Y-%m-%dT%H:%M:%S")
+            spec["row"],
+            engine=engine,
+            gpu=gpu,
+            host=host_placement(),
+            time=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )
         append_row(Path(spec["out"]), row)
         print("bench_ddtree worker: row " + json.dumps(row), flush=True)
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` (Linux's cpulist format) -> ``[0, 1, 2, 3, 8, 10, 11]``."""
+    cpus = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def numa_pages(numa_maps: str) -> dict[int, int]:
+    """Pages per NUMA node summed over a ``/proc/<pid>/numa_maps`` text."""
+    pages: dict[int, int] = {}
+    for token in numa_maps.split():
+        if token.startswith("N") and "=" in token:
+            node, _, count = token[1:].partition("=")
+            if node.isdigit() and count.isdigit():
+                pages[int(node)] = pages.get(int(node), 0) + int(count)
+    return pages
+
+
+def _read(path) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def _gpu_numa_node() -> int | None:
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:"
+        text = _read(f"/sys/bus/pci/devices/{bus}{props.pci_device_id:02x}.0/numa_node")
+        return None if text is None else int(text)
+    # No GPU, a torch without the PCI fields, no sysfs: the row says None.
+    except (AssertionError, AttributeError, RuntimeError, OSError, ValueError):
+        return None
+
+
+def host_placement() -> dict:
+    """Where this process and its children (a multiprocess engine core) run:
+    CPU affinity, the CPU each last ran on and its NUMA node, resident pages per
+    NUMA node, and the GPU's NUMA node. A host-bound step (batch 1) runs at the
+    speed of the cores and memory it lands on, and engine processes of one
+    machine can land differently, so every row records it."""
+    import psutil
+
+    node_of = {}
+    for path in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+        for cpu in parse_cpulist(_read(path / "cpulist") or ""):
+            node_of[cpu] = int(path.name[4:])
+    me = psutil.Process()
+    procs = []
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            cpu = proc.cpu_num()
+            procs.append(
+                {
+                    "pid": proc.pid,
+                    "name": proc.name(),
+                    "cpus_allowed": len(proc.cpu_affinity()),
+                    "last_cpu": cpu,
+                    "cpu_node": node_of.get(cpu),
+                    "pages_per_node": numa_pages(
+                        _read(f"/proc/{proc.pid}/numa_maps") or ""
+                    ),
+                }
+            )
+        except (psutil.Error, OSError):
+            continue
+    return {
+        "cpus": os.cpu_count(),
+        "numa_nodes": len(set(node_of.values())),
+        "gpu_numa_node": _gpu_numa_node(),
+        "load_1min": round(os.getloadavg()[0], 2),
+        "processes": procs,
+    }
 
 
 def _engine_info(llm, startup_s: float) -> dict:
@@ -1282,10 +1438,7 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
     dataset = write_serve_dataset(prompts, logs / "prompts_sharegpt.json")
-    env = _worker_env(engine_in_process=False)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(plugin_site(logs / "plugin_site")), str(ROOT), env.get("PYTHONPATH", "")]
-    )
+    env = _with_plugin(_worker_env(engine_in_process=False), logs)
     deadline = time.monotonic() + min(time_left, 1e9)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -1390,7 +1543,9 @@ def main(argv=None) -> int:
         return 0
     args = parse_args(argv)
     try:
-        return report_main(args) if args.mode == "report" else run_sweep(args)
+        if args.mode == "report":
+            return report_main(args)
+        return run_rounds(args) if args.rounds > 1 else run_sweep(args)
     except ValueError as e:
         print(f"bench_ddtree: error: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ in ``<out>/results.jsonl``. Its key fields:
 
 import json
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -39,6 +40,8 @@ MAX_DEPTH = 15
 RESULTS_FILE = "results.jsonl"
 SETUP_FILE = "setup.json"
 REPORT_FILE = "results.md"
+ROUNDS_FILE = "rounds.json"
+ROUNDS_REPORT = "rounds.md"
 # Issue 5 targets.
 E2E_TARGET = 0.95  # DDTree/DFlash throughput >= 0.95 x their acceptance ratio
 STEP_TARGETS = {128: 1.10, 512: 1.30}  # 8B shape, batch 1: step time vs DFlash's
@@ -484,3 +487,116 @@ def markdown_report(rows: Sequence[Mapping], mode: str, setup: Mapping | None) -
             "",
         ]
     return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# Rounds (bench_ddtree.py --rounds): the same sweep in fresh processes
+# ---------------------------------------------------------------------------
+
+ROUND_FIELDS = (
+    "tok_s",
+    "decode_ms_per_step",
+    "acceptance_length",
+    "tok_s_vs_dflash",
+    "step_vs_dflash",
+    "tau_vs_dflash",
+)
+
+
+def rounds_summary(rounds: Sequence[Sequence[Mapping]]) -> list[dict]:
+    """One row per (config, batch, temperature) over the rounds' rows: for each
+    of ``ROUND_FIELDS`` the median and, as ``<field>_min`` / ``<field>_max``,
+    the range; ratios are taken to the same round's DFlash row first (a round
+    is one pass over every config, each in a fresh engine process), then the
+    median over rounds. ``rounds``: how many rounds measured the key."""
+    per_key: dict[tuple, list[dict]] = {}
+    for rows in rounds:
+        for row in with_ratios(merge_rows(rows)):
+            per_key.setdefault(row_key(row), []).append(row)
+    out = []
+    for key in sorted(per_key, key=_sort_key):
+        rows = per_key[key]
+        config, batch, temperature = key
+        summary = {
+            "config": config,
+            "batch": batch,
+            "temperature": temperature,
+            "rounds": len(rows),
+        }
+        for field in ROUND_FIELDS:
+            values = [r[field] for r in rows if r.get(field) is not None]
+            if values:
+                summary[field] = statistics.median(values)
+                summary[field + "_min"] = min(values)
+                summary[field + "_max"] = max(values)
+        out.append(summary)
+    return out
+
+
+def _spread(row: Mapping, field: str, digits: int = 2) -> str:
+    if row.get(field) is None:
+        return "-"
+    text = fmt(row[field], digits)
+    if row[field + "_min"] != row[field + "_max"]:
+        text += f" ({fmt(row[field + '_min'], digits)} - {fmt(row[field + '_max'], digits)})"
+    return text
+
+
+ROUNDS_NOTE = (
+    "Median over rounds, (min - max) in parentheses. A round runs every config "
+    "once, each in a fresh engine process, in the order given (reversed every "
+    "other round); a ratio is taken to DFlash's row of the same round, then the "
+    "median over rounds. Rows of each round: `round<k>/results.md`."
+)
+
+
+def rounds_markdown(summary: Sequence[Mapping], mode: str, num_rounds: int) -> str:
+    header = [
+        "config",
+        "batch",
+        "T",
+        "rounds",
+        "tok/s",
+        "x DFlash tok/s",
+        "ms / decode step",
+        "x DFlash step",
+        "accept len",
+        "x DFlash accept",
+    ]
+    body = [
+        [
+            r["config"],
+            r["batch"],
+            fmt(r["temperature"], 1),
+            r["rounds"],
+            _spread(r, "tok_s", 1),
+            _spread(r, "tok_s_vs_dflash", 3),
+            _spread(r, "decode_ms_per_step"),
+            _spread(r, "step_vs_dflash", 3),
+            _spread(r, "acceptance_length"),
+            _spread(r, "tau_vs_dflash", 3),
+        ]
+        for r in summary
+    ]
+    parts = [
+        f"# bench_ddtree: {mode}, {num_rounds} rounds",
+        "",
+        ROUNDS_NOTE,
+        "",
+        markdown_table(header, body),
+        "",
+    ]
+    checks = target_checks(summary, mode)
+    if checks:
+        parts += ["Targets (on the medians):", ""] + [f"- {c}" for c in checks] + [""]
+    return "\n".join(parts)
+
+
+def write_rounds_report(out: Path, round_dirs: Sequence[Path], mode: str) -> str:
+    """``rounds.json`` and ``rounds.md`` in ``out`` from the rounds' results."""
+    rounds = [load_rows([d]) for d in round_dirs]
+    summary = rounds_summary([rows for rows in rounds if rows])
+    Path(out, ROUNDS_FILE).write_text(json.dumps(summary, indent=1))
+    text = rounds_markdown(summary, mode, sum(1 for rows in rounds if rows))
+    Path(out, ROUNDS_REPORT).write_text(text)
+    return text

@@ -851,6 +851,12 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
                 for c in clocks
             ],
         ]
+    places = [r.get("info", {}).get("host") for r in results]
+    if any(places):
+        rows.append(
+            ["host: CPU / NUMA node at the end, memory pages per node, GPU's node"]
+            + [placement_cell(p) for p in places]
+        )
     host = host_table(configs, decode)
     if host:
         lines += [host, ""]
@@ -883,6 +889,21 @@ def eager_table(
     return (
         "Kernels launched from the host, one by one, per decode step (not from a "
         f"CUDA graph){more}:\n\n" + text
+    )
+
+
+def placement_cell(place: Mapping | None) -> str:
+    """One table cell from ``bd.host_placement()``: the profiled process's last
+    CPU and its node, its resident pages per node, and the GPU's node."""
+    if not place or not place.get("processes"):
+        return "-"
+    me = place["processes"][0]
+    pages = ", ".join(
+        f"N{n}: {int(c)}" for n, c in sorted(me["pages_per_node"].items())
+    )
+    return (
+        f"CPU {me['last_cpu']} / node {me['cpu_node']}; {pages or '-'}; "
+        f"GPU node {place.get('gpu_numa_node')}"
     )
 
 
@@ -1634,6 +1655,8 @@ def run_worker(spec: dict) -> None:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "init_profiler_early": spec["init_profiler_early"],
             "host_scopes_missing": missing_scopes,
+            # The step is host-bound at small batches: where this process ran.
+            "host": bd.host_placement(),
         },
     }
     Path(spec["out_json"]).write_text(json.dumps(result, indent=1))

@@ -7,6 +7,7 @@ vLLM's own config checks (no weights, no tokenizer)."""
 
 import json
 import math
+import os
 import re
 import types
 from pathlib import Path
@@ -257,8 +258,12 @@ def test_engine_kwargs(tmp_path):
     kw = bd.engine_kwargs(args, "dflash", 64)
     assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"]
     assert not kw["disable_log_stats"]
-    for key in ("max_num_seqs", "enable_prefix_caching", "compilation_config",
-                "gpu_memory_utilization"):
+    for key in (
+        "max_num_seqs",
+        "enable_prefix_caching",
+        "compilation_config",
+        "gpu_memory_utilization",
+    ):
         assert key not in kw, key
     args = bd.parse_args(["cost", "--out", str(tmp_path), "--settings", "tuned"])
     kw = bd.engine_kwargs(args, "dflash", 64)
@@ -272,8 +277,16 @@ def test_engine_kwargs(tmp_path):
 
 def test_defaults_continuous_arrivals_set_only_the_concurrency(tmp_path):
     args = bd.parse_args(
-        ["e2e", "--out", str(tmp_path / "o"), *_pair(tmp_path), "--arrivals",
-         "continuous", "--batches", "8"]
+        [
+            "e2e",
+            "--out",
+            str(tmp_path / "o"),
+            *_pair(tmp_path),
+            "--arrivals",
+            "continuous",
+            "--batches",
+            "8",
+        ]
     )
     kw = bd.engine_kwargs(args, "dflash", 8)
     assert kw["max_num_seqs"] == 8
@@ -289,28 +302,56 @@ def test_engine_args_on_top_of_the_settings(tmp_path, capsys):
     """--engine-arg sets one engine argument for every config, so one factor of
     the defaults can be changed at a time; the setup records it."""
     args = bd.parse_args(
-        ["e2e", "--out", str(tmp_path / "o"), *_pair(tmp_path), "--engine-arg",
-         "max_num_seqs=1", "--engine-arg", "enable_prefix_caching=false",
-         "--engine-arg", "kv_cache_dtype=auto"]
+        [
+            "e2e",
+            "--out",
+            str(tmp_path / "o"),
+            *_pair(tmp_path),
+            "--engine-arg",
+            "max_num_seqs=1",
+            "--engine-arg",
+            "enable_prefix_caching=false",
+            "--engine-arg",
+            "kv_cache_dtype=auto",
+        ]
     )
     kw = bd.engine_kwargs(args, "ddtree-auto", 1)
     assert kw["max_num_seqs"] == 1 and kw["enable_prefix_caching"] is False
     assert kw["kv_cache_dtype"] == "auto"
     assert bd.setup_of(args)["engine_args"] == {
-        "max_num_seqs": 1, "enable_prefix_caching": False, "kv_cache_dtype": "auto"
+        "max_num_seqs": 1,
+        "enable_prefix_caching": False,
+        "kv_cache_dtype": "auto",
     }
     serve = bd.parse_args(
-        ["serve", "--out", str(tmp_path / "s"), *_pair(tmp_path), "--engine-arg",
-         "enable_prefix_caching=false", "--engine-arg", "max_num_batched_tokens=4096",
-         "--engine-arg", "enforce_eager=true"]
+        [
+            "serve",
+            "--out",
+            str(tmp_path / "s"),
+            *_pair(tmp_path),
+            "--engine-arg",
+            "enable_prefix_caching=false",
+            "--engine-arg",
+            "max_num_batched_tokens=4096",
+            "--engine-arg",
+            "enforce_eager=true",
+        ]
     )
     cmd = bd.serve_command(serve, "dflash", 8, 8000)
     assert "--no-enable-prefix-caching" in cmd and "--enforce-eager" in cmd
     assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "4096"
     for bad in ("max_num_seqs", "=3", "model=x"):
         with pytest.raises(SystemExit):
-            bd.parse_args(["e2e", "--out", str(tmp_path / "b"), *_pair(tmp_path),
-                           "--engine-arg", bad])
+            bd.parse_args(
+                [
+                    "e2e",
+                    "--out",
+                    str(tmp_path / "b"),
+                    *_pair(tmp_path),
+                    "--engine-arg",
+                    bad,
+                ]
+            )
         assert "--engine-arg" in capsys.readouterr().err
 
 
@@ -722,11 +763,21 @@ def test_measure_under_defaults_never_repeats_a_prompt(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(bd, "time", clock)
     llm = RecordingLLM(clock, tau=4, budget=64)
-    spec = {"max_tokens": 9, "ignore_eos": True, "detokenize": True,
-            "settings": "defaults"}
+    spec = {
+        "max_tokens": 9,
+        "ignore_eos": True,
+        "detokenize": True,
+        "settings": "defaults",
+    }
     for k in range(2):
-        bd.measure(llm, _params, ["x = 1\n"] * 4, 2, 0.0,
-                   {**spec, "tag_base": k * bd.TAGS_PER_RUN})
+        bd.measure(
+            llm,
+            _params,
+            ["x = 1\n"] * 4,
+            2,
+            0.0,
+            {**spec, "tag_base": k * bd.TAGS_PER_RUN},
+        )
     # Per run: 2 warm-up prompts (one wave) + 4 prefill-only + 4 timed.
     assert len(llm.prompts) == 2 * (2 + 4 + 4)
     assert len(set(llm.prompts)) == len(llm.prompts)
@@ -1199,8 +1250,12 @@ def test_serve_row_and_commands(tmp_path):
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {"method": "ddtree", "model": str(args.drafter), "tree_budget": 64}
     dflash = bd.serve_command(args, "dflash", 32, 8000)
-    for flag in ("--max-num-seqs", "--compilation-config",
-                 "--no-enable-prefix-caching", "--gpu-memory-utilization"):
+    for flag in (
+        "--max-num-seqs",
+        "--compilation-config",
+        "--no-enable-prefix-caching",
+        "--gpu-memory-utilization",
+    ):
         assert flag not in cmd
         # DFlash: the one setting vLLM's serve defaults make a user change.
         assert (flag in dflash) == (flag == "--max-num-seqs")
@@ -1208,8 +1263,7 @@ def test_serve_row_and_commands(tmp_path):
         bd.DFLASH_SERVE_MAX_NUM_SEQS
     )
     tuned = bd.parse_args(
-        ["serve", "--out", str(tmp_path / "t"), *_pair(tmp_path), "--settings",
-         "tuned"]
+        ["serve", "--out", str(tmp_path / "t"), *_pair(tmp_path), "--settings", "tuned"]
     )
     cmd = bd.serve_command(tuned, "ddtree-64", 32, 8000)
     assert cmd[cmd.index("--max-num-seqs") + 1] == "32"
@@ -1224,8 +1278,10 @@ def test_serve_row_and_commands(tmp_path):
     assert warm[warm.index("--num-prompts") + 1] == "2"
     for cmd in (warm, timed):
         assert cmd[cmd.index("--num-warmups") + 1] == "0"
-    sets = [json.loads(Path(c[c.index("--dataset-path") + 1]).read_text())
-            for c in (warm, timed)]
+    sets = [
+        json.loads(Path(c[c.index("--dataset-path") + 1]).read_text())
+        for c in (warm, timed)
+    ]
     texts = [t["conversations"][0]["value"] for d in sets for t in d]
     assert len(texts) == 2 + args.num_prompts and len(set(texts)) == len(texts)
     assert timed[timed.index("--result-filename") + 1] == "r.json"
@@ -1253,6 +1309,126 @@ def test_engine_env(monkeypatch):
     assert served["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert bd._worker_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_offline_engine_process_follows_the_settings(tmp_path, monkeypatch):
+    """Under --settings defaults an offline worker's engine core runs in its own
+    process (vLLM's default for LLM) and the plugin reaches it through its entry
+    point; tuned keeps the engine in the worker's process; the caller's
+    VLLM_ENABLE_V1_MULTIPROCESSING wins. The setup records multiprocess, so
+    earlier in-process defaults results are not resumed into it."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    seen = []
+    monkeypatch.setattr(bd, "_run_logged", lambda cmd, log, left, env: seen.append(env))
+    defaults = bd.parse_args(["e2e", "--out", str(tmp_path / "d"), *_pair(tmp_path)])
+    tuned = bd.parse_args(
+        ["e2e", "--out", str(tmp_path / "t"), *_pair(tmp_path), "--settings", "tuned"]
+    )
+    assert bd.engine_process_of(defaults) == "multiprocess"
+    assert bd.engine_process_of(tuned) == "in-process"
+    assert bd.setup_of(defaults)["engine_process"] == "multiprocess"
+    assert "engine_process" not in bd.setup_of(tuned)
+    for args in (defaults, tuned):
+        args.out.mkdir()
+        bd.run_offline_config(args, "dflash", 1, [(1, 0.0)], ["x"], "r", 10.0)
+        spec = json.loads((args.out / "logs" / "dflash.spec.json").read_text())
+        assert spec["row"]["engine_process"] == bd.engine_process_of(args)
+    multi, single = seen
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in multi
+    site = Path(multi["PYTHONPATH"].split(os.pathsep)[0])
+    entry = next(site.glob("*.dist-info")) / "entry_points.txt"
+    assert "ddtree = vllm_ddtree:register" in entry.read_text()
+    assert str(bd.ROOT) in multi["PYTHONPATH"].split(os.pathsep)
+    assert single["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert bd.engine_process_of(defaults) == "in-process"
+    assert "engine_process" not in bd.setup_of(defaults)
+
+
+def test_host_placement_parsers():
+    assert bd.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert bd.parse_cpulist("") == []
+    maps = (
+        "7f00 default file=/lib/x.so mapped=3 N0=2 N1=1 kernelpagesize_kB=4\n"
+        "7f10 interleave:0-1 anon=10 dirty=10 N1=10 kernelpagesize_kB=4\n"
+    )
+    assert bd.numa_pages(maps) == {0: 2, 1: 11}
+    placement = bd.host_placement()  # this machine: one process, no GPU
+    me = placement["processes"][0]
+    assert me["pid"] == os.getpid() and me["cpus_allowed"] >= 1
+    assert placement["cpus"] == os.cpu_count() and placement["numa_nodes"] >= 1
+    json.dumps(placement)  # goes into a result row
+
+
+def test_rounds_interleave_configs_and_summarize(tmp_path, monkeypatch, capsys):
+    """--rounds 3: every config once per round in fresh processes, the order
+    reversed in round 2, one directory per round; rounds.md gives the median
+    over rounds of each ratio to the same round's DFlash, with its range."""
+    calls = []
+    # Steps per round: DFlash 6, 8, 9 ms, DDTree 7, 7, 9 ms. Paired in their
+    # round the ratios are 7/6, 7/8, 9/9, median 1.0; the ratio of the medians
+    # (7/8) is not what is reported.
+    step_ms = {"dflash": iter([6.0, 8.0, 9.0]), "ddtree-128": iter([7.0, 7.0, 9.0])}
+
+    def fake(args, config, max_batch, runs, prompts, rid, time_left):
+        calls.append((args.out.name, config))
+        ms = next(step_ms[config])
+        for batch, temperature in runs:
+            rep.append_row(
+                args.out,
+                {
+                    "config": config,
+                    "batch": batch,
+                    "temperature": temperature,
+                    "run_id": rid,
+                    "tok_s": 100.0 / ms,
+                    "decode_ms_per_step": ms,
+                    "acceptance_length": 1.0,
+                },
+            )
+        return True
+
+    monkeypatch.setattr(bd, "run_offline_config", fake)
+    out = tmp_path / "r"
+    argv = [
+        "cost",
+        "--out",
+        str(out),
+        "--configs",
+        "dflash,ddtree-128",
+        "--batches",
+        "1",
+        "--rounds",
+        "3",
+    ]
+    assert bd.main(argv) == 0
+    assert calls == [
+        ("round1", "dflash"),
+        ("round1", "ddtree-128"),
+        ("round2", "ddtree-128"),
+        ("round2", "dflash"),
+        ("round3", "dflash"),
+        ("round3", "ddtree-128"),
+    ]
+    summary = {r["config"]: r for r in json.loads((out / rep.ROUNDS_FILE).read_text())}
+    tree = summary["ddtree-128"]
+    assert tree["rounds"] == 3
+    assert tree["step_vs_dflash"] == pytest.approx(1.0)
+    assert tree["step_vs_dflash_min"] == pytest.approx(7 / 8)
+    assert tree["step_vs_dflash_max"] == pytest.approx(7 / 6)
+    assert summary["dflash"]["decode_ms_per_step"] == 8.0
+    text = (out / rep.ROUNDS_REPORT).read_text()
+    assert "| ddtree-128 | 1 | 0.0 | 3 |" in text and "(0.875 - 1.167)" in text
+    assert "step time 1.000 x DFlash's (target <= 1.10): met" in text
+    for k in (1, 2, 3):
+        assert (out / f"round{k}" / rep.RESULTS_FILE).is_file()
+    # Measured rounds are skipped on a rerun with --resume-from.
+    again = tmp_path / "again"
+    assert bd.main([*argv[:2], str(again), *argv[3:], "--resume-from", str(out)]) == 0
+    assert len(calls) == 6
+    with pytest.raises(SystemExit):
+        bd.parse_args([*argv[:-1], "0"])
+    assert "--rounds must be >= 1" in capsys.readouterr().err
 
 
 def test_serve_dataset_reads_back_through_vllm_bench(tmp_path):

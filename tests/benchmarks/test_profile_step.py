@@ -507,6 +507,32 @@ def test_decode_breakdown_counts_eager_kernels():
     assert ps.decode_breakdown(old_full, old_prefill)["eager_kernels_per_step"] == {}
 
 
+def test_markdown_report_host_placement_row():
+    """Each config's process placement (bench_ddtree.host_placement) is one row:
+    two processes of one config can land on different NUMA nodes."""
+    near, far, old = _result("dflash"), _result("ddtree-32"), _result("ddtree-64")
+    proc = {"pid": 1, "name": "python", "cpus_allowed": 16, "last_cpu": 3}
+    near["info"]["host"] = {
+        "gpu_numa_node": 0,
+        "processes": [{**proc, "cpu_node": 0, "pages_per_node": {"0": 900}}],
+    }
+    far["info"]["host"] = {
+        "gpu_numa_node": 0,
+        "processes": [
+            {**proc, "last_cpu": 12, "cpu_node": 1, "pages_per_node": {"0": 5, "1": 7}}
+        ],
+    }
+    text = ps.markdown_report([near, far, old])
+    row = next(line for line in text.splitlines() if line.startswith("| host:"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:] == [
+        "CPU 3 / node 0; N0: 900; GPU node 0",
+        "CPU 12 / node 1; N0: 5, N1: 7; GPU node 0",
+        "-",
+    ]
+    assert "| host:" not in ps.markdown_report([old])
+
+
 def test_markdown_report_eager_table():
     ddtree, dflash = _result("ddtree-15", 90.0, 20.0), _result("dflash")
     assert "launched from the host" not in ps.markdown_report([ddtree, dflash])
