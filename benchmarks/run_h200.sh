@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # The GPU session script: run on the H200 from the repo root after the vLLM bundle is
 # installed (see ../shared/gpu/README.md). Logs and results go to $OUT.
-#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|serving|load|compiles|profile-b1|bench-ops|bench-attn|bench-ddtree|train-pair [args]
+#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|serving|load|compiles|profile-b1|b1-rounds|serve-headline|bench-ops|bench-attn|bench-ddtree|train-pair [args]
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see docs/bench_ddtree.md and docs/train_pair.md)
 set -uo pipefail
-source .gpu/install.sh >/dev/null
+# The bundle's installer travels only with the bundle calls (.gpu/ is not
+# tracked); later calls on the same machine find vLLM installed in /tmp/site.
+if [ -f .gpu/install.sh ]; then
+  source .gpu/install.sh >/dev/null
+elif [ -f /tmp/site/.done_vllm ] && [ -f /tmp/site/.done_deps ]; then
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "run_h200.sh: no vLLM bundle on this machine (send .gpu/ first)" >&2
+  exit 2
+fi
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 \
   VLLM_HOST_IP=127.0.0.1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
@@ -112,6 +121,29 @@ tests/v1/test_sm90_compile.py"
       --configs "${1:-dflash,ddtree-32,ddtree-auto}" --batch 1 --max-tokens 256 \
       --timing-repeats 2 --limit-seconds $((LIMIT - 20)) 2>&1 \
       | tee "$OUT/profile_b1_defaults.log" | grep -v -i warn | tail -30 ;;
+  b1-rounds)
+    # The batch-1 target: the pair under vLLM's defaults (multiprocess engine,
+    # fresh prompts), DFlash and DDTree auto in fresh processes, ROUNDS rounds
+    # (medians in rounds.md). RESUME: an earlier output (brought back into the
+    # checkout) to continue from; the configs: the argument.
+    P=benchmarks/models/pycode
+    timeout $LIMIT python3 benchmarks/bench_ddtree.py e2e --out "$OUT/bench_b1_rounds" \
+      --target $P/target --drafter $P/drafter --prompts $P/eval_prompts.json \
+      --configs "${1:-dflash,ddtree-auto}" --batches 1 --temperatures 0 \
+      --num-prompts 16 --rounds "${ROUNDS:-3}" ${RESUME:+--resume-from "$RESUME"} \
+      --limit-seconds $((LIMIT - 20)) 2>&1 | tee "$OUT/bench_b1_rounds.log" \
+      | grep -v -i warn | tail -30 ;;
+  serve-headline)
+    # Issue 17's headline: vllm serve + vllm bench serve, DFlash and DDTree auto,
+    # concurrency 1 / 8 / 32 / 64, T=0 and 1, under vLLM's defaults; split over
+    # calls with RESUME (an earlier output brought back into the checkout).
+    P=benchmarks/models/pycode
+    timeout $LIMIT python3 benchmarks/bench_ddtree.py serve --out "$OUT/bench_serve_headline" \
+      --target $P/target --drafter $P/drafter --prompts $P/eval_prompts.json \
+      --configs "${1:-dflash,ddtree-auto}" --batches "${BATCHES:-1,8,32,64}" \
+      --temperatures 0,1 ${RESUME:+--resume-from "$RESUME"} \
+      --limit-seconds $((LIMIT - 20)) 2>&1 | tee "$OUT/bench_serve_headline.log" \
+      | grep -v -i warn | tail -40 ;;
   bench-ops)
     timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_ops.log" | tail -30 ;;
@@ -126,6 +158,6 @@ tests/v1/test_sm90_compile.py"
     OUT=$OUT timeout $LIMIT bash benchmarks/train_pair/run_h200.sh \
       "${1:-$((LIMIT - 20))}" 2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|load|compiles|profile-b1|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|load|compiles|profile-b1|b1-rounds|serve-headline|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac
