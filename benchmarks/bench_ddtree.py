@@ -1100,6 +1100,50 @@ def _read(path) -> str | None:
         return None
 
 
+def task_stat(text: str) -> dict:
+    """CPU seconds (user + system, in clock ticks) and the CPU a task last ran
+    on, from a ``/proc/<pid>/task/<tid>/stat`` line (the name in parentheses may
+    hold spaces, so fields count from the last ``)``)."""
+    fields = text[text.rindex(")") + 2 :].split()
+    return {
+        "ticks": int(fields[11]) + int(fields[12]),
+        "last_cpu": int(fields[36]),
+    }
+
+
+def busy_threads(pid: int, top: int = 6) -> list[dict]:
+    """The ``top`` threads of a process by CPU time: name, CPU seconds, the CPU
+    each last ran on. A thread that spins next to the one running the step (on
+    the same core) slows the step; this shows whether one did."""
+    tick = os.sysconf("SC_CLK_TCK")
+    threads = []
+    for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+        stat, comm = _read(task / "stat"), _read(task / "comm")
+        if stat is None:
+            continue
+        info = task_stat(stat)
+        threads.append(
+            {
+                "tid": int(task.name),
+                "name": (comm or "").strip(),
+                "cpu_s": round(info["ticks"] / tick, 2),
+                "last_cpu": info["last_cpu"],
+            }
+        )
+    threads.sort(key=lambda t: -t["cpu_s"])
+    return threads[:top]
+
+
+def _core_of(cpu: int) -> str | None:
+    """``"<package>/<core>"`` of a CPU: two CPUs with the same value are SMT
+    siblings."""
+    topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+    package, core = _read(topo / "physical_package_id"), _read(topo / "core_id")
+    if package is None or core is None:
+        return None
+    return f"{package.strip()}/{core.strip()}"
+
+
 def _gpu_numa_node() -> int | None:
     try:
         import torch
@@ -1130,6 +1174,9 @@ def host_placement() -> dict:
     for proc in [me, *me.children(recursive=True)]:
         try:
             cpu = proc.cpu_num()
+            threads = busy_threads(proc.pid)
+            for t in threads:
+                t["core"] = _core_of(t["last_cpu"])
             procs.append(
                 {
                     "pid": proc.pid,
@@ -1140,15 +1187,21 @@ def host_placement() -> dict:
                     "pages_per_node": numa_pages(
                         _read(f"/proc/{proc.pid}/numa_maps") or ""
                     ),
+                    "threads": threads,
                 }
             )
         except (psutil.Error, OSError):
             continue
+    torch = sys.modules.get("torch")
     return {
         "cpus": os.cpu_count(),
         "numa_nodes": len(set(node_of.values())),
         "gpu_numa_node": _gpu_numa_node(),
         "load_1min": round(os.getloadavg()[0], 2),
+        # Intra-op threads of this process (vLLM lowers them to 1 only for its
+        # multiprocess executor, i.e. tensor parallelism).
+        "torch_threads": None if torch is None else torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "processes": procs,
     }
 

@@ -901,10 +901,21 @@ def placement_cell(place: Mapping | None) -> str:
     pages = ", ".join(
         f"N{n}: {int(c)}" for n, c in sorted(me["pages_per_node"].items())
     )
-    return (
+    text = (
         f"CPU {me['last_cpu']} / node {me['cpu_node']}; {pages or '-'}; "
         f"GPU node {place.get('gpu_numa_node')}"
     )
+    # The busiest thread besides the main one, and whether it ran on the main
+    # thread's core (an SMT sibling or the same CPU) when sampled.
+    threads = me.get("threads") or []
+    main = next((t for t in threads if t["tid"] == me["pid"]), None)
+    other = next((t for t in threads if t["tid"] != me["pid"]), None)
+    if other is not None:
+        shared = main is not None and other.get("core") == main.get("core")
+        text += f"; next thread `{other['name']}` {other['cpu_s']:.1f} s CPU" + (
+            ", on the main thread's core" if shared else ""
+        )
+    return text
 
 
 def host_table(configs: Sequence[str], decode: Sequence[Mapping]) -> str | None:

@@ -1353,9 +1353,18 @@ def test_host_placement_parsers():
         "7f10 interleave:0-1 anon=10 dirty=10 N1=10 kernelpagesize_kB=4\n"
     )
     assert bd.numa_pages(maps) == {0: 2, 1: 11}
+    line = (
+        "42 (pool worker (x)) S 1 42 42 0 -1 4194368 10 0 0 0 150 25 "
+        + " ".join(["0"] * 23)
+        + " 7 0 0"
+    )
+    assert bd.task_stat(line) == {"ticks": 175, "last_cpu": 7}
     placement = bd.host_placement()  # this machine: one process, no GPU
     me = placement["processes"][0]
     assert me["pid"] == os.getpid() and me["cpus_allowed"] >= 1
+    assert os.getpid() in {t["tid"] for t in me["threads"]}  # the main thread
+    assert all(t["cpu_s"] >= 0 and t["last_cpu"] >= 0 for t in me["threads"])
+    assert placement["torch_threads"] >= 1
     assert placement["cpus"] == os.cpu_count() and placement["numa_nodes"] >= 1
     json.dumps(placement)  # goes into a result row
 

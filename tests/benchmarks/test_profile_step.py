@@ -516,10 +516,26 @@ def test_markdown_report_host_placement_row():
         "gpu_numa_node": 0,
         "processes": [{**proc, "cpu_node": 0, "pages_per_node": {"0": 900}}],
     }
+    threads = [
+        {"tid": 1, "name": "python", "cpu_s": 30.0, "last_cpu": 12, "core": "1/4"},
+        {
+            "tid": 9,
+            "name": "pt_main_thread",
+            "cpu_s": 12.5,
+            "last_cpu": 28,
+            "core": "1/4",
+        },
+    ]
     far["info"]["host"] = {
         "gpu_numa_node": 0,
         "processes": [
-            {**proc, "last_cpu": 12, "cpu_node": 1, "pages_per_node": {"0": 5, "1": 7}}
+            {
+                **proc,
+                "last_cpu": 12,
+                "cpu_node": 1,
+                "pages_per_node": {"0": 5, "1": 7},
+                "threads": threads,
+            }
         ],
     }
     text = ps.markdown_report([near, far, old])
@@ -527,7 +543,8 @@ def test_markdown_report_host_placement_row():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:] == [
         "CPU 3 / node 0; N0: 900; GPU node 0",
-        "CPU 12 / node 1; N0: 5, N1: 7; GPU node 0",
+        "CPU 12 / node 1; N0: 5, N1: 7; GPU node 0; next thread `pt_main_thread` "
+        "12.5 s CPU, on the main thread's core",
         "-",
     ]
     assert "| host:" not in ps.markdown_report([old])
