@@ -770,6 +770,7 @@ class Clock:
         self.start = time.monotonic()
         self.limit_s = limit_s
         self.config_s = [default_config_s]
+        self.measured = False
 
     def remaining(self) -> float:
         if not self.limit_s:
@@ -780,8 +781,9 @@ class Clock:
         return self.remaining() >= max(self.config_s)
 
     def record(self, seconds: float) -> None:
-        if len(self.config_s) == 1:
-            self.config_s = [seconds]  # measured replaces the default guess
+        if not self.measured:
+            self.config_s = [seconds]  # the first measured replaces the guess
+            self.measured = True
         else:
             self.config_s.append(seconds)
 
@@ -806,6 +808,12 @@ def run_rounds(args) -> int:
     """``--rounds N``: the sweep N times, round k in ``<out>/round<k>`` (resumed
     from ``<dir>/round<k>`` of each ``--resume-from``), one time budget for all,
     then ``<out>/rounds.md`` and ``rounds.json``."""
+    for d in args.resume_from:
+        if not any(d.glob("round[0-9]*")):
+            raise ValueError(
+                f"--resume-from {d}: no round<k> folders there (--rounds resumes "
+                "from the --out of an earlier --rounds command)"
+            )
     clock, rid = Clock(args.limit_seconds, args.config_seconds), run_id()
     args.out.mkdir(parents=True, exist_ok=True)
     dirs, rc = [], 0
@@ -814,6 +822,7 @@ def run_rounds(args) -> int:
         sub.out = args.out / f"round{k}"
         sub.resume_from = [d / f"round{k}" for d in args.resume_from]
         sub.resume_from = [d for d in sub.resume_from if d.is_dir()]
+        sub.resume_hint = args.out  # what a cut round says to resume from
         # Reversed every other round: the first engine on a machine can run
         # differently from later ones.
         sub.configs = list(args.configs if k % 2 else reversed(args.configs))
@@ -824,7 +833,7 @@ def run_rounds(args) -> int:
             if k < args.rounds:
                 print(
                     f"bench_ddtree: stopping after round {k} of {args.rounds} "
-                    "(--limit-seconds); rerun with --resume-from this --out"
+                    f"(--limit-seconds); rerun with --resume-from {args.out}"
                 )
             break
     print(write_rounds_report(args.out, dirs, args.mode))
@@ -845,6 +854,7 @@ def run_sweep(args, clock: Clock | None = None, rid: str | None = None) -> int:
             )
     clock = clock or Clock(args.limit_seconds, args.config_seconds)
     rid = rid or run_id()
+    hint = getattr(args, "resume_hint", args.out)
     failed, cut = [], []
     todo = plan(args, done)
     for i, (config, fit, runs) in enumerate(todo, 1):
@@ -858,7 +868,7 @@ def run_sweep(args, clock: Clock | None = None, rid: str | None = None) -> int:
                 f"{tag}: stopping, {clock.remaining():.0f} s left of "
                 f"--limit-seconds, a config takes ~{max(clock.config_s):.0f} s; "
                 f"not started: {', '.join(left)}. Rerun with --resume-from "
-                "this --out to continue."
+                f"{hint} to continue."
             )
             break
         print(
@@ -876,7 +886,7 @@ def run_sweep(args, clock: Clock | None = None, rid: str | None = None) -> int:
     if cut:
         print(
             f"bench_ddtree: --limit-seconds ran out while measuring {cut}; their "
-            f"finished rows are kept, rerun with --resume-from {args.out} to "
+            f"finished rows are kept, rerun with --resume-from {hint} to "
             "finish them"
         )
     if failed:
@@ -960,9 +970,10 @@ def engine_process_of(args) -> str:
     default, a process of its own, as a user's ``LLM`` has it) under ``--settings
     defaults``, ``in-process`` under ``tuned``. ``VLLM_ENABLE_V1_MULTIPROCESSING``
     in the caller's environment wins."""
-    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "").strip().lower()
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "").strip()
     if value:
-        return "in-process" if value in ("0", "false") else "multiprocess"
+        # vLLM reads it as bool(int(value)).
+        return "in-process" if value == "0" else "multiprocess"
     return "multiprocess" if settings_of(args) == "defaults" else "in-process"
 
 
@@ -1082,15 +1093,21 @@ def parse_cpulist(text: str) -> list[int]:
     return cpus
 
 
-def numa_pages(numa_maps: str) -> dict[int, int]:
-    """Pages per NUMA node summed over a ``/proc/<pid>/numa_maps`` text."""
-    pages: dict[int, int] = {}
-    for token in numa_maps.split():
-        if token.startswith("N") and "=" in token:
+def numa_kib(numa_maps: str) -> dict[int, int]:
+    """Resident KiB per NUMA node over a ``/proc/<pid>/numa_maps`` text (each
+    mapping's ``N<node>=<pages>`` times its ``kernelpagesize_kB``: huge pages
+    count as what they hold)."""
+    kib: dict[int, int] = {}
+    for line in numa_maps.splitlines():
+        tokens = line.split()
+        size = next(
+            (int(t[18:]) for t in tokens if t.startswith("kernelpagesize_kB=")), 4
+        )
+        for token in tokens:
             node, _, count = token[1:].partition("=")
-            if node.isdigit() and count.isdigit():
-                pages[int(node)] = pages.get(int(node), 0) + int(count)
-    return pages
+            if token.startswith("N") and node.isdigit() and count.isdigit():
+                kib[int(node)] = kib.get(int(node), 0) + int(count) * size
+    return kib
 
 
 def _read(path) -> str | None:
@@ -1184,7 +1201,7 @@ def host_placement() -> dict:
                     "cpus_allowed": len(proc.cpu_affinity()),
                     "last_cpu": cpu,
                     "cpu_node": node_of.get(cpu),
-                    "pages_per_node": numa_pages(
+                    "kib_per_node": numa_kib(
                         _read(f"/proc/{proc.pid}/numa_maps") or ""
                     ),
                     "threads": threads,
@@ -1198,9 +1215,10 @@ def host_placement() -> dict:
         "numa_nodes": len(set(node_of.values())),
         "gpu_numa_node": _gpu_numa_node(),
         "load_1min": round(os.getloadavg()[0], 2),
-        # Intra-op threads of this process (vLLM lowers them to 1 only for its
-        # multiprocess executor, i.e. tensor parallelism).
-        "torch_threads": None if torch is None else torch.get_num_threads(),
+        # Of this (the calling) process only, not of a multiprocess engine core
+        # (vLLM lowers intra-op threads to 1 only for its multiprocess executor,
+        # i.e. tensor parallelism); OMP_NUM_THREADS is inherited by children.
+        "caller_torch_threads": None if torch is None else torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "processes": procs,
     }

@@ -854,7 +854,7 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
     places = [r.get("info", {}).get("host") for r in results]
     if any(places):
         rows.append(
-            ["host: CPU / NUMA node at the end, memory pages per node, GPU's node"]
+            ["host: CPU / NUMA node at the end, resident memory per node, GPU's node"]
             + [placement_cell(p) for p in places]
         )
     host = host_table(configs, decode)
@@ -899,7 +899,8 @@ def placement_cell(place: Mapping | None) -> str:
         return "-"
     me = place["processes"][0]
     pages = ", ".join(
-        f"N{n}: {int(c)}" for n, c in sorted(me["pages_per_node"].items())
+        f"N{n}: {int(c) / 1024:.0f} MiB"
+        for n, c in sorted(me.get("kib_per_node", {}).items())
     )
     text = (
         f"CPU {me['last_cpu']} / node {me['cpu_node']}; {pages or '-'}; "
@@ -911,7 +912,8 @@ def placement_cell(place: Mapping | None) -> str:
     main = next((t for t in threads if t["tid"] == me["pid"]), None)
     other = next((t for t in threads if t["tid"] != me["pid"]), None)
     if other is not None:
-        shared = main is not None and other.get("core") == main.get("core")
+        core = None if main is None else main.get("core")
+        shared = core is not None and other.get("core") == core
         text += f"; next thread `{other['name']}` {other['cpu_s']:.1f} s CPU" + (
             ", on the main thread's core" if shared else ""
         )

@@ -514,7 +514,7 @@ def test_markdown_report_host_placement_row():
     proc = {"pid": 1, "name": "python", "cpus_allowed": 16, "last_cpu": 3}
     near["info"]["host"] = {
         "gpu_numa_node": 0,
-        "processes": [{**proc, "cpu_node": 0, "pages_per_node": {"0": 900}}],
+        "processes": [{**proc, "cpu_node": 0, "kib_per_node": {"0": 921600}}],
     }
     threads = [
         {"tid": 1, "name": "python", "cpu_s": 30.0, "last_cpu": 12, "core": "1/4"},
@@ -533,7 +533,7 @@ def test_markdown_report_host_placement_row():
                 **proc,
                 "last_cpu": 12,
                 "cpu_node": 1,
-                "pages_per_node": {"0": 5, "1": 7},
+                "kib_per_node": {"0": 5120, "1": 7168},
                 "threads": threads,
             }
         ],
@@ -542,12 +542,18 @@ def test_markdown_report_host_placement_row():
     row = next(line for line in text.splitlines() if line.startswith("| host:"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:] == [
-        "CPU 3 / node 0; N0: 900; GPU node 0",
-        "CPU 12 / node 1; N0: 5, N1: 7; GPU node 0; next thread `pt_main_thread` "
+        "CPU 3 / node 0; N0: 900 MiB; GPU node 0",
+        "CPU 12 / node 1; N0: 5 MiB, N1: 7 MiB; GPU node 0; next thread "
+        "`pt_main_thread` "
         "12.5 s CPU, on the main thread's core",
         "-",
     ]
     assert "| host:" not in ps.markdown_report([old])
+    # No CPU topology (None cores): no claim that the two threads shared a core.
+    for t in threads:
+        t["core"] = None
+    text = ps.markdown_report([far])
+    assert "on the main thread's core" not in text and "`pt_main_thread`" in text
 
 
 def test_markdown_report_eager_table():
