@@ -125,12 +125,15 @@ tests/v1/test_sm90_compile.py"
     # The batch-1 target: the pair under vLLM's defaults (multiprocess engine,
     # fresh prompts), DFlash and DDTree auto in fresh processes, ROUNDS rounds
     # (medians in rounds.md). RESUME: an earlier output (brought back into the
-    # checkout) to continue from; the configs: the argument.
+    # checkout) to continue from; PIN=gpu-node pins the engines to the GPU's
+    # NUMA node (the placement test; a separate OUT_NAME); the configs: the
+    # argument.
     P=benchmarks/models/pycode
-    timeout $LIMIT python3 benchmarks/bench_ddtree.py e2e --out "$OUT/bench_b1_rounds" \
+    timeout $LIMIT python3 benchmarks/bench_ddtree.py e2e --out "$OUT/${OUT_NAME:-bench_b1_rounds}" \
       --target $P/target --drafter $P/drafter --prompts $P/eval_prompts.json \
       --configs "${1:-dflash,ddtree-auto}" --batches 1 --temperatures 0 \
       --num-prompts 16 --rounds "${ROUNDS:-3}" ${RESUME:+--resume-from "$RESUME"} \
+      ${PIN:+--cpu-affinity "$PIN"} \
       --limit-seconds $((LIMIT - 20)) 2>&1 | tee "$OUT/bench_b1_rounds.log" \
       | grep -v -i warn | tail -30 ;;
   serve-headline)
