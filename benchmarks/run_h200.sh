@@ -42,6 +42,18 @@ summarize() {
     grep -E '^(FAILED|ERROR)' "$OUT/${prefix}_$name.log" | head -20
   done
 }
+# A results folder kept on the machine, back through $OUT as one archive
+# (the device tool returns at most 8 files, two folders down) plus its
+# report files: DIR.
+bring_back() {
+  local dir=$1 name
+  name=$(basename "$1")
+  tar czf "$OUT/$name.tgz" -C "$(dirname "$dir")" "$name" "$name.log"
+  for f in rounds.md results.md; do
+    [ -f "$dir/$f" ] && cp "$dir/$f" "$OUT/${name}_$f"
+  done
+  return 0
+}
 what=$1; shift
 case "$what" in
   tests)
@@ -124,29 +136,43 @@ tests/v1/test_sm90_compile.py"
   b1-rounds)
     # The batch-1 target: the pair under vLLM's defaults (multiprocess engine,
     # fresh prompts), DFlash and DDTree auto in fresh processes, ROUNDS rounds
-    # (medians in rounds.md). RESUME: an earlier output (brought back into the
-    # checkout) to continue from; PIN=gpu-node pins the engines to the GPU's
+    # (medians in rounds.md). RESUME: an earlier output brought back into the
+    # checkout (a fresh machine) to continue from; PIN=gpu-node pins the engines to the GPU's
     # NUMA node (the placement test; a separate OUT_NAME); the configs: the
     # argument.
+    # The output lives in /tmp/ddtree_results while the machine stays up, so a
+    # second call resumes where a cut one stopped; each call brings it back.
     P=benchmarks/models/pycode
-    timeout $LIMIT python3 benchmarks/bench_ddtree.py e2e --out "$OUT/${OUT_NAME:-bench_b1_rounds}" \
+    name=${OUT_NAME:-bench_b1_rounds}
+    keep=/tmp/ddtree_results/$name
+    mkdir -p "$keep"
+    timeout $LIMIT python3 benchmarks/bench_ddtree.py e2e --out "$keep" \
       --target $P/target --drafter $P/drafter --prompts $P/eval_prompts.json \
       --configs "${1:-dflash,ddtree-auto}" --batches 1 --temperatures 0 \
       --num-prompts 16 --rounds "${ROUNDS:-3}" ${RESUME:+--resume-from "$RESUME"} \
       ${PIN:+--cpu-affinity "$PIN"} \
-      --limit-seconds $((LIMIT - 20)) 2>&1 | tee "$OUT/bench_b1_rounds.log" \
-      | grep -v -i warn | tail -30 ;;
+      --limit-seconds $((LIMIT - 30)) 2>&1 | tee -a "$keep.log" \
+      | grep -v -i warn | tail -30
+    rc=${PIPESTATUS[0]}
+    bring_back "$keep"
+    exit $rc ;;
   serve-headline)
     # Issue 17's headline: vllm serve + vllm bench serve, DFlash and DDTree auto,
-    # concurrency 1 / 8 / 32 / 64, T=0 and 1, under vLLM's defaults; split over
-    # calls with RESUME (an earlier output brought back into the checkout).
+    # concurrency 1 / 8 / 32 / 64, T=0 and 1, under vLLM's defaults; a later
+    # call on the same machine resumes (RESUME: an output brought back instead).
+    # Kept in /tmp/ddtree_results like b1-rounds (a later call resumes).
     P=benchmarks/models/pycode
-    timeout $LIMIT python3 benchmarks/bench_ddtree.py serve --out "$OUT/bench_serve_headline" \
+    keep=/tmp/ddtree_results/${OUT_NAME:-bench_serve_headline}
+    mkdir -p "$keep"
+    timeout $LIMIT python3 benchmarks/bench_ddtree.py serve --out "$keep" \
       --target $P/target --drafter $P/drafter --prompts $P/eval_prompts.json \
       --configs "${1:-dflash,ddtree-auto}" --batches "${BATCHES:-1,8,32,64}" \
       --temperatures 0,1 ${RESUME:+--resume-from "$RESUME"} \
-      --limit-seconds $((LIMIT - 20)) 2>&1 | tee "$OUT/bench_serve_headline.log" \
-      | grep -v -i warn | tail -40 ;;
+      --limit-seconds $((LIMIT - 30)) 2>&1 | tee -a "$keep.log" \
+      | grep -v -i warn | tail -40
+    rc=${PIPESTATUS[0]}
+    bring_back "$keep"
+    exit $rc ;;
   bench-ops)
     timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_ops.log" | tail -30 ;;
