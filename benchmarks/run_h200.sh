@@ -54,6 +54,23 @@ bring_back() {
   done
   return 0
 }
+# bench_ddtree.py on the trained pair: NAME MODE ARGS... The output lives in
+# /tmp/ddtree_results/NAME while the machine stays up, so a later call resumes
+# where a cut one stopped (RESUME: an output brought back into the checkout,
+# for a fresh machine); each call brings it back (bring_back).
+pair_bench() {
+  local name=$1 mode=$2 keep rc P=benchmarks/models/pycode
+  shift 2
+  keep=/tmp/ddtree_results/$name
+  mkdir -p "$keep"
+  timeout $LIMIT python3 benchmarks/bench_ddtree.py "$mode" --out "$keep" \
+    --target $P/target --drafter $P/drafter --prompts $P/eval_prompts.json \
+    ${RESUME:+--resume-from "$RESUME"} --limit-seconds $((LIMIT - 30)) "$@" 2>&1 \
+    | tee -a "$keep.log" | grep -v -i warn | tail -40
+  rc=${PIPESTATUS[0]}
+  bring_back "$keep"
+  return "$rc"
+}
 what=$1; shift
 case "$what" in
   tests)
@@ -136,43 +153,21 @@ tests/v1/test_sm90_compile.py"
   b1-rounds)
     # The batch-1 target: the pair under vLLM's defaults (multiprocess engine,
     # fresh prompts), DFlash and DDTree auto in fresh processes, ROUNDS rounds
-    # (medians in rounds.md). RESUME: an earlier output brought back into the
-    # checkout (a fresh machine) to continue from; PIN=gpu-node pins the engines to the GPU's
-    # NUMA node (the placement test; a separate OUT_NAME); the configs: the
+    # (medians in rounds.md). PIN=gpu-node pins the engines to the GPU's NUMA
+    # node (the placement test; give it its own OUT_NAME); the configs: the
     # argument.
-    # The output lives in /tmp/ddtree_results while the machine stays up, so a
-    # second call resumes where a cut one stopped; each call brings it back.
-    P=benchmarks/models/pycode
-    name=${OUT_NAME:-bench_b1_rounds}
-    keep=/tmp/ddtree_results/$name
-    mkdir -p "$keep"
-    timeout $LIMIT python3 benchmarks/bench_ddtree.py e2e --out "$keep" \
-      --target $P/target --drafter $P/drafter --prompts $P/eval_prompts.json \
+    # shellcheck disable=SC2086
+    pair_bench "${OUT_NAME:-bench_b1_rounds}" e2e \
       --configs "${1:-dflash,ddtree-auto}" --batches 1 --temperatures 0 \
-      --num-prompts 16 --rounds "${ROUNDS:-3}" ${RESUME:+--resume-from "$RESUME"} \
-      ${PIN:+--cpu-affinity "$PIN"} \
-      --limit-seconds $((LIMIT - 30)) 2>&1 | tee -a "$keep.log" \
-      | grep -v -i warn | tail -30
-    rc=${PIPESTATUS[0]}
-    bring_back "$keep"
-    exit $rc ;;
+      --num-prompts 16 --rounds "${ROUNDS:-3}" ${PIN:+--cpu-affinity "$PIN"}
+    exit $? ;;
   serve-headline)
     # Issue 17's headline: vllm serve + vllm bench serve, DFlash and DDTree auto,
-    # concurrency 1 / 8 / 32 / 64, T=0 and 1, under vLLM's defaults; a later
-    # call on the same machine resumes (RESUME: an output brought back instead).
-    # Kept in /tmp/ddtree_results like b1-rounds (a later call resumes).
-    P=benchmarks/models/pycode
-    keep=/tmp/ddtree_results/${OUT_NAME:-bench_serve_headline}
-    mkdir -p "$keep"
-    timeout $LIMIT python3 benchmarks/bench_ddtree.py serve --out "$keep" \
-      --target $P/target --drafter $P/drafter --prompts $P/eval_prompts.json \
+    # concurrency 1 / 8 / 32 / 64, T=0 and 1, under vLLM's defaults.
+    pair_bench "${OUT_NAME:-bench_serve_headline}" serve \
       --configs "${1:-dflash,ddtree-auto}" --batches "${BATCHES:-1,8,32,64}" \
-      --temperatures 0,1 ${RESUME:+--resume-from "$RESUME"} \
-      --limit-seconds $((LIMIT - 30)) 2>&1 | tee -a "$keep.log" \
-      | grep -v -i warn | tail -40
-    rc=${PIPESTATUS[0]}
-    bring_back "$keep"
-    exit $rc ;;
+      --temperatures 0,1
+    exit $? ;;
   bench-ops)
     timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_ops.log" | tail -30 ;;

@@ -903,6 +903,23 @@ def test_pending_and_setup_check():
         rep.check_setup(setup, {**setup, "max_tokens": 64}, "/old")
 
 
+def _append_fake_rows(args, config, runs, rid, ms, tau=1.0) -> None:
+    """What a worker appends for ``runs``: a step of ``ms`` milliseconds."""
+    for batch, temperature in runs:
+        rep.append_row(
+            args.out,
+            {
+                "config": config,
+                "batch": batch,
+                "temperature": temperature,
+                "run_id": rid,
+                "tok_s": 100.0 / ms,
+                "decode_ms_per_step": ms,
+                "acceptance_length": tau,
+            },
+        )
+
+
 @pytest.fixture
 def fake_runs(monkeypatch):
     """run_offline_config without engines: writes one row per pending run."""
@@ -910,20 +927,10 @@ def fake_runs(monkeypatch):
 
     def fake(args, config, max_batch, runs, prompts, rid, time_left):
         calls.append((config, max_batch, list(runs)))
-        for batch, temperature in runs:
-            ms = 5.0 if config == "none" else 6.0 if config == "dflash" else 7.0
-            rep.append_row(
-                args.out,
-                {
-                    "config": config,
-                    "batch": batch,
-                    "temperature": temperature,
-                    "run_id": rid,
-                    "tok_s": 100.0 / ms,
-                    "decode_ms_per_step": ms,
-                    "acceptance_length": None if config == "none" else 1.0,
-                },
-            )
+        ms = 5.0 if config == "none" else 6.0 if config == "dflash" else 7.0
+        _append_fake_rows(
+            args, config, runs, rid, ms, None if config == "none" else 1.0
+        )
         return True
 
     monkeypatch.setattr(bd, "run_offline_config", fake)
@@ -1428,20 +1435,7 @@ def test_rounds_interleave_configs_and_summarize(tmp_path, monkeypatch, capsys):
 
     def fake(args, config, max_batch, runs, prompts, rid, time_left):
         calls.append((args.out.name, config))
-        ms = next(step_ms[config])
-        for batch, temperature in runs:
-            rep.append_row(
-                args.out,
-                {
-                    "config": config,
-                    "batch": batch,
-                    "temperature": temperature,
-                    "run_id": rid,
-                    "tok_s": 100.0 / ms,
-                    "decode_ms_per_step": ms,
-                    "acceptance_length": 1.0,
-                },
-            )
+        _append_fake_rows(args, config, runs, rid, next(step_ms[config]))
         return True
 
     monkeypatch.setattr(bd, "run_offline_config", fake)
