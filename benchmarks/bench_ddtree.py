@@ -326,16 +326,6 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
         default=d["config_seconds"],
         help="expected seconds per config before one was measured",
     )
-    if mode != "serve":
-        p.add_argument(
-            "--cpu-affinity",
-            choices=("none", "gpu-node"),
-            default="none",
-            help="gpu-node: pin each engine worker (and the processes it starts) "
-            "to the CPUs of the GPU's NUMA node, to test whether placement is "
-            "what moves a host-bound step between processes (a setting a user "
-            "would not make: labelled in the setup)",
-        )
     p.add_argument(
         "--rounds",
         type=int,
@@ -723,8 +713,6 @@ def setup_of(args) -> dict:
     if settings_of(args) == "defaults":
         # Absent for tuned, the settings every earlier setup was measured with.
         setup["settings"] = "defaults"
-    if getattr(args, "cpu_affinity", "none") != "none":
-        setup["cpu_affinity"] = args.cpu_affinity
     if args.mode != "serve" and engine_process_of(args) == "multiprocess":
         # Absent when in-process, as every earlier offline setup ran.
         setup["engine_process"] = "multiprocess"
@@ -962,7 +950,6 @@ def worker_spec(args, config, max_batch, runs, prompts, rid) -> dict:
         "ignore_eos": args.mode == "cost" or args.ignore_eos,
         "arrivals": arrivals_of(args),
         "settings": settings_of(args),
-        "cpu_affinity": getattr(args, "cpu_affinity", "none"),
         "detokenize": args.mode != "cost",
         "out": str(args.out),
         "row": {
@@ -1068,12 +1055,6 @@ def run_worker(spec: dict) -> None:
     vllm_ddtree.register()
     from vllm import LLM, SamplingParams
 
-    if spec.get("cpu_affinity", "none") == "gpu-node":
-        cpus = gpu_local_cpus()
-        if not cpus:
-            raise RuntimeError("--cpu-affinity gpu-node: the GPU's CPUs are unknown")
-        os.sched_setaffinity(0, cpus)  # processes started from here inherit it
-        print(f"bench_ddtree worker: pinned to CPUs {sorted(cpus)}", flush=True)
     start = time.perf_counter()
     llm = LLM(**spec["llm"])
     engine = _engine_info(llm, time.perf_counter() - start)
@@ -1180,36 +1161,19 @@ def _core_of(cpu: int) -> str | None:
     return f"{package.strip()}/{core.strip()}"
 
 
-def _gpu_sysfs() -> Path | None:
-    """The sysfs folder of this process's current GPU (None without one)."""
+def _gpu_numa_node() -> int | None:
+    """vLLM's own answer (NVML) for this process's GPU; None without one."""
     try:
         import torch
 
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return Path(
-            f"/sys/bus/pci/devices/{props.pci_domain_id:04x}:"
-            f"{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        )
-    # No GPU, a torch without the PCI fields: the row says None.
-    except (AssertionError, AttributeError, RuntimeError):
+        if not torch.cuda.is_available():
+            return None
+        from vllm.platforms import current_platform
+        from vllm.third_party.pynvml import NVMLError
+
+        return current_platform.get_device_numa_node(torch.cuda.current_device())
+    except (AttributeError, RuntimeError, NVMLError):  # another platform
         return None
-
-
-def _gpu_numa_node() -> int | None:
-    path = _gpu_sysfs()
-    text = None if path is None else _read(path / "numa_node")
-    try:
-        return None if text is None else int(text)
-    except ValueError:
-        return None
-
-
-def gpu_local_cpus() -> set[int]:
-    """The CPUs sysfs lists as local to the current GPU, within this process's
-    allowed CPUs (empty if unknown)."""
-    path = _gpu_sysfs()
-    text = None if path is None else _read(path / "local_cpulist")
-    return set(parse_cpulist(text or "")) & os.sched_getaffinity(0)
 
 
 def host_placement() -> dict:

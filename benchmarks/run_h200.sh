@@ -153,13 +153,12 @@ tests/v1/test_sm90_compile.py"
   b1-rounds)
     # The batch-1 target: the pair under vLLM's defaults (multiprocess engine,
     # fresh prompts), DFlash and DDTree auto in fresh processes, ROUNDS rounds
-    # (medians in rounds.md). PIN=gpu-node pins the engines to the GPU's NUMA
-    # node (the placement test; give it its own OUT_NAME); the configs: the
-    # argument.
-    # shellcheck disable=SC2086
+    # (medians in rounds.md). NUMA_BIND=1 adds vLLM's own --numa-bind (the
+    # placement test; give it its own OUT_NAME); the configs: the argument.
     pair_bench "${OUT_NAME:-bench_b1_rounds}" e2e \
       --configs "${1:-dflash,ddtree-auto}" --batches 1 --temperatures 0 \
-      --num-prompts 16 --rounds "${ROUNDS:-3}" ${PIN:+--cpu-affinity "$PIN"}
+      --num-prompts 16 --rounds "${ROUNDS:-3}" \
+      ${NUMA_BIND:+--engine-arg numa_bind=true}
     exit $? ;;
   serve-headline)
     # Issue 17's headline: vllm serve + vllm bench serve, DFlash and DDTree auto,

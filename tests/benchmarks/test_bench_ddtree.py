@@ -1354,47 +1354,20 @@ def test_offline_engine_process_follows_the_settings(tmp_path, monkeypatch):
     assert "engine_process" not in bd.setup_of(defaults)
 
 
-def test_cpu_affinity_option(tmp_path, monkeypatch):
-    """--cpu-affinity gpu-node is labelled in the setup and reaches the worker;
-    the GPU's CPUs come from its sysfs local_cpulist, within the allowed CPUs."""
-    args = bd.parse_args(
-        [
-            "e2e",
-            "--out",
-            str(tmp_path / "o"),
-            *_pair(tmp_path),
-            "--cpu-affinity",
-            "gpu-node",
-        ]
+def test_gpu_numa_node_is_vllms(monkeypatch):
+    """The placement's GPU node is what vLLM's platform reports (NVML); None
+    without a GPU."""
+    import torch
+
+    from vllm.platforms import current_platform
+
+    assert bd._gpu_numa_node() is None  # CPU-only here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(
+        current_platform, "get_device_numa_node", lambda d: {3: 1}[d], raising=False
     )
-    assert bd.setup_of(args)["cpu_affinity"] == "gpu-node"
-    assert (
-        bd.worker_spec(args, "dflash", 1, [(1, 0.0)], ["x"], "r")["cpu_affinity"]
-        == "gpu-node"
-    )
-    plain = bd.parse_args(["e2e", "--out", str(tmp_path / "p"), *_pair(tmp_path)])
-    assert "cpu_affinity" not in bd.setup_of(plain)  # earlier setups still match
-    gpu = tmp_path / "gpu"
-    gpu.mkdir()
-    allowed = sorted(os.sched_getaffinity(0))
-    (gpu / "local_cpulist").write_text(f"{allowed[0]},{10_000}-{10_001}\n")
-    monkeypatch.setattr(bd, "_gpu_sysfs", lambda: gpu)
-    assert bd.gpu_local_cpus() == {allowed[0]}  # CPUs it may not use are dropped
-    (gpu / "numa_node").write_text("1\n")
     assert bd._gpu_numa_node() == 1
-    monkeypatch.setattr(bd, "_gpu_sysfs", lambda: None)
-    assert bd.gpu_local_cpus() == set() and bd._gpu_numa_node() is None
-    with pytest.raises(SystemExit):
-        bd.parse_args(
-            [
-                "serve",
-                "--out",
-                str(tmp_path / "s"),
-                *_pair(tmp_path),
-                "--cpu-affinity",
-                "gpu-node",
-            ]
-        )
 
 
 def test_host_placement_parsers():
