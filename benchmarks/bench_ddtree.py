@@ -820,8 +820,9 @@ def run_rounds(args) -> int:
     for k in range(1, args.rounds + 1):
         sub = argparse.Namespace(**vars(args))
         sub.out = args.out / f"round{k}"
-        sub.resume_from = [d / f"round{k}" for d in args.resume_from]
-        sub.resume_from = [d for d in sub.resume_from if d.is_dir()]
+        sub.resume_from = [
+            d / f"round{k}" for d in args.resume_from if (d / f"round{k}").is_dir()
+        ]
         sub.resume_hint = args.out  # what a cut round says to resume from
         # Reversed every other round: the first engine on a machine can run
         # differently from later ones.
@@ -1117,38 +1118,30 @@ def _read(path) -> str | None:
         return None
 
 
-def task_stat(text: str) -> dict:
-    """CPU seconds (user + system, in clock ticks) and the CPU a task last ran
-    on, from a ``/proc/<pid>/task/<tid>/stat`` line (the name in parentheses may
-    hold spaces, so fields count from the last ``)``)."""
-    fields = text[text.rindex(")") + 2 :].split()
-    return {
-        "ticks": int(fields[11]) + int(fields[12]),
-        "last_cpu": int(fields[36]),
-    }
+def busy_threads(proc, top: int = 6) -> list[dict]:
+    """The ``top`` threads of a ``psutil.Process`` by CPU time: name, CPU
+    seconds, the CPU each last ran on. A thread that spins next to the one
+    running the step (on the same core) slows the step; this shows whether one
+    did."""
+    import psutil
 
-
-def busy_threads(pid: int, top: int = 6) -> list[dict]:
-    """The ``top`` threads of a process by CPU time: name, CPU seconds, the CPU
-    each last ran on. A thread that spins next to the one running the step (on
-    the same core) slows the step; this shows whether one did."""
-    tick = os.sysconf("SC_CLK_TCK")
     threads = []
-    for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
-        stat, comm = _read(task / "stat"), _read(task / "comm")
-        if stat is None:
+    for t in sorted(proc.threads(), key=lambda t: -(t.user_time + t.system_time)):
+        try:
+            task = psutil.Process(t.id)  # Linux: a thread id reads as a process
+            threads.append(
+                {
+                    "tid": t.id,
+                    "name": task.name(),
+                    "cpu_s": round(t.user_time + t.system_time, 2),
+                    "last_cpu": task.cpu_num(),
+                }
+            )
+        except psutil.Error:  # the thread ended meanwhile
             continue
-        info = task_stat(stat)
-        threads.append(
-            {
-                "tid": int(task.name),
-                "name": (comm or "").strip(),
-                "cpu_s": round(info["ticks"] / tick, 2),
-                "last_cpu": info["last_cpu"],
-            }
-        )
-    threads.sort(key=lambda t: -t["cpu_s"])
-    return threads[:top]
+        if len(threads) == top:
+            break
+    return threads
 
 
 def _core_of(cpu: int) -> str | None:
@@ -1178,8 +1171,8 @@ def _gpu_numa_node() -> int | None:
 
 def host_placement() -> dict:
     """Where this process and its children (a multiprocess engine core) run:
-    CPU affinity, the CPU each last ran on and its NUMA node, resident pages per
-    NUMA node, and the GPU's NUMA node. A host-bound step (batch 1) runs at the
+    CPU affinity, the CPU each last ran on and its NUMA node, resident memory per
+    NUMA node, the busiest threads, and the GPU's NUMA node. A host-bound step (batch 1) runs at the
     speed of the cores and memory it lands on, and engine processes of one
     machine can land differently, so every row records it."""
     import psutil
@@ -1193,7 +1186,7 @@ def host_placement() -> dict:
     for proc in [me, *me.children(recursive=True)]:
         try:
             cpu = proc.cpu_num()
-            threads = busy_threads(proc.pid)
+            threads = busy_threads(proc)
             for t in threads:
                 t["core"] = _core_of(t["last_cpu"])
             procs.append(
