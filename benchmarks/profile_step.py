@@ -548,8 +548,7 @@ def eager_kernels_per_step(full: Mapping, prefill: Mapping, steps: int) -> dict:
     """Kernels launched from the host per decode step, by name, most first (the
     whole generation's less the prefill-only pass's; windows without the
     record, from older results, give {})."""
-    whole, first = full.get("eager_kernels", {}), prefill.get("eager_kernels", {})
-    per = {n: (c - first.get(n, 0)) / steps for n, c in whole.items()}
+    per = host_scope_breakdown(full, prefill, steps, "eager_kernels")
     return dict(sorted(((n, c) for n, c in per.items() if c > 0), key=lambda x: -x[1]))
 
 
@@ -568,8 +567,9 @@ def repeated_timing(repeats: Sequence[Mapping]) -> dict:
 def host_scope_breakdown(
     full: Mapping, prefill: Mapping, steps: int, key: str = "host_scopes"
 ) -> dict:
-    """Per decode step, every scope either window recorded: its host time (us),
-    or with ``key="host_scope_calls"`` its calls."""
+    """Per decode step, every name either window recorded under ``key``: a host
+    scope's time (us), with ``key="host_scope_calls"`` its calls, with
+    ``"eager_kernels"`` a kernel's launches from the host."""
     f, p = full.get(key) or {}, prefill.get(key) or {}
     return {
         name: (f.get(name, 0.0) - p.get(name, 0.0)) / steps
@@ -894,16 +894,16 @@ def eager_table(
 
 def placement_cell(place: Mapping | None) -> str:
     """One table cell from ``bd.host_placement()``: the profiled process's last
-    CPU and its node, its resident pages per node, and the GPU's node."""
+    CPU and its node, its resident memory per node, and the GPU's node."""
     if not place or not place.get("processes"):
         return "-"
     me = place["processes"][0]
-    pages = ", ".join(
+    memory = ", ".join(
         f"N{n}: {int(c) / 1024:.0f} MiB"
         for n, c in sorted(me.get("kib_per_node", {}).items())
     )
     text = (
-        f"CPU {me['last_cpu']} / node {me['cpu_node']}; {pages or '-'}; "
+        f"CPU {me['last_cpu']} / node {me['cpu_node']}; {memory or '-'}; "
         f"GPU node {place.get('gpu_numa_node')}"
     )
     # The busiest thread besides the main one, and whether it ran on the main
