@@ -1171,10 +1171,11 @@ def _gpu_numa_node() -> int | None:
 
 def host_placement() -> dict:
     """Where this process and its children (a multiprocess engine core) run:
-    CPU affinity, the CPU each last ran on and its NUMA node, resident memory per
-    NUMA node, the busiest threads, and the GPU's NUMA node. A host-bound step (batch 1) runs at the
-    speed of the cores and memory it lands on, and engine processes of one
-    machine can land differently, so every row records it."""
+    CPU affinity, the CPU each last ran on and its NUMA node, resident memory
+    per NUMA node, the busiest threads, and the GPU's NUMA node. A host-bound
+    step (batch 1) runs at the speed of the cores and memory it lands on, and
+    engine processes of one machine can land differently, so every row records
+    it."""
     import psutil
 
     node_of = {}

@@ -566,8 +566,9 @@ def _spread(row: Mapping, field: str, digits: int = 2) -> str:
     if row.get(field) is None:
         return "-"
     text = fmt(row[field], digits)
-    if row[field + "_min"] != row[field + "_max"]:
-        text += f" ({fmt(row[field + '_min'], digits)} - {fmt(row[field + '_max'], digits)})"
+    lo, hi = row[field + "_min"], row[field + "_max"]
+    if lo != hi:
+        text += f" ({fmt(lo, digits)} - {fmt(hi, digits)})"
     return text
 
 

@@ -89,7 +89,8 @@ class TreeRejectionSampler:
     by the DDTree speculator and passed in per step: row r is request r of
     ``input_batch`` (or row ``tree_rows[r]`` of request-state tensors, read in
     place), and its first b tokens are the draft tokens scheduled for it. Outputs
-    use vLLM's chain layout, so vLLM's post-update code consumes them unchanged; ``accepted_nodes`` feeds ``TreeKVCompactor``.
+    use vLLM's chain layout, so vLLM's post-update code consumes them unchanged;
+    ``accepted_nodes`` feeds ``TreeKVCompactor``.
     A node is accepted only if its tree token is also the token the target was
     fed at its row (``input_batch.input_ids``): a tree that does not match the
     step's input (e.g. a slot whose request joined without a drafted tree, fed
