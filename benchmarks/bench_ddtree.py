@@ -43,6 +43,7 @@ import json
 import math
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -118,13 +119,17 @@ MODE_DEFAULTS = {
         "temperatures": (0.0, 1.0),
         "max_tokens": 256,
         "num_prompts": 32,
+        "min_waves": 1,
         "config_seconds": 120,
     },
     "serve": {
         "batches": (1, 8, 32),
         "temperatures": (0.0, 1.0),
         "max_tokens": 256,
-        "num_prompts": 64,
+        # At concurrency 32-64, 64 requests finished in about a second, mostly
+        # ramp-up and tail: at least four times the concurrency keeps it steady.
+        "num_prompts": 32,
+        "min_waves": 4,
         "config_seconds": 150,
     },
     "cost": {
@@ -245,7 +250,7 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
         p.add_argument(
             "--min-waves",
             type=int,
-            default=1,
+            default=d["min_waves"],
             help="at least this many waves of batch requests per "
             "(batch, temperature), cycling the prompts, so large "
             "batches are timed over more steps than one wave",
@@ -1020,6 +1025,51 @@ def _run_logged(cmd: list[str], log, time_left: float, env: dict) -> bool:
         return False
 
 
+class ServeClient:
+    """One ``vllm bench serve`` process per server (``bench_serve_client.py``),
+    fed one command line at a time: vLLM is imported once per server instead of
+    twice per (batch, temperature). ``run`` says whether the command exited 0;
+    when ``time_left`` runs out the client is killed (finished runs keep their
+    result files) and every later ``run`` is False."""
+
+    SCRIPT = Path(__file__).resolve().parent / "bench_serve_client.py"
+
+    def __init__(self, log, env: dict, argv: list[str] | None = None):
+        self.proc = subprocess.Popen(
+            argv or [sys.executable, str(self.SCRIPT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            cwd=ROOT,
+            text=True,
+            start_new_session=True,
+        )
+
+    def run(self, cmd: list[str], time_left: float) -> bool:
+        if self.proc.poll() is not None:
+            return False
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return False
+        deadline = time.monotonic() + min(time_left, 1e9)
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 5.0))
+            if ready:
+                line = self.proc.stdout.readline()
+                # An empty line: the client died (its traceback is in the log).
+                return bool(line) and json.loads(line).get("rc") == 0
+        print(f"    time limit: killing {cmd[-1]} (finished rows are kept)")
+        self.close()
+        return False
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            _kill_group(self.proc)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -1519,18 +1569,19 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
             cwd=ROOT,
             start_new_session=True,
         )
+        client = None
         try:
             if not _wait_healthy(base, server, deadline):
                 print(f"    {config}: server did not come up (see its log)")
                 return False
+            client = ServeClient(log, env)
             for k, (batch, temperature) in enumerate(runs):
                 result = logs / f"{config}_b{batch}_t{temperature}.json"
                 commands = serve_run_commands(
                     args, base, prompts, dataset, batch, temperature, result, k
                 )
                 good = all(
-                    _run_logged(cmd, log, deadline - time.monotonic(), env)
-                    for cmd in commands
+                    client.run(cmd, deadline - time.monotonic()) for cmd in commands
                 )
                 if not good or not result.is_file():
                     ok = False
@@ -1550,6 +1601,8 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
                 )
                 append_row(args.out, row)
         finally:
+            if client is not None:
+                client.close()
             _kill_group(server)
     return ok
 
