@@ -44,7 +44,11 @@ ROUNDS_FILE = "rounds.json"
 ROUNDS_REPORT = "rounds.md"
 # Issue 5 targets.
 E2E_TARGET = 0.95  # DDTree/DFlash throughput >= 0.95 x their acceptance ratio
-STEP_TARGETS = {128: 1.10, 512: 1.30}  # 8B shape, batch 1: step time vs DFlash's
+# ddtree-auto's throughput vs DFlash's: at batch 1, T=0, and everywhere else.
+AUTO_B1_TARGET, AUTO_TARGET = 1.2, 1.0
+# 8B shape, batch 1: step time vs DFlash's (budgets 127 / 255: issue 17's; 128 /
+# 512: the design's).
+STEP_TARGETS = {127: 1.05, 128: 1.10, 255: 1.25, 512: 1.30}
 
 
 # ---------------------------------------------------------------------------
@@ -303,27 +307,29 @@ def with_ratios(rows: Sequence[Mapping]) -> list[dict]:
 
 
 def target_checks(rows: Sequence[Mapping], mode: str) -> list[str]:
-    """Issue 5's targets, one line each, from rows that carry ratios.
+    """The targets, one line each, from rows that carry ratios.
 
     e2e/serve: batch 1, T=0: DDTree throughput / DFlash throughput >= 0.95 x
-    (acceptance-length ratio); ddtree-auto: throughput >= DFlash's at every batch
-    and temperature. cost: batch 1, T=0: decode step time at budget 128 <= 1.10 x
-    DFlash's and at 512 <= 1.30 x."""
+    (acceptance-length ratio), ``auto`` included; ddtree-auto's throughput >=
+    1.2 x DFlash's at batch 1, T=0 and >= DFlash's at every other batch and
+    temperature. cost: batch 1: decode step time vs DFlash's at the budgets of
+    ``STEP_TARGETS``."""
     lines = []
     for r in rows:
         config, batch, temperature = row_key(r)
+        b1 = batch == 1 and temperature == 0.0
         if config == AUTO_CONFIG and mode != "cost":
             tput = r.get("tok_s_vs_dflash")
             if tput is not None:
-                verdict = "met" if tput >= 1.0 else "NOT met"
+                want = AUTO_B1_TARGET if b1 else AUTO_TARGET
+                verdict = "met" if tput >= want else "NOT met"
                 lines.append(
                     f"{config}, batch {batch}, T={temperature:g}: throughput "
-                    f"{tput:.3f} x DFlash's (target >= 1.0): {verdict}"
-                    f"{_range_note(r, 'tok_s_vs_dflash', 1.0, True)}{_run_note(r)}"
+                    f"{tput:.3f} x DFlash's (target >= {want:g}): {verdict}"
+                    f"{_range_note(r, 'tok_s_vs_dflash', want, True)}{_run_note(r)}"
                 )
-            continue
         budget = budget_of(config)
-        if budget is None or batch != 1 or temperature != 0.0:
+        if (budget is None and config != AUTO_CONFIG) or not b1:
             continue
         if mode == "cost":
             limit = STEP_TARGETS.get(budget)

@@ -439,21 +439,48 @@ def test_auto_config(tmp_path):
 
 
 def test_auto_target_check():
+    """auto: >= 1.2x DFlash at batch 1, T=0 (and >= 0.95 of the acceptance
+    ratio there), >= 1.0x elsewhere."""
     rows = rep.with_ratios(
         [
             _row("dflash", 1, tok_s=400.0, acceptance_length=5.0),
-            _row("ddtree-auto", 1, tok_s=480.0, acceptance_length=6.0),
+            _row("ddtree-auto", 1, tok_s=476.0, acceptance_length=6.0),
+            _row("dflash", 1, 1.0, tok_s=300.0, acceptance_length=1.5),
+            _row("ddtree-auto", 1, 1.0, tok_s=330.0, acceptance_length=1.9),
             _row("dflash", 64, tok_s=4000.0, acceptance_length=5.0),
             _row("ddtree-auto", 64, tok_s=3960.0, acceptance_length=5.2),
         ]
     )
     assert rep.target_checks(rows, "e2e") == [
-        "ddtree-auto, batch 1, T=0: throughput 1.200 x DFlash's (target >= 1.0): met",
-        "ddtree-auto, batch 64, T=0: throughput 0.990 x DFlash's (target >= 1.0): "
+        "ddtree-auto, batch 1, T=0: throughput 1.190 x DFlash's (target >= 1.2): "
+        "NOT met",
+        "ddtree-auto, batch 1, T=0: throughput 1.190 x DFlash's at acceptance "
+        "1.200 x: 0.992 of the acceptance ratio (target >= 0.95): met",
+        "ddtree-auto, batch 1, T=1: throughput 1.100 x DFlash's (target >= 1): met",
+        "ddtree-auto, batch 64, T=0: throughput 0.990 x DFlash's (target >= 1): "
         "NOT met",
     ]
     # Dummy weights accept nothing: no throughput target in cost mode.
     assert rep.target_checks(rows, "cost") == []
+
+
+def test_step_targets_of_the_8b_budgets():
+    """Cost mode checks budgets 127 / 255 (<= 1.05x / 1.25x DFlash's step) and
+    128 / 512 (<= 1.10x / 1.30x), at batch 1 only."""
+    rows = rep.with_ratios(
+        [
+            _row("dflash", 1, decode_ms_per_step=6.0),
+            _row("ddtree-127", 1, decode_ms_per_step=6.6),
+            _row("ddtree-255", 1, decode_ms_per_step=7.2),
+            _row("ddtree-64", 1, decode_ms_per_step=6.3),
+            _row("dflash", 4, decode_ms_per_step=7.0),
+            _row("ddtree-127", 4, decode_ms_per_step=7.1),
+        ]
+    )
+    assert rep.target_checks(rows, "cost") == [
+        "ddtree-127, batch 1: step time 1.100 x DFlash's (target <= 1.05): NOT met",
+        "ddtree-255, batch 1: step time 1.200 x DFlash's (target <= 1.25): met",
+    ]
 
 
 @pytest.mark.parametrize(
