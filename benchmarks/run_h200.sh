@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session script: run on the H200 from the repo root after the vLLM bundle is
 # installed (see ../shared/gpu/README.md). Logs and results go to $OUT.
-#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|serving|load|compiles|profile-b1|b1-rounds|serve-headline|bench-ops|bench-attn|bench-ddtree|train-pair [args]
+#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|serving|load|compiles|profile-b1|b1-rounds|serve-headline|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see docs/bench_ddtree.md and docs/train_pair.md)
 set -uo pipefail
@@ -162,11 +162,19 @@ tests/v1/test_sm90_compile.py"
     exit $? ;;
   serve-headline)
     # Issue 17's headline: vllm serve + vllm bench serve, DFlash and DDTree auto,
-    # concurrency 1 / 8 / 32 / 64, T=0 and 1, under vLLM's defaults.
+    # concurrency 1 / 8 / 32 / 64, T=0 and 1, under vLLM's defaults. ROUNDS=N:
+    # N fresh servers per config, alternating order (medians in rounds.md).
     pair_bench "${OUT_NAME:-bench_serve_headline}" serve \
       --configs "${1:-dflash,ddtree-auto}" --batches "${BATCHES:-1,8,32,64}" \
-      --temperatures 0,1
+      --temperatures 0,1 ${ROUNDS:+--rounds $ROUNDS}
     exit $? ;;
+  profile-8b)
+    # Qwen3-8B shapes (dummy weights), batch 1: the step of budgets 127 and 255
+    # against DFlash's, by kernel category (the 8B step targets).
+    timeout $LIMIT python3 benchmarks/profile_step.py --out "$OUT/profile_8b_b1" \
+      --configs "${1:-dflash,ddtree-127,ddtree-255}" --batch 1 \
+      --limit-seconds $((LIMIT - 20)) 2>&1 \
+      | tee "$OUT/profile_8b_b1.log" | grep -v -i warn | tail -40 ;;
   bench-ops)
     timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_ops.log" | tail -30 ;;
@@ -181,6 +189,6 @@ tests/v1/test_sm90_compile.py"
     OUT=$OUT timeout $LIMIT bash benchmarks/train_pair/run_h200.sh \
       "${1:-$((LIMIT - 20))}" 2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|load|compiles|profile-b1|b1-rounds|serve-headline|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|load|compiles|profile-b1|b1-rounds|serve-headline|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac
