@@ -1270,6 +1270,88 @@ def host_placement() -> dict:
     }
 
 
+# Fixed pure-Python work timed before each timed pass: the speed of the core
+# this process runs on, comparable across processes and machines of one kind.
+CALIBRATION_LOOPS = 200_000
+
+
+def calibration_ms(loops: int = CALIBRATION_LOOPS) -> float:
+    """Best of three timings of a fixed pure-Python loop, in ms."""
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        acc = 0
+        for i in range(loops):
+            acc += i & 7
+        best = min(best, time.perf_counter() - start)
+    return round(best * 1e3, 3)
+
+
+def _thread_cpu(procs) -> dict[int, tuple[str, float]]:
+    """CPU seconds per thread id over ``procs`` (``psutil.Process``es), with
+    the owning process's name."""
+    import psutil
+
+    cpu = {}
+    for proc in procs:
+        try:
+            name = proc.name()
+            for t in proc.threads():
+                cpu[t.id] = (name, t.user_time + t.system_time)
+        except psutil.Error:  # ended meanwhile
+            continue
+    return cpu
+
+
+class HostUsage:
+    """How the host spent a timed pass: of the whole machine, the share of CPU
+    time the hypervisor took (steal) and the CPUs kept busy; of this process
+    and its children (a multiprocess engine core), the busiest thread's CPU
+    time over the pass's wall time (a host-bound step loop runs one thread
+    near 100 %); and the calibration loop timed just before. When one
+    process's steps are slower than another's at the same kernels, these say
+    whether its step thread was starved (steal), shared, or on a slower core."""
+
+    def __init__(self):
+        import psutil
+
+        me = psutil.Process()
+        self._procs = [me, *me.children(recursive=True)]
+        self.calibration_ms = calibration_ms()
+        freq = psutil.cpu_freq()
+        self.cpu_mhz = None if freq is None else round(freq.current)
+        self._threads = _thread_cpu(self._procs)
+        self._times = psutil.cpu_times()
+        self._start = time.perf_counter()
+
+    def stop(self) -> dict:
+        import psutil
+
+        wall = time.perf_counter() - self._start
+        times = psutil.cpu_times()
+        spent = {f: getattr(times, f) - getattr(self._times, f) for f in times._fields}
+        # guest time is counted in user time already (Linux /proc/stat).
+        total = sum(v for f, v in spent.items() if f not in ("guest", "guest_nice"))
+        busy = total - spent.get("idle", 0.0) - spent.get("iowait", 0.0)
+        after = _thread_cpu(self._procs)
+        deltas = [
+            (cpu - self._threads.get(tid, (name, 0.0))[1], name)
+            for tid, (name, cpu) in after.items()
+        ]
+        top, top_name = max(deltas, default=(0.0, None))
+        return {
+            "wall_s": round(wall, 3),
+            "calibration_ms": self.calibration_ms,
+            "cpu_mhz": self.cpu_mhz,
+            "steal_pct": round(100 * spent.get("steal", 0.0) / total, 2)
+            if total > 0
+            else None,
+            "busy_cpus": round(busy / wall, 2) if wall > 0 else None,
+            "step_thread": top_name,
+            "step_thread_busy_pct": round(100 * top / wall, 1) if wall > 0 else None,
+        }
+
+
 def _engine_info(llm, startup_s: float) -> dict:
     cfg = llm.llm_engine.vllm_config
     return {
@@ -1338,6 +1420,7 @@ def measure(
 
     llm.generate(waves_of(0)[0], params(min(16, spec["max_tokens"])), use_tqdm=False)
     prefill_wall, prefill, _ = timed(1, 1)
+    usage = HostUsage()
     wall, full, tokens = timed(spec["max_tokens"], 2)
     return {
         "batch": batch,
@@ -1345,6 +1428,7 @@ def measure(
         "num_requests": len(requests),
         **timing_stats(full, prefill, wall, prefill_wall, tokens),
         **spec_stats(full),
+        "host_usage": usage.stop(),
     }
 
 

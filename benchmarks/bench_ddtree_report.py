@@ -473,6 +473,40 @@ def latency_table(rows: Sequence[Mapping]) -> str | None:
     return markdown_table(header, body)
 
 
+def host_table(rows: Sequence[Mapping]) -> str | None:
+    """The host during each timed pass (offline rows' ``host_usage``; None
+    without any): with a host-bound step, a process whose step thread was
+    busy all the time on a slower core or under steal shows it here."""
+    measured = [r for r in rows if r.get("host_usage")]
+    if not measured:
+        return None
+    header = [
+        "batch",
+        "T",
+        "config",
+        "ms/step (decode)",
+        "calibration ms",
+        "step thread busy %",
+        "steal %",
+        "busy CPUs",
+    ]
+    body = [
+        [
+            r["batch"],
+            fmt(float(r["temperature"]), 1),
+            r["config"],
+            fmt(r.get("decode_ms_per_step")),
+            fmt(u.get("calibration_ms")),
+            fmt(u.get("step_thread_busy_pct"), 1),
+            fmt(u.get("steal_pct")),
+            fmt(u.get("busy_cpus")),
+        ]
+        for r in measured
+        for u in [r["host_usage"]]
+    ]
+    return markdown_table(header, body)
+
+
 RATIO_NOTE = (
     "Ratios compare rows of the same batch and temperature; `*` marks a row "
     "whose DFlash or no-spec baseline was measured by another GPU command."
@@ -506,6 +540,16 @@ def markdown_report(rows: Sequence[Mapping], mode: str, setup: Mapping | None) -
             "step):",
             "",
             latency,
+            "",
+        ]
+    host = host_table(rows)
+    if host:
+        parts += [
+            "Host during the timed pass (calibration: a fixed Python loop timed "
+            "just before it, lower is a faster core; the step thread: the "
+            "engine's busiest thread, CPU time over wall time):",
+            "",
+            host,
             "",
         ]
     if any(r.get("per_depth") for r in rows):

@@ -776,6 +776,11 @@ def test_measure_with_a_fake_engine(monkeypatch):
     assert row["acceptance_length"] == 4.0
     assert row["per_depth"][:4] == [1.0, 1.0, 1.0, 0.0]
     assert math.isclose(row["tok_s"], 6 * 33 / 0.27)
+    # The host over the timed pass only (HostUsage starts after prefill-only).
+    assert math.isclose(row["host_usage"]["wall_s"], 0.27, rel_tol=0.05)
+    assert {"calibration_ms", "steal_pct", "step_thread_busy_pct"} <= set(
+        row["host_usage"]
+    )
 
 
 class RecordingLLM(FakeLLM):
@@ -1711,3 +1716,62 @@ def test_projection_report_is_labelled(tmp_path, capsys):
     with pytest.raises(SystemExit):
         proj.main(["--cost", str(tmp_path / "missing")])
     assert "no results.jsonl" in capsys.readouterr().err
+
+
+def test_host_usage_sees_a_busy_thread_and_a_child(tmp_path):
+    """The busiest thread over the pass is found among this process and its
+    children (a multiprocess engine core runs in a child): a child spinning for
+    the whole pass reads near 100 % busy, this idle process does not; steal and
+    busy CPUs come from the whole machine's counters."""
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt=time.time()\nwhile time.time()-t<30: pass",
+        ]
+    )
+    try:
+        time.sleep(0.2)
+        usage = bd.HostUsage()
+        time.sleep(1.0)
+        got = usage.stop()
+    finally:
+        child.kill()
+        child.wait()
+    assert got["wall_s"] >= 1.0
+    assert got["calibration_ms"] > 0
+    assert got["step_thread"].startswith("python")
+    assert 60.0 <= got["step_thread_busy_pct"] <= 110.0, got
+    assert got["busy_cpus"] >= 0.6, got
+    assert got["steal_pct"] is None or 0.0 <= got["steal_pct"] <= 100.0
+    # A pass with nobody busy: the busiest thread is far below 100 %.
+    idle = bd.HostUsage()
+    time.sleep(0.5)
+    assert idle.stop()["step_thread_busy_pct"] < 50.0
+
+
+def test_host_table_in_the_report():
+    rows = [
+        _row(
+            "dflash",
+            1,
+            decode_ms_per_step=3.9,
+            host_usage={
+                "calibration_ms": 15.9,
+                "step_thread_busy_pct": 99.0,
+                "steal_pct": 0.5,
+                "busy_cpus": 1.2,
+            },
+        ),
+        _row("ddtree-auto", 1, decode_ms_per_step=3.4),
+    ]
+    text = rep.markdown_report(rows, "e2e", None)
+    assert "Host during the timed pass" in text
+    assert "| 1 | 0.0 | dflash | 3.90 | 15.90 | 99.0 | 0.50 | 1.20 |" in text
+    # Rows without the field (older results) are left out of the table.
+    assert "| ddtree-auto | 3.40 | -" not in text
+    assert rep.host_table([_row("dflash", 1)]) is None
