@@ -1305,18 +1305,21 @@ def _thread_cpu(procs) -> dict[int, tuple[str, float]]:
 
 class HostUsage:
     """How the host spent a timed pass: of the whole machine, the share of CPU
-    time the hypervisor took (steal) and the CPUs kept busy; of this process
-    and its children (a multiprocess engine core), the busiest thread's CPU
-    time over the pass's wall time (a host-bound step loop runs one thread
-    near 100 %); and the calibration loop timed just before. When one
+    time the hypervisor took (steal) and the CPUs kept busy; of the engine's
+    process tree (this process and its children, e.g. a multiprocess engine
+    core, or a server's), the two busiest threads' CPU time over the pass's
+    wall time (a host-bound step loop runs one thread near 100 %); and the
+    calibration loop timed just before. When one
     process's steps are slower than another's at the same kernels, these say
     whether its step thread was starved (steal), shared, or on a slower core."""
 
-    def __init__(self):
+    def __init__(self, root_pid: int | None = None):
+        """``root_pid``: the process whose tree runs the engine (a server's);
+        this one by default."""
         import psutil
 
-        me = psutil.Process()
-        self._procs = [me, *me.children(recursive=True)]
+        root = psutil.Process(root_pid)
+        self._procs = [root, *root.children(recursive=True)]
         self.calibration_ms = calibration_ms()
         freq = psutil.cpu_freq()
         self.cpu_mhz = None if freq is None else round(freq.current)
@@ -1324,7 +1327,10 @@ class HostUsage:
         self._times = psutil.cpu_times()
         self._start = time.perf_counter()
 
-    def stop(self) -> dict:
+    def stop(self, timed_s: float | None = None) -> dict:
+        """``timed_s``: the timed part of the window, if shorter (``vllm bench
+        serve`` loads its tokenizer and checks the server before timing); the
+        step thread's busy share is taken over it."""
         import psutil
 
         wall = time.perf_counter() - self._start
@@ -1338,7 +1344,10 @@ class HostUsage:
             (cpu - self._threads.get(tid, (name, 0.0))[1], name)
             for tid, (name, cpu) in after.items()
         ]
-        top, top_name = max(deltas, default=(0.0, None))
+        (top, top_name), (second, second_name) = sorted(
+            [*deltas, (0.0, None), (0.0, None)], key=lambda d: d[0], reverse=True
+        )[:2]
+        timed = min(wall, timed_s) if timed_s else wall
         return {
             "wall_s": round(wall, 3),
             "calibration_ms": self.calibration_ms,
@@ -1348,7 +1357,13 @@ class HostUsage:
             else None,
             "busy_cpus": round(busy / wall, 2) if wall > 0 else None,
             "step_thread": top_name,
-            "step_thread_busy_pct": round(100 * top / wall, 1) if wall > 0 else None,
+            "step_thread_cpu_s": round(top, 3),
+            "step_thread_busy_pct": round(100 * top / timed, 1) if timed > 0 else None,
+            # Behind vllm serve: the API server's busiest thread, often.
+            "next_thread": second_name,
+            "next_thread_busy_pct": round(100 * second / timed, 1)
+            if timed > 0
+            else None,
         }
 
 
@@ -1664,13 +1679,17 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
                 commands = serve_run_commands(
                     args, base, prompts, dataset, batch, temperature, result, k
                 )
+                *warm_up, timed = commands
                 good = all(
-                    client.run(cmd, deadline - time.monotonic()) for cmd in commands
+                    client.run(cmd, deadline - time.monotonic()) for cmd in warm_up
                 )
+                usage = HostUsage(server.pid)
+                good = good and client.run(timed, deadline - time.monotonic())
                 if not good or not result.is_file():
                     ok = False
                     break
-                row = serve_row(json.loads(result.read_text()))
+                bench = json.loads(result.read_text())
+                row = serve_row(bench)
                 row.update(
                     mode="serve",
                     settings=settings_of(args),
@@ -1681,6 +1700,7 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
                     max_tokens=args.max_tokens,
                     tree_budget=budget_of(config),
                     **_schedule_field(args, config),
+                    host_usage=usage.stop(bench.get("duration")),
                     time=time.strftime("%Y-%m-%dT%H:%M:%S"),
                 )
                 append_row(args.out, row)

@@ -484,9 +484,10 @@ def host_table(rows: Sequence[Mapping]) -> str | None:
         "batch",
         "T",
         "config",
-        "ms/step (decode)",
+        "ms/step (serve: median ITL)",
         "calibration ms",
-        "step thread busy %",
+        "busiest thread, busy %",
+        "next thread busy %",
         "steal %",
         "busy CPUs",
     ]
@@ -495,9 +496,10 @@ def host_table(rows: Sequence[Mapping]) -> str | None:
             r["batch"],
             fmt(float(r["temperature"]), 1),
             r["config"],
-            fmt(r.get("decode_ms_per_step")),
+            fmt(r.get("decode_ms_per_step", r.get("median_itl_ms"))),
             fmt(u.get("calibration_ms")),
-            fmt(u.get("step_thread_busy_pct"), 1),
+            f"{u.get('step_thread') or '-'}, {fmt(u.get('step_thread_busy_pct'), 1)}",
+            fmt(u.get("next_thread_busy_pct"), 1),
             fmt(u.get("steal_pct")),
             fmt(u.get("busy_cpus")),
         ]
@@ -546,8 +548,8 @@ def markdown_report(rows: Sequence[Mapping], mode: str, setup: Mapping | None) -
     if host:
         parts += [
             "Host during the timed pass (calibration: a fixed Python loop timed "
-            "just before it, lower is a faster core; the step thread: the "
-            "engine's busiest thread, CPU time over wall time):",
+            "just before it, lower is a faster core; a thread's busy %: its CPU "
+            "time over the pass's wall time, in the engine's process tree):",
             "",
             host,
             "",

@@ -1762,7 +1762,9 @@ def test_host_table_in_the_report():
             decode_ms_per_step=3.9,
             host_usage={
                 "calibration_ms": 15.9,
+                "step_thread": "VLLM::EngineCore",
                 "step_thread_busy_pct": 99.0,
+                "next_thread_busy_pct": 4.0,
                 "steal_pct": 0.5,
                 "busy_cpus": 1.2,
             },
@@ -1771,7 +1773,10 @@ def test_host_table_in_the_report():
     ]
     text = rep.markdown_report(rows, "e2e", None)
     assert "Host during the timed pass" in text
-    assert "| 1 | 0.0 | dflash | 3.90 | 15.90 | 99.0 | 0.50 | 1.20 |" in text
+    assert (
+        "| 1 | 0.0 | dflash | 3.90 | 15.90 | VLLM::EngineCore, 99.0 | 4.0 | 0.50 | 1.20 |"
+        in text
+    )
     # Rows without the field (older results) are left out of the table.
     assert "| ddtree-auto | 3.40 | -" not in text
     assert rep.host_table([_row("dflash", 1)]) is None

@@ -9,11 +9,13 @@ import io
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from benchmarks import bench_ddtree as bd
 from benchmarks import bench_serve_client as client
+from tests.benchmarks import fake_completions_server as fake
 from tests.benchmarks.test_bench_ddtree import _pair
 
 
@@ -97,46 +99,6 @@ def test_serve_client_runs_fails_and_is_killed_at_the_limit(tmp_path):
     assert "RuntimeError: no" in (tmp_path / "log").read_text()
 
 
-def _fake_completions_server(port: int, chunks: int):
-    """An OpenAI-style streaming /v1/completions that sends ``chunks`` text
-    chunks and a usage record per request, in a thread; returns a stopper."""
-    import asyncio
-    import threading
-
-    from aiohttp import web
-
-    async def completions(request):
-        body = await request.json()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(chunks):
-            data = {"choices": [{"index": 0, "text": f" t{i}"}]}
-            await resp.write(f"data: {json.dumps(data)}\n\n".encode())
-        usage = {"completion_tokens": chunks, "prompt_tokens": 5}
-        await resp.write(
-            f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
-        )
-        await resp.write(b"data: [DONE]\n\n")
-        request.app["seen"].append(body)
-        return resp
-
-    app = web.Application()
-    app["seen"] = []
-    app.router.add_post("/v1/completions", completions)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def stop():
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-
-    return app["seen"], stop
-
-
 def test_serve_client_runs_vllm_bench_serve_twice_in_one_process(tmp_path):
     """The real client against a fake server: a warm-up and a timed run of one
     (batch, temperature), as run_serve_config sends them, each writes vLLM's
@@ -144,7 +106,7 @@ def test_serve_client_runs_vllm_bench_serve_twice_in_one_process(tmp_path):
     from tests.e2e.servers import free_port
 
     port = free_port()
-    seen, stop = _fake_completions_server(port, chunks=6)
+    seen, stop = fake.start_in_thread(port, chunks=6)
     pair = bd.ROOT / "benchmarks" / "models" / "pycode"
     args = bd.parse_args(
         [
@@ -188,3 +150,76 @@ def test_serve_client_runs_vllm_bench_serve_twice_in_one_process(tmp_path):
     # carried the run's sampling settings.
     assert len(seen) >= 2 + n and pid > 0
     assert all(b["temperature"] == 0.0 and b["max_tokens"] == 6 for b in seen[-n:])
+
+
+def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
+    """bench_ddtree's serve path on the CPU, with a fake server in place of
+    vllm serve: every (batch, temperature) gets a row from vLLM's result JSON
+    (throughput, acceptance from the server's spec-decode counters, latency)
+    and the host over its timed run (the server's busiest thread), and the
+    warm-up and timed runs of all cells come from one client process."""
+    from tests.e2e.servers import free_port
+
+    chunks = 5
+    pair = bd.ROOT / "benchmarks" / "models" / "pycode"
+    args = bd.parse_args(
+        [
+            "serve",
+            "--out",
+            str(tmp_path / "o"),
+            "--target",
+            str(pair / "target"),
+            "--drafter",
+            str(pair / "drafter"),
+            "--prompts",
+            str(pair / "eval_prompts.json"),
+            "--max-tokens",
+            str(chunks),
+            "--num-prompts",
+            "4",
+            "--min-waves",
+            "2",
+        ]
+    )
+    args.out.mkdir(parents=True)
+    script = Path(fake.__file__)
+    monkeypatch.setattr(
+        bd,
+        "serve_command",
+        lambda a, config, max_batch, port: [
+            sys.executable,
+            str(script),
+            str(port),
+            str(chunks),
+        ],
+    )
+    clients = []
+    real = bd.ServeClient
+
+    def recording(*a, **kw):
+        clients.append(real(*a, **kw))
+        return clients[-1]
+
+    monkeypatch.setattr(bd, "ServeClient", recording)
+    prompts = bd.load_prompts(pair / "eval_prompts.json")
+    runs = [(1, 0.0), (4, 1.0)]
+    ok = bd.run_serve_config(args, "ddtree-64", 4, runs, prompts, "rid", 300.0)
+    log = (args.out / "logs" / "ddtree-64.log").read_text()
+    assert ok, log[-3000:]
+    assert len(clients) == 1  # one client for every cell of the server
+    rows = [
+        json.loads(x) for x in (args.out / bd.RESULTS_FILE).read_text().splitlines()
+    ]
+    assert [(r["batch"], r["temperature"]) for r in rows] == runs
+    for r, (batch, _) in zip(rows, runs):
+        n = max(4, batch * 2)
+        assert r["completed"] == n and r["failed"] == 0
+        assert r["output_tokens"] == chunks * n
+        assert r["tok_s"] > 0 and r["median_itl_ms"] is not None
+        # 15 draft tokens per draft, 2 accepted: vLLM's acceptance length 3.
+        assert r["acceptance_length"] == pytest.approx(1 + fake.ACCEPTED)
+        usage = r["host_usage"]
+        assert usage["wall_s"] > 0 and usage["calibration_ms"] > 0
+        assert usage["step_thread"] is not None
+        assert usage["step_thread_busy_pct"] is not None
+        assert r["config"] == "ddtree-64" and r["run_id"] == "rid"

@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A stand-in for ``vllm serve`` in CPU tests of ``bench_ddtree.py serve``:
+``/health``, a streaming OpenAI ``/v1/completions`` that sends ``chunks`` text
+chunks and a usage record per request, and ``/metrics`` with vLLM's
+speculative-decoding counters (each request: ``chunks`` drafts of 15 tokens,
+``ACCEPTED`` of them accepted, ``ACCEPTED`` at position 0).
+
+Run as a script: ``python fake_completions_server.py PORT CHUNKS``."""
+
+import asyncio
+import json
+import sys
+
+from aiohttp import web
+
+DRAFT_TOKENS = 15
+ACCEPTED = 2
+SEEN = web.AppKey("seen", list)
+
+
+def make_app(chunks: int) -> web.Application:
+    app = web.Application()
+    app[SEEN] = []
+
+    async def completions(request):
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(chunks):
+            data = {"choices": [{"index": 0, "text": f" t{i}"}]}
+            await resp.write(f"data: {json.dumps(data)}\n\n".encode())
+        usage = {"completion_tokens": chunks, "prompt_tokens": 5}
+        tail = {"choices": [], "usage": usage}
+        await resp.write(f"data: {json.dumps(tail)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        app[SEEN].append(body)
+        return resp
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    async def metrics(request):
+        drafts = chunks * len(app[SEEN])
+        lines = [
+            f"vllm:spec_decode_num_drafts_total {drafts}",
+            f"vllm:spec_decode_num_draft_tokens_total {drafts * DRAFT_TOKENS}",
+            f"vllm:spec_decode_num_accepted_tokens_total {drafts * ACCEPTED}",
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} '
+            f"{drafts * ACCEPTED}",
+        ]
+        return web.Response(text="\n".join(lines) + "\n")
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def main() -> None:
+    port, chunks = int(sys.argv[1]), int(sys.argv[2])
+    web.run_app(make_app(chunks), host="127.0.0.1", port=port, print=None)
+
+
+def start_in_thread(port: int, chunks: int):
+    """The server on ``port`` in a thread: (its request bodies, a stopper)."""
+    import threading
+
+    app = make_app(chunks)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def stop():
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+    return app[SEEN], stop
+
+
+if __name__ == "__main__":
+    main()
