@@ -80,6 +80,7 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
     timing_stats,
     write_rounds_report,
 )
+from benchmarks.host_usage import HostUsage  # noqa: E402
 from tests.e2e.servers import free_port, plugin_site  # noqa: E402
 
 MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"
@@ -708,7 +709,10 @@ def setup_of(args) -> dict:
         setup.update(input_len=args.input_len, waves=args.waves)
     else:
         setup["num_prompts"] = args.num_prompts
-        if args.min_waves != 1:  # absent at the default: older setups still match
+        # Absent at 1 (e2e's default), so older e2e setups still match; serve's
+        # default 4 is recorded (serve folders of 64 prompts, one wave, do not
+        # resume into it).
+        if args.min_waves != 1:
             setup["min_waves"] = args.min_waves
         if arrivals_of(args) != "waves":  # likewise
             setup["arrivals"] = arrivals_of(args)
@@ -1028,15 +1032,25 @@ def _run_logged(cmd: list[str], log, time_left: float, env: dict) -> bool:
 class ServeClient:
     """One ``vllm bench serve`` process per server (``bench_serve_client.py``),
     fed one command line at a time: vLLM is imported once per server instead of
-    twice per (batch, temperature). ``run`` says whether the command exited 0;
-    when ``time_left`` runs out the client is killed (finished runs keep their
-    result files) and every later ``run`` is False."""
+    twice per (batch, temperature). ``run`` says whether the command exited 0
+    and keeps the client's ``host_usage`` of it (of ``root_pid``'s process
+    tree) in ``last_usage``; when ``time_left`` runs out, or the client dies,
+    the client is gone (finished runs keep their result files) and every later
+    ``run`` is False."""
 
     SCRIPT = Path(__file__).resolve().parent / "bench_serve_client.py"
 
-    def __init__(self, log, env: dict, argv: list[str] | None = None):
+    def __init__(
+        self,
+        log,
+        env: dict,
+        root_pid: int | None = None,
+        argv: list[str] | None = None,
+    ):
+        self.last_usage: dict | None = None
+        root = [] if root_pid is None else ["--root-pid", str(root_pid)]
         self.proc = subprocess.Popen(
-            argv or [sys.executable, str(self.SCRIPT)],
+            argv or [sys.executable, str(self.SCRIPT), *root],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -1047,6 +1061,7 @@ class ServeClient:
         )
 
     def run(self, cmd: list[str], time_left: float) -> bool:
+        self.last_usage = None
         if self.proc.poll() is not None:
             return False
         try:
@@ -1059,9 +1074,18 @@ class ServeClient:
             ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 5.0))
             if ready:
                 line = self.proc.stdout.readline()
-                # An empty line: the client died (its traceback is in the log).
-                return bool(line) and json.loads(line).get("rc") == 0
-        print(f"    time limit: killing {cmd[-1]} (finished rows are kept)")
+                if not line:  # the client died (its traceback is in the log)
+                    self.close()
+                    return False
+                reply = json.loads(line)
+                self.last_usage = reply.get("host_usage")
+                return reply.get("rc") == 0
+        name = (
+            cmd[cmd.index("--result-filename") + 1]
+            if "--result-filename" in cmd
+            else ""
+        )
+        print(f"    time limit: killing the run of {name} (finished rows are kept)")
         self.close()
         return False
 
@@ -1268,103 +1292,6 @@ def host_placement() -> dict:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "processes": procs,
     }
-
-
-# Fixed pure-Python work timed before each timed pass: the speed of the core
-# this process runs on, comparable across processes and machines of one kind.
-CALIBRATION_LOOPS = 200_000
-
-
-def calibration_ms(loops: int = CALIBRATION_LOOPS) -> float:
-    """Best of three timings of a fixed pure-Python loop, in ms."""
-    best = math.inf
-    for _ in range(3):
-        start = time.perf_counter()
-        acc = 0
-        for i in range(loops):
-            acc += i & 7
-        best = min(best, time.perf_counter() - start)
-    return round(best * 1e3, 3)
-
-
-def _thread_cpu(procs) -> dict[int, tuple[str, float]]:
-    """CPU seconds per thread id over ``procs`` (``psutil.Process``es), with
-    the owning process's name."""
-    import psutil
-
-    cpu = {}
-    for proc in procs:
-        try:
-            name = proc.name()
-            for t in proc.threads():
-                cpu[t.id] = (name, t.user_time + t.system_time)
-        except psutil.Error:  # ended meanwhile
-            continue
-    return cpu
-
-
-class HostUsage:
-    """How the host spent a timed pass: of the whole machine, the share of CPU
-    time the hypervisor took (steal) and the CPUs kept busy; of the engine's
-    process tree (this process and its children, e.g. a multiprocess engine
-    core, or a server's), the two busiest threads' CPU time over the pass's
-    wall time (a host-bound step loop runs one thread near 100 %); and the
-    calibration loop timed just before. When one
-    process's steps are slower than another's at the same kernels, these say
-    whether its step thread was starved (steal), shared, or on a slower core."""
-
-    def __init__(self, root_pid: int | None = None):
-        """``root_pid``: the process whose tree runs the engine (a server's);
-        this one by default."""
-        import psutil
-
-        root = psutil.Process(root_pid)
-        self._procs = [root, *root.children(recursive=True)]
-        self.calibration_ms = calibration_ms()
-        freq = psutil.cpu_freq()
-        self.cpu_mhz = None if freq is None else round(freq.current)
-        self._threads = _thread_cpu(self._procs)
-        self._times = psutil.cpu_times()
-        self._start = time.perf_counter()
-
-    def stop(self, timed_s: float | None = None) -> dict:
-        """``timed_s``: the timed part of the window, if shorter (``vllm bench
-        serve`` loads its tokenizer and checks the server before timing); the
-        step thread's busy share is taken over it."""
-        import psutil
-
-        wall = time.perf_counter() - self._start
-        times = psutil.cpu_times()
-        spent = {f: getattr(times, f) - getattr(self._times, f) for f in times._fields}
-        # guest time is counted in user time already (Linux /proc/stat).
-        total = sum(v for f, v in spent.items() if f not in ("guest", "guest_nice"))
-        busy = total - spent.get("idle", 0.0) - spent.get("iowait", 0.0)
-        after = _thread_cpu(self._procs)
-        deltas = [
-            (cpu - self._threads.get(tid, (name, 0.0))[1], name)
-            for tid, (name, cpu) in after.items()
-        ]
-        (top, top_name), (second, second_name) = sorted(
-            [*deltas, (0.0, None), (0.0, None)], key=lambda d: d[0], reverse=True
-        )[:2]
-        timed = min(wall, timed_s) if timed_s else wall
-        return {
-            "wall_s": round(wall, 3),
-            "calibration_ms": self.calibration_ms,
-            "cpu_mhz": self.cpu_mhz,
-            "steal_pct": round(100 * spent.get("steal", 0.0) / total, 2)
-            if total > 0
-            else None,
-            "busy_cpus": round(busy / wall, 2) if wall > 0 else None,
-            "step_thread": top_name,
-            "step_thread_cpu_s": round(top, 3),
-            "step_thread_busy_pct": round(100 * top / timed, 1) if timed > 0 else None,
-            # Behind vllm serve: the API server's busiest thread, often.
-            "next_thread": second_name,
-            "next_thread_busy_pct": round(100 * second / timed, 1)
-            if timed > 0
-            else None,
-        }
 
 
 def _engine_info(llm, startup_s: float) -> dict:
@@ -1673,23 +1600,19 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
             if not _wait_healthy(base, server, deadline):
                 print(f"    {config}: server did not come up (see its log)")
                 return False
-            client = ServeClient(log, env)
+            client = ServeClient(log, env, root_pid=server.pid)
             for k, (batch, temperature) in enumerate(runs):
                 result = logs / f"{config}_b{batch}_t{temperature}.json"
                 commands = serve_run_commands(
                     args, base, prompts, dataset, batch, temperature, result, k
                 )
-                *warm_up, timed = commands
                 good = all(
-                    client.run(cmd, deadline - time.monotonic()) for cmd in warm_up
+                    client.run(cmd, deadline - time.monotonic()) for cmd in commands
                 )
-                usage = HostUsage(server.pid)
-                good = good and client.run(timed, deadline - time.monotonic())
                 if not good or not result.is_file():
                     ok = False
                     break
-                bench = json.loads(result.read_text())
-                row = serve_row(bench)
+                row = serve_row(json.loads(result.read_text()))
                 row.update(
                     mode="serve",
                     settings=settings_of(args),
@@ -1700,7 +1623,7 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
                     max_tokens=args.max_tokens,
                     tree_budget=budget_of(config),
                     **_schedule_field(args, config),
-                    host_usage=usage.stop(bench.get("duration")),
+                    host_usage=client.last_usage,  # of the timed run (the last)
                     time=time.strftime("%Y-%m-%dT%H:%M:%S"),
                 )
                 append_row(args.out, row)

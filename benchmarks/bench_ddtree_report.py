@@ -474,9 +474,10 @@ def latency_table(rows: Sequence[Mapping]) -> str | None:
 
 
 def host_table(rows: Sequence[Mapping]) -> str | None:
-    """The host during each timed pass (offline rows' ``host_usage``; None
-    without any): with a host-bound step, a process whose step thread was
-    busy all the time on a slower core or under steal shows it here."""
+    """The host during each timed pass (rows' ``host_usage``, offline and
+    serve; None without any): with a host-bound step, a process whose step
+    thread was busy all the time on a slower core or under steal shows it
+    here."""
     measured = [r for r in rows if r.get("host_usage")]
     if not measured:
         return None

@@ -170,11 +170,14 @@ tests/v1/test_sm90_compile.py"
     exit $? ;;
   profile-8b)
     # Qwen3-8B shapes (dummy weights), batch 1: the step of budgets 127 and 255
-    # against DFlash's, by kernel category (the 8B step targets).
+    # against DFlash's, by kernel category, and the unprofiled wall per step
+    # whose ratio to DFlash's the 8B step targets are about (the target lines
+    # themselves: bench-ddtree cost --configs dflash,ddtree-127,ddtree-255).
     timeout $LIMIT python3 benchmarks/profile_step.py --out "$OUT/profile_8b_b1" \
       --configs "${1:-dflash,ddtree-127,ddtree-255}" --batch 1 \
       --limit-seconds $((LIMIT - 20)) 2>&1 \
-      | tee "$OUT/profile_8b_b1.log" | grep -v -i warn | tail -40 ;;
+      | tee "$OUT/profile_8b_b1.log" | grep -v -i warn | tail -40
+    exit "${PIPESTATUS[0]}" ;;
   bench-ops)
     timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_ops.log" | tail -30 ;;

@@ -6,7 +6,8 @@ chunks and a usage record per request, and ``/metrics`` with vLLM's
 speculative-decoding counters (each request: ``chunks`` drafts of 15 tokens,
 ``ACCEPTED`` of them accepted, ``ACCEPTED`` at position 0).
 
-Run as a script: ``python fake_completions_server.py PORT CHUNKS``."""
+Run as a script: ``python fake_completions_server.py PORT CHUNKS [DELAY_S]``
+(``DELAY_S`` between chunks, like a server's steps)."""
 
 import asyncio
 import json
@@ -19,7 +20,7 @@ ACCEPTED = 2
 SEEN = web.AppKey("seen", list)
 
 
-def make_app(chunks: int) -> web.Application:
+def make_app(chunks: int, delay_s: float = 0.0) -> web.Application:
     app = web.Application()
     app[SEEN] = []
 
@@ -28,6 +29,8 @@ def make_app(chunks: int) -> web.Application:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(chunks):
+            if delay_s:
+                await asyncio.sleep(delay_s)
             data = {"choices": [{"index": 0, "text": f" t{i}"}]}
             await resp.write(f"data: {json.dumps(data)}\n\n".encode())
         usage = {"completion_tokens": chunks, "prompt_tokens": 5}
@@ -59,7 +62,8 @@ def make_app(chunks: int) -> web.Application:
 
 def main() -> None:
     port, chunks = int(sys.argv[1]), int(sys.argv[2])
-    web.run_app(make_app(chunks), host="127.0.0.1", port=port, print=None)
+    delay_s = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    web.run_app(make_app(chunks, delay_s), host="127.0.0.1", port=port, print=None)
 
 
 def start_in_thread(port: int, chunks: int):

@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks import bench_ddtree as bd
 from benchmarks import bench_ddtree_report as rep
+from benchmarks import host_usage as hu
 from benchmarks import project_8b as proj
 
 MODEL_CONFIGS = Path(bd.__file__).parent / "model_configs"
@@ -765,6 +766,7 @@ def _params(**kw):
 def test_measure_with_a_fake_engine(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(bd, "time", clock)
+    monkeypatch.setattr(hu, "time", clock)
     llm = FakeLLM(clock, tau=4, budget=64)
     spec = {"max_tokens": 33, "ignore_eos": True, "detokenize": False}
     row = bd.measure(llm, _params, [[1, 2]] * 6, 2, 0.0, spec)

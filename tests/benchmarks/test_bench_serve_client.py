@@ -9,6 +9,7 @@ import io
 import json
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def test_serve_loop_answers_every_line(tmp_path):
 
 FAKE_CLIENT = textwrap.dedent(
     """
-    import json, sys, time
+    import json, os, sys, time
     sys.path.insert(0, {root!r})
     from benchmarks.bench_serve_client import serve_loop
 
@@ -75,6 +76,9 @@ FAKE_CLIENT = textwrap.dedent(
             time.sleep(60)
         if "--fail" in argv:
             raise RuntimeError("no")
+        if "--die" in argv:
+            os._exit(3)
+        return {{"calls": 1}}
 
     serve_loop(sys.stdin, sys.stdout, run)
     """
@@ -86,14 +90,25 @@ def test_serve_client_runs_fails_and_is_killed_at_the_limit(tmp_path):
     script.write_text(FAKE_CLIENT.format(root=str(bd.ROOT)))
     cmd = _bench_cmd(tmp_path)
     with (tmp_path / "log").open("w") as log:
-        c = bd.ServeClient(log, dict(bd.os.environ), [sys.executable, str(script)])
+        argv = [sys.executable, str(script)]
+        c = bd.ServeClient(log, dict(bd.os.environ), argv=argv)
         try:
-            assert c.run(cmd, 60.0)
-            assert not c.run(cmd + ["--fail"], 60.0)
+            assert c.run(cmd, 60.0) and c.last_usage == {"calls": 1}
+            assert not c.run(cmd + ["--fail"], 60.0) and c.last_usage is None
             assert c.run(cmd, 60.0)  # the client outlives a failed run
             assert not c.run(cmd + ["--sleep"], 1.0)
             assert c.proc.poll() is not None  # killed at the limit
             assert not c.run(cmd, 60.0)
+        finally:
+            c.close()
+        # A client that dies mid-run: that run and every later one fail at once.
+        c = bd.ServeClient(log, dict(bd.os.environ), argv=argv)
+        try:
+            assert c.run(cmd, 60.0)
+            start = time.monotonic()
+            assert not c.run(cmd + ["--die"], 60.0)
+            assert not c.run(cmd, 60.0)
+            assert time.monotonic() - start < 10.0
         finally:
             c.close()
     assert "RuntimeError: no" in (tmp_path / "log").read_text()
@@ -134,7 +149,6 @@ def test_serve_client_runs_vllm_bench_serve_twice_in_one_process(tmp_path):
             try:
                 assert c.run(warm, 300.0), (tmp_path / "log").read_text()[-3000:]
                 assert c.run(timed, 300.0), (tmp_path / "log").read_text()[-3000:]
-                pid = c.proc.pid
                 assert c.proc.poll() is None  # the same process ran both
             finally:
                 c.close()
@@ -146,9 +160,9 @@ def test_serve_client_runs_vllm_bench_serve_twice_in_one_process(tmp_path):
         assert data["completed"] == want and data["failed"] == 0, path
         assert data["max_concurrency"] == 2
         assert data["total_output_tokens"] == 6 * want
-    # The fake server also answered vLLM's ready check; every timed request
-    # carried the run's sampling settings.
-    assert len(seen) >= 2 + n and pid > 0
+    # Warm-up and timed requests, nothing else (vLLM's ready check is off by
+    # default); every timed request carried the run's sampling settings.
+    assert len(seen) == 2 + n
     assert all(b["temperature"] == 0.0 and b["max_tokens"] == 6 for b in seen[-n:])
 
 
@@ -162,25 +176,22 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
 
     chunks = 5
     pair = bd.ROOT / "benchmarks" / "models" / "pycode"
-    args = bd.parse_args(
-        [
-            "serve",
-            "--out",
-            str(tmp_path / "o"),
-            "--target",
-            str(pair / "target"),
-            "--drafter",
-            str(pair / "drafter"),
-            "--prompts",
-            str(pair / "eval_prompts.json"),
-            "--max-tokens",
-            str(chunks),
-            "--num-prompts",
-            "4",
-            "--min-waves",
-            "2",
-        ]
-    )
+    argv = [
+        "serve",
+        "--target",
+        str(pair / "target"),
+        "--drafter",
+        str(pair / "drafter"),
+        "--prompts",
+        str(pair / "eval_prompts.json"),
+        "--max-tokens",
+        str(chunks),
+        "--num-prompts",
+        "4",
+        "--min-waves",
+        "2",
+    ]
+    args = bd.parse_args([*argv, "--out", str(tmp_path / "o")])
     args.out.mkdir(parents=True)
     script = Path(fake.__file__)
     monkeypatch.setattr(
@@ -191,6 +202,7 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
             str(script),
             str(port),
             str(chunks),
+            "0.02",  # seconds per chunk: timed runs long enough to share out
         ],
     )
     clients = []
@@ -218,8 +230,21 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
         assert r["tok_s"] > 0 and r["median_itl_ms"] is not None
         # 15 draft tokens per draft, 2 accepted: vLLM's acceptance length 3.
         assert r["acceptance_length"] == pytest.approx(1 + fake.ACCEPTED)
+        # The host over vLLM's benchmark() call only: its window is the
+        # benchmark's duration plus little (no vLLM import, no tokenizer load).
         usage = r["host_usage"]
-        assert usage["wall_s"] > 0 and usage["calibration_ms"] > 0
-        assert usage["step_thread"] is not None
-        assert usage["step_thread_busy_pct"] is not None
+        assert usage["timed_s"] == pytest.approx(r["wall_s"], abs=1e-3)
+        assert r["wall_s"] <= usage["wall_s"] <= r["wall_s"] + 2.0, usage
+        assert usage["warmup_requests"] == 0  # defaults: warm-ups run apart
+        assert usage["calibration_ms"] > 0 and usage["step_thread"] is not None
+        # The fake server sleeps between chunks: far from a busy step loop.
+        assert 0.0 <= usage["step_thread_busy_pct"] <= 60.0, usage
         assert r["config"] == "ddtree-64" and r["run_id"] == "rid"
+    # Tuned: one command with vLLM's own warm-up requests, counted as such.
+    tuned = bd.parse_args([*argv, "--out", str(tmp_path / "t"), "--settings", "tuned"])
+    tuned.out.mkdir(parents=True)
+    assert bd.run_serve_config(tuned, "ddtree-64", 4, [(2, 0.0)], prompts, "r2", 300.0)
+    (row,) = [
+        json.loads(x) for x in (tuned.out / bd.RESULTS_FILE).read_text().splitlines()
+    ]
+    assert row["host_usage"]["warmup_requests"] == 2

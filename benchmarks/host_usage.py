@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""How the host spent a timed pass of ``bench_ddtree.py`` (offline rows and,
+through ``bench_serve_client.py``, serve rows).
+
+At batch 1 on a small pair both methods spend most of a step on the host, and
+one config's step time has moved up to 1.5x between engine processes at the
+same kernels. These figures say whether a slow process's step thread was busy
+all the time (then its core was slow, or shared), starved by the hypervisor
+(steal), or waiting."""
+
+import math
+import os
+import time
+
+# Fixed pure-Python work: the speed of one core, comparable across processes
+# and machines of one kind.
+CALIBRATION_LOOPS = 200_000
+
+
+def calibration_ms(cpu: int | None = None, loops: int = CALIBRATION_LOOPS) -> float:
+    """Best of three timings of a fixed pure-Python loop, in ms, on ``cpu``
+    (this process pinned to it for the loop) or wherever this process runs."""
+    saved = os.sched_getaffinity(0) if cpu is not None else None
+    try:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})  # this thread only (Linux)
+        best = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            acc = 0
+            for i in range(loops):
+                acc += i & 7
+            best = min(best, time.perf_counter() - start)
+    finally:
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
+    return round(best * 1e3, 3)
+
+
+def thread_cpu(procs) -> dict[int, float]:
+    """CPU seconds per thread id over ``procs`` (``psutil.Process``es)."""
+    import psutil
+
+    cpu = {}
+    for proc in procs:
+        try:
+            for t in proc.threads():
+                cpu[t.id] = t.user_time + t.system_time
+        except psutil.Error:  # ended meanwhile
+            continue
+    return cpu
+
+
+def _thread(tid: int) -> tuple[str | None, int | None]:
+    """A thread's own name and the CPU it last ran on (Linux: a thread id
+    reads as a process)."""
+    import psutil
+
+    try:
+        task = psutil.Process(tid)
+        return task.name(), task.cpu_num()
+    except psutil.Error:
+        return None, None
+
+
+class HostUsage:
+    """Started just before a timed pass, stopped just after it. Of the whole
+    machine: the share of CPU time the hypervisor took (steal) and the CPUs
+    kept busy (steal not counted); of the engine's process tree (``root_pid``'s
+    and its children, e.g. a multiprocess engine core or a server's): the two
+    busiest threads' CPU time over the pass (a host-bound step loop runs one
+    thread near 100 %); and, after the pass, the calibration loop on the CPU
+    the busiest thread last ran on."""
+
+    def __init__(self, root_pid: int | None = None):
+        import psutil
+
+        root = psutil.Process(root_pid)
+        self._procs = [root, *root.children(recursive=True)]
+        self._threads = thread_cpu(self._procs)
+        self._times = psutil.cpu_times()
+        self._start = time.perf_counter()
+
+    def stop(self, timed_s: float | None = None, warmups: int = 0) -> dict:
+        """``timed_s``: the timed part of the window, if known (``vllm bench
+        serve``'s duration); the threads' busy shares are taken over it.
+        ``warmups``: warm-up requests the window holds outside ``timed_s``
+        (their CPU time is in the threads' shares), recorded as such."""
+        import psutil
+
+        wall = time.perf_counter() - self._start
+        times = psutil.cpu_times()
+        spent = {f: getattr(times, f) - getattr(self._times, f) for f in times._fields}
+        # guest time is counted in user time already (Linux /proc/stat).
+        total = sum(v for f, v in spent.items() if f not in ("guest", "guest_nice"))
+        steal = spent.get("steal", 0.0)
+        idle = spent.get("idle", 0.0) + spent.get("iowait", 0.0)
+        after = thread_cpu(self._procs)
+        deltas = sorted(
+            ((cpu - self._threads.get(tid, 0.0), tid) for tid, cpu in after.items()),
+            reverse=True,
+        )
+        (top, top_tid), (second, second_tid) = [*deltas, (0.0, None), (0.0, None)][:2]
+        top_name, top_cpu = _thread(top_tid) if top_tid else (None, None)
+        second_name = _thread(second_tid)[0] if second_tid else None
+        timed = min(wall, timed_s) if timed_s else wall
+
+        def share(cpu_s: float) -> float | None:
+            return round(100 * cpu_s / timed, 1) if timed > 0 else None
+
+        try:
+            calibration = calibration_ms(top_cpu)
+        except OSError:  # that CPU is outside this process's cpuset
+            top_cpu, calibration = None, calibration_ms()
+        return {
+            "wall_s": round(wall, 3),
+            "timed_s": round(timed, 3),
+            "warmup_requests": warmups,
+            "calibration_ms": calibration,
+            "calibration_cpu": top_cpu,
+            "steal_pct": round(100 * steal / total, 2) if total > 0 else None,
+            "busy_cpus": round((total - idle - steal) / wall, 2) if wall > 0 else None,
+            "step_thread": top_name,
+            "step_thread_cpu_s": round(top, 3),
+            "step_thread_busy_pct": share(top),
+            # Behind vllm serve: often the API server's busiest thread.
+            "next_thread": second_name,
+            "next_thread_busy_pct": share(second),
+        }

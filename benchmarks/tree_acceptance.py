@@ -1,0 +1,209 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Greedy tokens per step of DDTree at every budget, and of the DFlash chain,
+simulated on the CPU from a trained pair (a projection input, not a
+measurement of vLLM).
+
+The target (``benchmarks/models/pycode`` by default, PyTorch on the CPU)
+continues each held-out prompt greedily; the drafter (the training code's own
+forward) drafts a block at every position of the continuation; each block's
+DDTree is built once at the largest budget by the DDTree paper's best-first
+heap (``tests/v1/ddtree_reference.py``, the product builder's tie rules), and
+since its nodes come out best first, the tree of budget ``b`` is its first
+``b`` nodes. A step anchored at a position commits 1 + the depth of the deepest
+node on the target's own continuation; greedy decoding is then walked from the
+first anchor on, each step starting where the last one's tokens end, and
+tokens / steps is what vLLM reports as the mean acceptance length. The DFlash
+chain is the drafter's top-1 token at each depth.
+
+Budgets without an engine measurement (3, 7 at large batch, where a verify of
+fewer rows costs less than DFlash's 16) get their acceptance here; the engine's
+measured budgets check the simulation (``benchmarks/README.md``).
+
+    python benchmarks/tree_acceptance.py --out benchmarks/results/tree_acceptance
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import conftest  # noqa: E402,F401  (this working tree's vllm/ modules first)
+
+from tests.v1.ddtree_reference import build_ddtree_reference  # noqa: E402
+
+PAIR = ROOT / "benchmarks" / "models" / "pycode"
+BUDGETS = (1, 3, 7, 15, 31, 63, 127, 255, 511)
+
+
+def accepted_depths(
+    block_logits: torch.Tensor, labels: torch.Tensor, budgets
+) -> torch.Tensor:
+    """``[anchors, len(budgets)]``: per anchor and budget, the depth of the
+    deepest tree node on the label path. ``block_logits [anchors, depth,
+    vocab]``: the drafter's logits at depths 1..depth; ``labels [anchors,
+    depth]``: the target's tokens there."""
+    tree = build_ddtree_reference(block_logits, max(budgets))
+    tokens, parents, depths = tree.token_ids, tree.parent_ids, tree.depths
+    anchors, budget = tokens.shape
+    # on_path[a, i]: node i's token is the label at its depth and its parent is
+    # on the path (the root, index 0 of parent_ids, always is).
+    on_path = torch.zeros(anchors, budget + 1, dtype=torch.bool)
+    on_path[:, 0] = True
+    depth_of = torch.zeros(anchors, budget + 1, dtype=torch.long)
+    rows = torch.arange(anchors)
+    for i in range(budget):  # parents come before their children
+        d = depths[:, i].long()
+        valid = tokens[:, i] >= 0
+        label = labels.gather(1, (d - 1).clamp(min=0)[:, None])[:, 0]
+        ok = valid & (tokens[:, i] == label) & on_path[rows, parents[:, i].long()]
+        on_path[:, i + 1] = ok
+        depth_of[:, i + 1] = torch.where(ok, d, torch.zeros_like(d))
+    # The deepest on-path node among the first b nodes, per budget.
+    best = depth_of[:, 1:].cummax(dim=1).values
+    return torch.stack([best[:, b - 1] for b in budgets], dim=1)
+
+
+def chain_depths(block_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``[anchors]``: leading depths where the drafter's top-1 is the label."""
+    correct = block_logits.argmax(-1) == labels
+    return correct.long().cumprod(-1).sum(-1)
+
+
+def walk(commits: torch.Tensor) -> tuple[int, int]:
+    """(tokens, steps) of greedy decoding over ``commits [anchors]``, the
+    tokens a step anchored at each consecutive position commits."""
+    pos = tokens = steps = 0
+    while pos < commits.shape[0]:
+        took = int(commits[pos])
+        tokens, steps, pos = tokens + took, steps + 1, pos + took
+    return tokens, steps
+
+
+def simulate(args) -> dict:
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from benchmarks.train_pair.dflash import (
+        draft_logits,
+        load_drafter,
+        target_features,
+    )
+
+    tok = AutoTokenizer.from_pretrained(args.pair / "target")
+    target = Qwen3ForCausalLM.from_pretrained(args.pair / "target", dtype=torch.float32)
+    target.eval()
+    drafter = load_drafter(args.pair / "drafter").eval()
+    block = drafter.shape.block_size
+    depth = block - 1
+    prompts = json.loads((args.pair / "eval_prompts.json").read_text())["prompts"]
+    budgets = sorted(set(args.budgets))
+    tree_tokens = [0] * len(budgets)
+    tree_steps = [0] * len(budgets)
+    chain = [0, 0]
+    anchors_total, skipped, start = 0, 0, time.monotonic()
+    with torch.no_grad():
+        for n, p in enumerate(prompts[: args.num_prompts], 1):
+            ids = tok(p["text"], return_tensors="pt").input_ids
+            seq = target.generate(
+                ids,
+                max_new_tokens=args.max_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id or 0,
+            )
+            # Anchors: the last prompt token on, each with a full block after it
+            # (generation stops at EOS, as the engine's does, so the last
+            # positions of a sequence are not drafted).
+            first, last = ids.shape[1] - 1, seq.shape[1] - block
+            if last < first:  # ended within one block of the prompt
+                skipped += 1
+                continue
+            anchors = torch.arange(first, last + 1)[None]
+            feats = target_features(target, seq, drafter.shape.target_layer_ids)
+            logits, labels = draft_logits(
+                drafter,
+                target.model.embed_tokens,
+                target.lm_head.weight,
+                seq,
+                feats,
+                anchors,
+            )
+            logits, labels = logits[0, :, 1:].float(), labels[0, :, 1:]
+            depths = accepted_depths(logits, labels, budgets)
+            for j in range(len(budgets)):
+                t, s = walk(1 + depths[:, j])
+                tree_tokens[j] += t
+                tree_steps[j] += s
+            t, s = walk(1 + chain_depths(logits, labels))
+            chain[0] += t
+            chain[1] += s
+            anchors_total += anchors.shape[1]
+            print(
+                f"tree_acceptance: prompt {n}/{args.num_prompts}, "
+                f"{anchors_total} anchors, {time.monotonic() - start:.0f} s",
+                flush=True,
+            )
+    return {
+        "command": "python " + " ".join([sys.argv[0], *(args.argv or sys.argv[1:])]),
+        "pair": str(args.pair),
+        "prompts": min(args.num_prompts, len(prompts)) - skipped,
+        "skipped_prompts": skipped,
+        "anchors": anchors_total,
+        "max_tokens": args.max_tokens,
+        "dflash_chain": round(chain[0] / chain[1], 3),
+        "budgets": {
+            str(b): round(t / s, 3) for b, t, s in zip(budgets, tree_tokens, tree_steps)
+        },
+    }
+
+
+def markdown(result: dict) -> str:
+    chain = result["dflash_chain"]
+    lines = [
+        "# DDTree acceptance by budget, simulated (CPU, greedy; a projection input)",
+        "",
+        f"`{result['command']}`: {result['prompts']} held-out prompts of "
+        f"{result['pair']}, {result['max_tokens']} greedy tokens each, "
+        f"{result['anchors']} drafted blocks"
+        + (
+            f" ({result['skipped_prompts']} prompts ended within one block and "
+            "were left out)."
+            if result.get("skipped_prompts")
+            else "."
+        ),
+        "",
+        "| budget | tokens per step | x DFlash chain |",
+        "|---|---|---|",
+        f"| DFlash chain (15) | {chain:.3f} | 1.000 |",
+    ]
+    for budget, tau in result["budgets"].items():
+        lines.append(f"| {budget} | {tau:.3f} | {tau / chain:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--pair", type=Path, default=PAIR)
+    p.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=256)
+    args = p.parse_args(argv)
+    if min(args.budgets) < 1:
+        p.error("--budgets must be >= 1")
+    args.argv = argv
+    result = simulate(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tree_acceptance.json").write_text(json.dumps(result, indent=1))
+    text = markdown(result)
+    (args.out / "tree_acceptance.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
