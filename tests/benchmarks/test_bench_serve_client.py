@@ -114,6 +114,24 @@ def test_serve_client_runs_fails_and_is_killed_at_the_limit(tmp_path):
     assert "RuntimeError: no" in (tmp_path / "log").read_text()
 
 
+PAIR = bd.ROOT / "benchmarks" / "models" / "pycode"
+
+
+def _serve_argv(max_tokens: int) -> list[str]:
+    """bench_ddtree serve on the bundled pair (its tokenizer and prompts)."""
+    return [
+        "serve",
+        "--target",
+        str(PAIR / "target"),
+        "--drafter",
+        str(PAIR / "drafter"),
+        "--prompts",
+        str(PAIR / "eval_prompts.json"),
+        "--max-tokens",
+        str(max_tokens),
+    ]
+
+
 def test_serve_client_runs_vllm_bench_serve_twice_in_one_process(tmp_path):
     """The real client against a fake server: a warm-up and a timed run of one
     (batch, temperature), as run_serve_config sends them, each writes vLLM's
@@ -122,22 +140,8 @@ def test_serve_client_runs_vllm_bench_serve_twice_in_one_process(tmp_path):
 
     port = free_port()
     seen, stop = fake.start_in_thread(port, chunks=6)
-    pair = bd.ROOT / "benchmarks" / "models" / "pycode"
-    args = bd.parse_args(
-        [
-            "serve",
-            "--out",
-            str(tmp_path / "o"),
-            "--target",
-            str(pair / "target"),
-            "--drafter",
-            str(pair / "drafter"),
-            "--prompts",
-            str(pair / "eval_prompts.json"),
-            "--max-tokens",
-            "6",
-        ]
-    )
+    pair = PAIR
+    args = bd.parse_args([*_serve_argv(6), "--out", str(tmp_path / "o")])
     prompts = bd.load_prompts(pair / "eval_prompts.json")
     result = tmp_path / "r.json"
     warm, timed = bd.serve_run_commands(
@@ -175,22 +179,8 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
     from tests.e2e.servers import free_port
 
     chunks = 5
-    pair = bd.ROOT / "benchmarks" / "models" / "pycode"
-    argv = [
-        "serve",
-        "--target",
-        str(pair / "target"),
-        "--drafter",
-        str(pair / "drafter"),
-        "--prompts",
-        str(pair / "eval_prompts.json"),
-        "--max-tokens",
-        str(chunks),
-        "--num-prompts",
-        "4",
-        "--min-waves",
-        "2",
-    ]
+    pair = PAIR
+    argv = [*_serve_argv(chunks), "--num-prompts", "4", "--min-waves", "2"]
     args = bd.parse_args([*argv, "--out", str(tmp_path / "o")])
     args.out.mkdir(parents=True)
     script = Path(fake.__file__)
