@@ -80,7 +80,7 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
     timing_stats,
     write_rounds_report,
 )
-from benchmarks.host_usage import HostUsage  # noqa: E402
+from benchmarks.host_usage import HostUsage, thread_info  # noqa: E402
 from tests.e2e.servers import free_port, plugin_site  # noqa: E402
 
 MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"
@@ -1197,22 +1197,19 @@ def busy_threads(proc, top: int = 6) -> list[dict]:
     seconds, the CPU each last ran on. A thread that spins next to the one
     running the step (on the same core) slows the step; this shows whether one
     did."""
-    import psutil
-
     threads = []
     for t in sorted(proc.threads(), key=lambda t: -(t.user_time + t.system_time)):
-        try:
-            task = psutil.Process(t.id)  # Linux: a thread id reads as a process
-            threads.append(
-                {
-                    "tid": t.id,
-                    "name": task.name(),
-                    "cpu_s": round(t.user_time + t.system_time, 2),
-                    "last_cpu": task.cpu_num(),
-                }
-            )
-        except psutil.Error:  # the thread ended meanwhile
+        name, last_cpu = thread_info(t.id)
+        if name is None:  # the thread ended meanwhile
             continue
+        threads.append(
+            {
+                "tid": t.id,
+                "name": name,
+                "cpu_s": round(t.user_time + t.system_time, 2),
+                "last_cpu": last_cpu,
+            }
+        )
         if len(threads) == top:
             break
     return threads

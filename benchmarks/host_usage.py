@@ -52,9 +52,9 @@ def thread_cpu(procs) -> dict[int, float]:
     return cpu
 
 
-def _thread(tid: int) -> tuple[str | None, int | None]:
+def thread_info(tid: int) -> tuple[str | None, int | None]:
     """A thread's own name and the CPU it last ran on (Linux: a thread id
-    reads as a process)."""
+    reads as a process); (None, None) once it has ended."""
     import psutil
 
     try:
@@ -102,8 +102,8 @@ class HostUsage:
             reverse=True,
         )
         (top, top_tid), (second, second_tid) = [*deltas, (0.0, None), (0.0, None)][:2]
-        top_name, top_cpu = _thread(top_tid) if top_tid else (None, None)
-        second_name = _thread(second_tid)[0] if second_tid else None
+        top_name, top_cpu = thread_info(top_tid) if top_tid else (None, None)
+        second_name = thread_info(second_tid)[0] if second_tid else None
         timed = min(wall, timed_s) if timed_s else wall
 
         def share(cpu_s: float) -> float | None:

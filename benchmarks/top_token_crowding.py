@@ -79,18 +79,13 @@ def search_paths(logits: torch.Tensor, num_top: int) -> dict[str, torch.Tensor]:
 def drafter_logits(pair: Path, num_prompts: int, max_len: int, stride: int):
     """[positions, vocab] float16 logits of the drafter's 15 draft positions at
     every ``stride``-th anchor of the first ``num_prompts`` held-out prompts."""
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
-
     from benchmarks.train_pair.dflash import (
         draft_logits,
-        load_drafter,
+        load_pair,
         target_features,
     )
 
-    tok = AutoTokenizer.from_pretrained(pair / "target")
-    target = Qwen3ForCausalLM.from_pretrained(pair / "target", dtype=torch.float32)
-    target.eval()
-    drafter = load_drafter(pair / "drafter").eval()
+    tok, target, drafter = load_pair(pair)
     block = drafter.shape.block_size
     prompts = json.loads((pair / "eval_prompts.json").read_text())["prompts"]
     rows = []

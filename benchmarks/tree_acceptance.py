@@ -86,20 +86,14 @@ def walk(commits: torch.Tensor) -> tuple[int, int]:
 
 
 def simulate(args) -> dict:
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
-
     from benchmarks.train_pair.dflash import (
         draft_logits,
-        load_drafter,
+        load_pair,
         target_features,
     )
 
-    tok = AutoTokenizer.from_pretrained(args.pair / "target")
-    target = Qwen3ForCausalLM.from_pretrained(args.pair / "target", dtype=torch.float32)
-    target.eval()
-    drafter = load_drafter(args.pair / "drafter").eval()
+    tok, target, drafter = load_pair(args.pair)
     block = drafter.shape.block_size
-    depth = block - 1
     prompts = json.loads((args.pair / "eval_prompts.json").read_text())["prompts"]
     budgets = sorted(set(args.budgets))
     tree_tokens = [0] * len(budgets)

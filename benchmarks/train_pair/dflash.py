@@ -391,6 +391,18 @@ def save_drafter(
     (path / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
+def load_pair(pair: Path):
+    """``(tokenizer, target, drafter)`` of a trained pair's directory
+    (``target/``, ``drafter/``), float32 and in eval mode, for analyses on the
+    CPU."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    pair = Path(pair)
+    tok = AutoTokenizer.from_pretrained(pair / "target")
+    target = Qwen3ForCausalLM.from_pretrained(pair / "target", dtype=torch.float32)
+    return tok, target.eval(), load_drafter(pair / "drafter").eval()
+
+
 def load_drafter(path: Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
     from safetensors.torch import load_file
 
