@@ -543,14 +543,23 @@ def request_ladder(max_batch: int) -> list[int]:
 
 
 def capture_sizes(config: str, max_batch: int) -> list[int] | None:
-    """CUDA-graph sizes for no-spec and DFlash on the same request ladder as
-    DDTree's default (vLLM's own default stops at 512 tokens, which would leave a
-    DFlash batch of 64 = 1024 tokens without a graph). None for DDTree: its
-    plugin picks multiples of B + 1."""
+    """Tuned CUDA-graph sizes for no-spec and DFlash: every batch of the request
+    ladder up to ``max_batch`` (vLLM's own default stops at 512 tokens, which
+    would leave a DFlash batch of 64 = 1024 tokens without a graph). None for
+    DDTree: its plugin picks multiples of B + 1 up to
+    :func:`tuned_max_capture_size`."""
     if config.startswith("ddtree"):
         return None
     per_request = 1 if config == "none" else DRAFT_LEN
     return [n * per_request for n in request_ladder(max_batch)]
+
+
+def tuned_max_capture_size(config: str, max_batch: int, schedule=None) -> int:
+    """DDTree's largest graph under ``--settings tuned``: the largest step of the
+    request ladder (target verify or drafter), so that DDTree gets graphs for
+    the batches :func:`capture_sizes` gives DFlash."""
+    steps = [step_tokens(config, n, schedule) for n in request_ladder(max_batch)]
+    return max(*steps, max_batch * DRAFT_LEN)
 
 
 def settings_of(args) -> str:
@@ -604,6 +613,9 @@ def engine_kwargs(args, config: str, max_batch: int) -> dict:
         sizes = capture_sizes(config, max_batch)
         if sizes is not None:
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+        else:
+            max_size = tuned_max_capture_size(config, max_batch, args.schedule)
+            kwargs["compilation_config"] = {"max_cudagraph_capture_size": max_size}
     kwargs.update(parse_engine_args(getattr(args, "engine_arg", [])))
     return kwargs
 

@@ -16,7 +16,8 @@ Engine side (the process that parses arguments and builds the ``VllmConfig``):
    target's attention backend becomes TREE_ATTN (``AttentionBackendEnum.CUSTOM``).
 2. ``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``: batch and
    token limits that fit ``max_num_seqs`` trees of ``tree_budget + 1`` tokens,
-   and CUDA-graph sizes in multiples of ``tree_budget + 1``.
+   and CUDA-graph sizes in multiples of ``tree_budget + 1`` within vLLM's
+   default (or the user's) maximum capture size.
 3. ``EngineArgs.create_engine_config``: the finished config must run on Model
    Runner V2, where DDTree lives.
 4. ``InputProcessor._validate_params``: per-request settings DDTree cannot honour
@@ -358,14 +359,26 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
         )
     self.max_num_seqs, self.max_num_batched_tokens = seqs, tokens
     cc = self.compilation_config
-    if (
-        self.cudagraph_capture_sizes is None
-        and self.max_cudagraph_capture_size is None
-        and cc.cudagraph_capture_sizes is None
-        and cc.max_cudagraph_capture_size is None
-    ):
+    if self.cudagraph_capture_sizes is None and cc.cudagraph_capture_sizes is None:
+        # Sizes in DDTree's shapes up to the user's maximum, or up to vLLM's
+        # default one.
+        max_size = self.max_cudagraph_capture_size
+        if max_size is None:
+            max_size = cc.max_cudagraph_capture_size
+        if max_size is not None and max_size < 1:
+            return  # no graphs: vLLM's own handling
         cc = copy.copy(cc)
-        cc.cudagraph_capture_sizes = cudagraph_capture_sizes(cfg, seqs, tokens)
+        cc.cudagraph_capture_sizes = cudagraph_capture_sizes(
+            cfg,
+            seqs,
+            tokens,
+            max_size,
+            interactivity=self.performance_mode == "interactivity",
+        )
+        # vLLM requires a user's maximum to equal the largest size; the
+        # sizes stop at max_num_batched_tokens, as vLLM's own would.
+        cc.max_cudagraph_capture_size = cc.cudagraph_capture_sizes[-1]
+        self.max_cudagraph_capture_size = None
         self.compilation_config = cc
 
 

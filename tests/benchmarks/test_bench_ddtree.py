@@ -249,6 +249,14 @@ def test_capture_sizes_follow_the_ddtree_ladder():
     assert bd.capture_sizes("none", 8) == [1, 2, 4, 8]
     assert bd.capture_sizes("dflash", 64)[-1] == 64 * 16  # past vLLM's 512 default
     assert bd.capture_sizes("ddtree-64", 64) is None
+    # DDTree's tuned maximum covers the same ladder (its plugin fills in sizes).
+    assert bd.tuned_max_capture_size("ddtree-64", 64) == 64 * 65
+    assert bd.tuned_max_capture_size("ddtree-7", 64) == 64 * 16  # the drafter's
+    auto = bd.tuned_max_capture_size(bd.AUTO_CONFIG, 64)
+    assert auto == max(
+        n * (bd.schedule_budget(bd.auto_schedule(), n) + 1)
+        for n in bd.request_ladder(64)
+    )
 
 
 def test_engine_kwargs(tmp_path):
@@ -273,7 +281,8 @@ def test_engine_kwargs(tmp_path):
     assert kw["compilation_config"]["cudagraph_capture_sizes"][-1] == 1024
     kw = bd.engine_kwargs(args, "ddtree-256", 16)
     assert kw["speculative_config"]["tree_budget"] == 256
-    assert "compilation_config" not in kw and "max_num_batched_tokens" not in kw
+    assert kw["compilation_config"] == {"max_cudagraph_capture_size": 16 * 257}
+    assert "max_num_batched_tokens" not in kw
 
 
 def test_defaults_continuous_arrivals_set_only_the_concurrency(tmp_path):

@@ -225,10 +225,19 @@ def test_parse_auto_budget_conflicts_with_a_schedule():
 def test_cudagraph_sizes_cover_every_scheduled_budget():
     cfg = DDTreeConfig(64, 15, (4, 16))
     assert cfg.all_budgets == (4, 16, 64)
-    sizes = ddt.cudagraph_capture_sizes(cfg, 32, 8192)
+    # Up to a maximum the user raised, every budget and the drafter get
+    # graphs for every batch.
+    sizes = ddt.cudagraph_capture_sizes(cfg, 32, 8192, max_size=4096)
     for verify_len in (5, 17, 65, 16):
         counts = {s // verify_len for s in sizes if s % verify_len == 0}
         assert {1, 2, 4, 8, 16, 24, 32} <= counts, verify_len
+    # Under vLLM's default maximum (512 tokens), the batches that fit.
+    sizes = ddt.cudagraph_capture_sizes(cfg, 32, 8192)
+    assert sizes[-1] == 512
+    for verify_len, most in ((5, 32), (17, 24), (65, 4), (16, 32)):
+        counts = {s // verify_len for s in sizes if s % verify_len == 0}
+        want = {n for n in (1, 2, 4, 8, 16, 24, 32) if n <= most}
+        assert want <= counts, verify_len
     assert DDTreeConfig.from_dict(cfg.to_dict()) == cfg
     # Configs written before step_budgets existed still read.
     assert DDTreeConfig.from_dict({"tree_budget": 8, "draft_depth": 15}) == (
@@ -461,16 +470,46 @@ def test_batch_limits_drafter_does_not_fit():
         ddt.batch_limits(DDTreeConfig(8, 15), 100, 1000, True, True)
 
 
-def test_cudagraph_sizes():
+# vLLM's default sizes up to 512 tokens (VllmConfig._set_cudagraph_sizes).
+VLLM_LADDER = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
+
+
+def test_cudagraph_sizes_default_to_vllms_maximum():
+    """Graphs up to vLLM's 512 tokens: its own ladder (mixed steps) plus the
+    multiples of B + 1 and D + 1 below it. Sizes up to max_num_batched_tokens
+    cost the 8B target on the H200 more graph memory than vLLM leaves free
+    (MRv2 sizes the KV cache before capturing)."""
     sizes = ddt.cudagraph_capture_sizes(CFG, 63, 8192)
-    assert sizes == sorted(set(sizes))
+    assert sizes == sorted(set(sizes)) and sizes[-1] == 512
+    assert set(VLLM_LADDER) <= set(sizes)
+    assert [s // 129 for s in sizes if s % 129 == 0] == [1, 2]
+    draft = {s // 16 for s in sizes if s % 16 == 0}
+    assert {1, 2, 4, 8, 16, 24, 32} <= draft
+    assert set(sizes) - set(VLLM_LADDER) == {129, 258}
+    assert ddt.default_max_capture_size(CFG, 63, 8192) == 512
+    # A batch too small for 512 tokens: twice a full batch, as vLLM's rule.
+    small = DDTreeConfig(4, 15)
+    assert ddt.cudagraph_capture_sizes(small, 1, 8192) == [1, 2, 4, 5, 8, 16, 24, 32]
+    # One request's tree is always captured, even past 512 tokens.
+    big = DDTreeConfig(512, 15)
+    assert ddt.cudagraph_capture_sizes(big, 32, 16416)[-1] == 513
+    # Never above the step limit.
+    assert ddt.cudagraph_capture_sizes(CFG, 63, 300)[-1] == 300
+
+
+def test_cudagraph_sizes_up_to_a_users_maximum():
+    sizes = ddt.cudagraph_capture_sizes(CFG, 63, 8192, max_size=8192)
+    assert sizes[-1] == 8192
     verify = [s // 129 for s in sizes if s % 129 == 0]
     assert verify == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 63]
     draft = [s // 16 for s in sizes if s % 16 == 0]
     assert {1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 63} <= set(draft)
-    assert all(s % 129 == 0 or s % 16 == 0 for s in sizes)
-    assert ddt.cudagraph_capture_sizes(CFG, 63, 1000)[-1] <= 1000
-    assert ddt.cudagraph_capture_sizes(DDTreeConfig(4, 15), 1, 8192) == [5, 16]
+    above = [s for s in sizes if s > 512]
+    assert above and all(s % 129 == 0 or s % 16 == 0 for s in above[:-1])
+    assert ddt.cudagraph_capture_sizes(CFG, 63, 1000, max_size=4096)[-1] == 1000
+    # performance_mode="interactivity": every size up to 32, as vLLM's.
+    fine = ddt.cudagraph_capture_sizes(CFG, 63, 8192, interactivity=True)
+    assert set(range(1, 33)) <= set(fine)
 
 
 def test_config_roundtrip():
@@ -545,9 +584,9 @@ def test_engine_config_maps_ddtree_onto_dflash(models, cuda_platform):
     assert sched.max_num_scheduled_tokens == sched.max_num_batched_tokens == 4096
     assert sched.max_num_seqs == 4096 // 129
     sizes = config.compilation_config.cudagraph_capture_sizes
-    if sizes:
-        assert all(s % 129 == 0 or s % 16 == 0 for s in sizes)
-        assert sched.max_num_seqs * 129 in sizes
+    assert len(sizes) > 50 and sizes[-1] == 512
+    assert {129, 258} <= set(sizes) and set(VLLM_LADDER) <= set(sizes)
+    assert config.compilation_config.max_cudagraph_capture_size == 512
     # Spawned engine cores and workers get it by pickling.
     assert DDTreeConfig.from_vllm_config(pickle.loads(pickle.dumps(config))) == (
         DDTreeConfig(128, 15)
@@ -557,6 +596,37 @@ def test_engine_config_maps_ddtree_onto_dflash(models, cuda_platform):
     again = args.create_engine_config()
     assert again.scheduler_config.max_num_seqs == sched.max_num_seqs
     assert again.compilation_config.cudagraph_capture_sizes == sizes
+
+
+@pytest.mark.parametrize(
+    "where", ["engine_args", "compilation_config"], ids=["flag", "compilation"]
+)
+def test_engine_config_capture_sizes_up_to_users_maximum(models, cuda_platform, where):
+    """--max-cudagraph-capture-size (or the compilation config's) raises the
+    largest graph; the sizes keep DDTree's shapes and vLLM accepts them."""
+    if where == "engine_args":
+        kwargs = {"max_cudagraph_capture_size": 2048}
+    else:
+        kwargs = {"compilation_config": {"max_cudagraph_capture_size": 2048}}
+    args, config = _engine_config(models, max_num_batched_tokens=4096, **kwargs)
+    comp = config.compilation_config
+    assert comp.max_cudagraph_capture_size == comp.cudagraph_capture_sizes[-1] == 2048
+    verify = {s // 129 for s in comp.cudagraph_capture_sizes if s % 129 == 0}
+    assert verify == {1, 2, 4, 8}  # 16 x 129 > 2048
+    again = args.create_engine_config().compilation_config
+    assert again.cudagraph_capture_sizes == comp.cudagraph_capture_sizes
+    # Above max_num_batched_tokens, the sizes stop there, as vLLM's own.
+    _, config = _engine_config(
+        models, max_num_batched_tokens=4096, max_cudagraph_capture_size=65536
+    )
+    assert config.compilation_config.cudagraph_capture_sizes[-1] == 4096
+
+
+def test_engine_config_keeps_users_capture_sizes(models, cuda_platform):
+    _, config = _engine_config(
+        models, max_num_batched_tokens=4096, cudagraph_capture_sizes=[1, 129, 258]
+    )
+    assert config.compilation_config.cudagraph_capture_sizes == [1, 129, 258]
 
 
 def test_engine_config_with_budget_schedule(models, cuda_platform):

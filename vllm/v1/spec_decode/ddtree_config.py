@@ -78,6 +78,8 @@ DRAFTER_KEYS = frozenset(
 # KV cache dtypes TREE_ATTN reads and the tree KV compaction copies.
 TREE_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 _EPS = 1e-5
+# vLLM's default cap on CUDA-graph sizes, in tokens.
+_VLLM_MAX_CAPTURE_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -419,17 +421,47 @@ def batch_limits(
     return max_num_seqs, max_num_batched_tokens
 
 
-def cudagraph_capture_sizes(
+def default_max_capture_size(
     cfg: DDTreeConfig, max_num_seqs: int, max_num_batched_tokens: int
+) -> int:
+    """vLLM's default largest CUDA-graph size (``VllmConfig._set_cudagraph_sizes``:
+    twice a full batch of decode steps, at most 512 tokens), but never less
+    than one request's step, so that a single request's tree always verifies
+    in a graph. MRv2 sizes the KV cache before capturing and reserves no
+    memory for the graphs, so larger sizes are the user's choice
+    (``--max-cudagraph-capture-size``): graphs up to ``max_num_batched_tokens``
+    left an 8B target without memory for its first step."""
+    per_req = cfg.tokens_per_request
+    size = max(min(max_num_seqs * per_req * 2, _VLLM_MAX_CAPTURE_SIZE), per_req)
+    return min(size, max_num_batched_tokens)
+
+
+def cudagraph_capture_sizes(
+    cfg: DDTreeConfig,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_size: int | None = None,
+    interactivity: bool = False,
 ) -> list[int]:
-    """Capture sizes for batches of 1, 2, 4, 8, 16, 24, ... requests: multiples
-    of b + 1 for every budget b a step may verify (the target's uniform
-    tree-verify batches) and of D + 1 (the drafter's batches)."""
+    """Capture sizes up to ``max_size`` tokens (default
+    :func:`default_max_capture_size`): vLLM's own ladder (1, 2, 4, multiples of
+    8 below 256, of 16 from 256; every size up to 32 with ``interactivity``),
+    for mixed steps, plus multiples of b + 1 for every budget b a step may
+    verify (the target's uniform tree-verify batches) and of D + 1 (the
+    drafter's batches) for batches of 1, 2, 4, 8, 16, 24, ... requests."""
+    if max_size is None:
+        max_size = default_max_capture_size(cfg, max_num_seqs, max_num_batched_tokens)
+    max_size = min(max_size, max_num_batched_tokens)
+    sizes = set(range(1, min(max_size, 32) + 1)) if interactivity else {1, 2, 4}
+    sizes |= set(range(8, min(max_size + 1, 256), 8))
+    sizes |= set(range(256, max_size + 1, 16))
     num_reqs = [n for n in (1, 2, 4) if n < max_num_seqs]
     num_reqs += list(range(8, max_num_seqs, 8)) + [max_num_seqs]
-    sizes = {n * (b + 1) for n in num_reqs for b in cfg.all_budgets}
+    sizes |= {n * (b + 1) for n in num_reqs for b in cfg.all_budgets}
     sizes |= {n * cfg.draft_len for n in num_reqs}
-    return sorted(s for s in sizes if s <= max_num_batched_tokens)
+    # vLLM checks that a user's maximum is the largest size.
+    sizes.add(max_size)
+    return sorted(s for s in sizes if s <= max_size)
 
 
 def check_sampling_params(params: Any) -> None:
