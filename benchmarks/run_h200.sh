@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session script: run on the H200 from the repo root after the vLLM bundle is
 # installed (see ../shared/gpu/README.md). Logs and results go to $OUT.
-#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|serving|load|compiles|profile-b1|b1-rounds|serve-headline|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]
+#   bash benchmarks/run_h200.sh tests|tests-v1|e2e|serving|load|compiles|startup-8b|profile-b1|b1-rounds|serve-headline|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see docs/bench_ddtree.md and docs/train_pair.md)
 set -uo pipefail
@@ -142,6 +142,14 @@ tests/v1/test_sm90_compile.py"
     grep -E 'after ready|kernel|passed|failed|^(FAILED|ERROR)' \
       "$OUT/pytest_e2e_compiles.log" | tail -40
     exit $rc ;;
+  startup-8b)
+    # tests/e2e/test_ddtree_startup_memory.py alone: DDTree engines on Qwen3-8B
+    # shapes (dummy weights) under vLLM's memory profiling and defaults, one at
+    # a time (~2 min each), then a batch of 64 and a single request.
+    pytest_to "$OUT/pytest_e2e_startup_8b.log" -s "$@" tests/e2e/test_ddtree_startup_memory.py
+    rc=$?
+    grep -E 'ddtree-|passed|failed|^(FAILED|ERROR)' "$OUT/pytest_e2e_startup_8b.log" | tail -20
+    exit $rc ;;
   profile-b1)
     # The trained pair at batch 1 under vLLM's defaults, one config after
     # another in this command (configs: the argument, default below).
@@ -192,6 +200,6 @@ tests/v1/test_sm90_compile.py"
     OUT=$OUT timeout $LIMIT bash benchmarks/train_pair/run_h200.sh \
       "${1:-$((LIMIT - 20))}" 2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|load|compiles|profile-b1|b1-rounds|serve-headline|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|load|compiles|startup-8b|profile-b1|b1-rounds|serve-headline|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac
