@@ -869,6 +869,7 @@ def test_tree_rejection_sampler_class(num_logprobs):
     # Emitted token j of request r was sampled at the path node of depth j.
     lp = out.logprobs_tensors
     log_probs = torch.log_softmax(logits.float(), dim=-1)
+    checked = moved = 0
     for r in range(2):
         path = [0] + core.accepted_nodes[r, : k[r]].tolist()
         for j, node in enumerate(path):
@@ -876,9 +877,17 @@ def test_tree_rejection_sampler_class(num_logprobs):
             token = int(out.sampled_token_ids[r, j])
             assert int(lp.logprob_token_ids[row, 0]) == token
             torch.testing.assert_close(lp.logprobs[row, 0], log_probs[src, token])
+            # vLLM's rank: logits of the row at least the emitted token's.
+            rank = int((logits[src] >= logits[src, token]).sum())
+            assert int(lp.selected_token_ranks[row]) == rank
             if num_logprobs > 0:
                 top = log_probs[src].topk(num_logprobs).indices
                 assert lp.logprob_token_ids[row, 1:].tolist() == top.tolist()
+            checked += 1
+            moved += src != row
+    # Emitted past the root from a row other than its own (that row is also
+    # named by a later, off-path entry: the case the scatter must not mix up).
+    assert checked >= 3 and moved >= 1, (checked, moved)
 
 
 @gpu_only

@@ -183,20 +183,29 @@ class TreeRejectionSampler:
         if max_num_logprobs == NO_LOGPROBS:
             return None
         # vLLM reads the first num_sampled logprob rows of each request, so the
-        # rows of the accepted path are gathered to the front of its rows.
-        rows, flat_sampled = _path_logit_rows(
+        # results of the accepted path's rows are gathered to the front of its
+        # rows. The scores are computed in place over all rows, as vLLM's own
+        # rejection sampler does: gathering the logits first would copy a
+        # [num_logits, vocab] tensor.
+        rows, row_tokens = _path_logit_rows(
             out, input_batch.cu_num_logits, input_batch.expanded_local_pos
         )
         expanded_logits = logits.shape[0] != input_batch.idx_mapping.shape[0]
         cu_np = input_batch.cu_num_logits_np
-        return compute_topk_scores(
-            logits[rows],
+        scores = compute_topk_scores(
+            logits,
             max_num_logprobs,
-            flat_sampled,
+            row_tokens,
             # A host NumPy array, as in vLLM's own rejection sampler: no sync.
             cu_np.tolist() if expanded_logits else None,  # sync-ok
             logits_mode=self.sampler.logprobs_mode
             in ("raw_logits", "processed_logits"),
+        )
+        return LogprobsTensors(
+            logprob_token_ids=scores.logprob_token_ids[rows],
+            logprobs=scores.logprobs[rows],
+            selected_token_ranks=scores.selected_token_ranks[rows],
+            cu_num_generated_tokens=scores.cu_num_generated_tokens,
         )
 
 
@@ -355,9 +364,10 @@ def _path_logit_rows(
     # [num_logits]
     expanded_local_pos: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logit rows in emission order and the token emitted at each, flattened like
-    vLLM's chain layout: row cu[r] + j holds the j-th emitted token of request r
-    (j < num_sampled); later rows are left as they are. Only for logprobs."""
+    """Logit rows in emission order, flattened like vLLM's chain layout (entry
+    cu[r] + j is the row of request r's j-th emitted token, j < num_sampled;
+    later entries name rows of their own), and the token each logit row emitted
+    (0 on rows off the accepted path). Only for logprobs."""
     num_reqs = cu_num_logits.shape[0] - 1
     num_logits = expanded_local_pos.shape[0]
     device = expanded_local_pos.device
@@ -378,7 +388,11 @@ def _path_logit_rows(
     on_path = local < out.num_sampled.long()[req]
     rows = torch.where(on_path, start + node, start + local)
     flat_sampled = out.sampled_token_ids[req, local].clamp(min=0)
-    return rows, flat_sampled
+    # A path's rows are distinct; off-path entries may repeat a path row, so
+    # only path entries write.
+    row_tokens = torch.zeros_like(flat_sampled)
+    row_tokens.index_put_((rows[on_path],), flat_sampled[on_path])
+    return rows, row_tokens
 
 
 @triton.jit
