@@ -92,6 +92,7 @@ _PROGRAM_OVERHEAD = 0.05
 _MERGE_OVERHEAD = 0.05
 # Number of SMs assumed when the tensors are not on a GPU (interpreter runs).
 _CPU_NUM_SMS = 1
+_LOG2_E = math.log2(math.e)
 # Shared memory per SM on Hopper and per program beyond Q and K/V (block-table
 # and mask-word buffers, the 1 KB the driver reserves), for the occupancy estimate.
 _SMEM_PER_SM = 228 * 1024
@@ -240,11 +241,21 @@ def tree_attention(
     cfg, num_splits = plan.config, plan.num_splits
     num_tiles = num_tokens // plan.block_q + num_reqs
     has_tree = tree_mask is not None
-    if not has_tree:
+    if has_tree:
+        mask_strides = tree_mask.stride()[:2]
+        mask_shape = tree_mask.shape[1:]
+    else:
         tree_mask = is_tree = query_start_loc  # never read
+        mask_strides = mask_shape = (0, 0)
     part_out, part_lse = _partial_buffers(q, num_splits, plan.head_size_padded)
     if not tail_only:
         tail_lse = part_lse.view(-1, 1)  # never written
+    # One stride() call per tensor: the launch runs from Python in every layer
+    # of a step outside CUDA graphs.
+    q_strides, out_strides = q.stride(), out.stride()
+    k_strides, v_strides = key_cache.stride(), value_cache.stride()
+    part_out_strides, part_lse_strides = part_out.stride(), part_lse.stride()
+    tail_strides = tail_lse.stride()
 
     _tree_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         out,
@@ -261,29 +272,29 @@ def tree_attention(
         is_tree,
         num_reqs,
         num_splits,
-        softmax_scale * math.log2(math.e),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        softmax_scale * _LOG2_E,
+        q_strides[0],
+        q_strides[1],
+        out_strides[0],
+        out_strides[1],
+        k_strides[0],
+        k_strides[1],
+        k_strides[2],
+        v_strides[0],
+        v_strides[1],
+        v_strides[2],
         block_table.stride(0),
-        tree_mask.stride(0) if has_tree else 0,
-        tree_mask.stride(1) if has_tree else 0,
-        tree_mask.shape[1] if has_tree else 0,
-        tree_mask.shape[2] if has_tree else 0,
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        tail_lse.stride(0),
-        tail_lse.stride(1),
+        mask_strides[0],
+        mask_strides[1],
+        mask_shape[0],
+        mask_shape[1],
+        part_out_strides[0],
+        part_out_strides[1],
+        part_out_strides[2],
+        part_lse_strides[0],
+        part_lse_strides[1],
+        tail_strides[0],
+        tail_strides[1],
         NUM_QUERIES_PER_KV=num_q_heads // num_kv_heads,
         HEADS_PADDED=plan.heads_padded,
         BLOCK_Q=plan.block_q,
@@ -308,13 +319,13 @@ def tree_attention(
             query_start_loc,
             num_reqs,
             num_splits,
-            out.stride(0),
-            out.stride(1),
-            part_out.stride(0),
-            part_out.stride(1),
-            part_out.stride(2),
-            part_lse.stride(0),
-            part_lse.stride(1),
+            out_strides[0],
+            out_strides[1],
+            part_out_strides[0],
+            part_out_strides[1],
+            part_out_strides[2],
+            part_lse_strides[0],
+            part_lse_strides[1],
             HEAD_SIZE=head_size,
             HEAD_SIZE_PADDED=plan.head_size_padded,
             SPLITS_PADDED=splits_padded,
@@ -724,10 +735,19 @@ def _num_splits(
     return min(range(1, _MAX_SPLITS + 1), key=cost)
 
 
+@functools.lru_cache(maxsize=64)
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _CPU_NUM_SMS
+
+
+@functools.lru_cache(maxsize=64)
+def _unused_partial_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' split-buffer arguments when there are no splits (never
+    read or written), allocated once per device."""
+    dummy = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
+    return dummy, dummy[0]
 
 
 def _partial_buffers(
@@ -736,8 +756,7 @@ def _partial_buffers(
     """fp32 per-split outputs and log2-sum-exps (unused without splits)."""
     num_tokens, num_q_heads = q.shape[0], q.shape[1]
     if num_splits == 1:
-        dummy = q.new_empty((1, 1, 1, 1), dtype=torch.float32)
-        return dummy, dummy[0]
+        return _unused_partial_buffers(q.device)
     part_out = q.new_empty(
         (num_splits, num_tokens, num_q_heads, head_size_padded), dtype=torch.float32
     )
