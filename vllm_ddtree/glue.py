@@ -359,27 +359,38 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
         )
     self.max_num_seqs, self.max_num_batched_tokens = seqs, tokens
     cc = self.compilation_config
-    if self.cudagraph_capture_sizes is None and cc.cudagraph_capture_sizes is None:
-        # Sizes in DDTree's shapes up to the user's maximum, or up to vLLM's
-        # default one.
-        max_size = self.max_cudagraph_capture_size
-        if max_size is None:
-            max_size = cc.max_cudagraph_capture_size
-        if max_size is not None and max_size < 1:
-            return  # no graphs: vLLM's own handling
-        cc = copy.copy(cc)
-        cc.cudagraph_capture_sizes = cudagraph_capture_sizes(
-            cfg,
-            seqs,
-            tokens,
-            max_size,
-            interactivity=self.performance_mode == "interactivity",
-        )
-        # vLLM requires a user's maximum to equal the largest size; the
-        # sizes stop at max_num_batched_tokens, as vLLM's own would.
+    if (
+        self.cudagraph_capture_sizes is not None
+        or cc.cudagraph_capture_sizes is not None
+    ):
+        return  # the user's sizes
+    if (
+        self.max_cudagraph_capture_size is not None
+        and cc.max_cudagraph_capture_size is not None
+    ):
+        return  # vLLM refuses both settings together
+    # Sizes in DDTree's shapes up to the user's maximum or vLLM's default one.
+    max_size = self.max_cudagraph_capture_size
+    if max_size is None:
+        max_size = cc.max_cudagraph_capture_size
+    if max_size is not None and max_size < 1:
+        return  # vLLM's own check of the setting applies
+    cc = copy.copy(cc)
+    cc.cudagraph_capture_sizes = cudagraph_capture_sizes(
+        cfg,
+        seqs,
+        tokens,
+        max_size,
+        interactivity=self.performance_mode == "interactivity",
+    )
+    # vLLM requires a user's maximum to equal the largest size, and the sizes
+    # stop at max_num_batched_tokens (vLLM's own would too): the user's field
+    # gets the largest size.
+    if self.max_cudagraph_capture_size is not None:
+        self.max_cudagraph_capture_size = cc.cudagraph_capture_sizes[-1]
+    elif cc.max_cudagraph_capture_size is not None:
         cc.max_cudagraph_capture_size = cc.cudagraph_capture_sizes[-1]
-        self.max_cudagraph_capture_size = None
-        self.compilation_config = cc
+    self.compilation_config = cc
 
 
 def _create_engine_config(original, self, *args, **kwargs):

@@ -227,6 +227,10 @@ def _engine_facts(llm) -> dict:
         "max_num_seqs": cfg.scheduler_config.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
         "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
+        "max_cudagraph_capture_size": cfg.compilation_config.max_cudagraph_capture_size,
+        "num_cudagraph_capture_sizes": len(
+            cfg.compilation_config.cudagraph_capture_sizes or ()
+        ),
     }
 
 

@@ -77,6 +77,10 @@ def test_starts_and_decodes_under_vllm_defaults(results, budget):
     # vLLM's own limits, fitted to DDTree (not set by the test).
     assert facts["enable_prefix_caching"] and "FULL" in facts["cudagraph_mode"]
     assert facts["max_num_seqs"] >= BATCH
+    # vLLM's largest graph (512 tokens), or one request's tree if larger.
+    one_tree = int(budget) + 1 if budget.isdigit() else 32
+    assert one_tree <= facts["max_cudagraph_capture_size"] <= max(512, one_tree)
+    assert facts["num_cudagraph_capture_sizes"] >= 50
     for name, size in (("full", BATCH), ("single", 1)):
         run = got["runs"][name]
         tokens = run["token_ids"]

@@ -885,9 +885,24 @@ def test_tree_rejection_sampler_class(num_logprobs):
                 assert lp.logprob_token_ids[row, 1:].tolist() == top.tolist()
             checked += 1
             moved += src != row
-    # Emitted past the root from a row other than its own (that row is also
-    # named by a later, off-path entry: the case the scatter must not mix up).
-    assert checked >= 3 and moved >= 1, (checked, moved)
+    # Emitted past the root from a row other than its own, and a path row that
+    # a later, off-path entry names too (the case the scatter must not mix up).
+    shared = 0
+    for r in range(2):
+        path_rows = {
+            int(cu[r]) + n for n in [0] + core.accepted_nodes[r, : k[r]].tolist()
+        }
+        off_path = range(int(cu[r]) + k[r] + 1, int(cu[r + 1]))
+        shared += len(path_rows & set(off_path))
+    assert checked >= 3 and moved >= 1 and shared >= 1, (checked, moved, shared)
+    assert lp.cu_num_generated_tokens == cu.tolist()
+    if DEVICE == "cuda":
+        # No host sync in the logprobs path (async scheduling).
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tree_sampler._get_logprobs_tensors(batch, core, logits)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
 
 
 @gpu_only

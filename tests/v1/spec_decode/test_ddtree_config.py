@@ -586,7 +586,6 @@ def test_engine_config_maps_ddtree_onto_dflash(models, cuda_platform):
     sizes = config.compilation_config.cudagraph_capture_sizes
     assert len(sizes) > 50 and sizes[-1] == 512
     assert {129, 258} <= set(sizes) and set(VLLM_LADDER) <= set(sizes)
-    assert config.compilation_config.max_cudagraph_capture_size == 512
     # Spawned engine cores and workers get it by pickling.
     assert DDTreeConfig.from_vllm_config(pickle.loads(pickle.dumps(config))) == (
         DDTreeConfig(128, 15)
@@ -598,35 +597,104 @@ def test_engine_config_maps_ddtree_onto_dflash(models, cuda_platform):
     assert again.compilation_config.cudagraph_capture_sizes == sizes
 
 
+@pytest.fixture
+def static_graphs(cuda_platform, monkeypatch):
+    """vLLM's own CUDA-graph size step (VllmConfig._set_cudagraph_sizes), which a
+    CPU-only platform skips, and the warnings it logs about the sizes."""
+    import vllm.config.vllm as vllm_config_module
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(
+        type(current_platform),
+        "support_static_graph_mode",
+        classmethod(lambda cls: True),
+        raising=False,
+    )
+    warnings: list[str] = []
+    logger = vllm_config_module.logger
+    original = logger.warning
+
+    def record(msg, *args, **kwargs):
+        warnings.append(str(msg) % args if args else str(msg))
+        return original(msg, *args, **kwargs)
+
+    monkeypatch.setattr(logger, "warning", record)
+    return warnings
+
+
+def _size_warnings(warnings: list[str]) -> list[str]:
+    return [w for w in warnings if "capture" in w or "cudagraph" in w.lower()]
+
+
+def test_engine_config_default_capture_sizes_pass_vllms_step(models, static_graphs):
+    args, config = _engine_config(models, max_num_batched_tokens=4096)
+    comp = config.compilation_config
+    assert comp.cudagraph_mode != comp.cudagraph_mode.NONE
+    assert comp.max_cudagraph_capture_size == comp.cudagraph_capture_sizes[-1] == 512
+    assert {129, 258} <= set(comp.cudagraph_capture_sizes)
+    assert set(VLLM_LADDER) <= set(comp.cudagraph_capture_sizes)
+    assert _size_warnings(static_graphs) == []
+    again = args.create_engine_config().compilation_config
+    assert again.cudagraph_capture_sizes == comp.cudagraph_capture_sizes
+
+
 @pytest.mark.parametrize(
     "where", ["engine_args", "compilation_config"], ids=["flag", "compilation"]
 )
-def test_engine_config_capture_sizes_up_to_users_maximum(models, cuda_platform, where):
+def test_engine_config_capture_sizes_up_to_users_maximum(models, static_graphs, where):
     """--max-cudagraph-capture-size (or the compilation config's) raises the
-    largest graph; the sizes keep DDTree's shapes and vLLM accepts them."""
-    if where == "engine_args":
-        kwargs = {"max_cudagraph_capture_size": 2048}
-    else:
-        kwargs = {"compilation_config": {"max_cudagraph_capture_size": 2048}}
-    args, config = _engine_config(models, max_num_batched_tokens=4096, **kwargs)
-    comp = config.compilation_config
-    assert comp.max_cudagraph_capture_size == comp.cudagraph_capture_sizes[-1] == 2048
-    verify = {s // 129 for s in comp.cudagraph_capture_sizes if s % 129 == 0}
-    assert verify == {1, 2, 4, 8}  # 16 x 129 > 2048
-    again = args.create_engine_config().compilation_config
-    assert again.cudagraph_capture_sizes == comp.cudagraph_capture_sizes
-    # Above max_num_batched_tokens, the sizes stop there, as vLLM's own.
-    _, config = _engine_config(
-        models, max_num_batched_tokens=4096, max_cudagraph_capture_size=65536
-    )
-    assert config.compilation_config.cudagraph_capture_sizes[-1] == 4096
+    largest graph; the sizes keep DDTree's shapes and vLLM accepts them
+    without a warning, also above max_num_batched_tokens and on a second
+    build."""
+    for asked, largest in ((2048, 2048), (65536, 4096)):
+        if where == "engine_args":
+            kwargs = {"max_cudagraph_capture_size": asked}
+        else:
+            kwargs = {"compilation_config": {"max_cudagraph_capture_size": asked}}
+        args, config = _engine_config(models, max_num_batched_tokens=4096, **kwargs)
+        comp = config.compilation_config
+        sizes = comp.cudagraph_capture_sizes
+        assert comp.max_cudagraph_capture_size == sizes[-1] == largest
+        verify = {s // 129 for s in sizes if s % 129 == 0}
+        assert {1, 2, 4, 8} <= verify
+        # Above vLLM's 512 only full batches: a size per tree batch, not one
+        # every 16 tokens.
+        assert len([s for s in sizes if s > 512]) <= 2 * 31 + 1
+        again = args.create_engine_config().compilation_config
+        assert again.cudagraph_capture_sizes == sizes
+    assert _size_warnings(static_graphs) == []
 
 
-def test_engine_config_keeps_users_capture_sizes(models, cuda_platform):
+def test_engine_config_refuses_two_maxima_as_vllm_does(models, static_graphs):
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        _engine_config(
+            models,
+            max_num_batched_tokens=4096,
+            max_cudagraph_capture_size=2048,
+            compilation_config={"max_cudagraph_capture_size": 1024},
+        )
+
+
+def test_engine_config_keeps_users_capture_sizes(models, static_graphs):
     _, config = _engine_config(
         models, max_num_batched_tokens=4096, cudagraph_capture_sizes=[1, 129, 258]
     )
     assert config.compilation_config.cudagraph_capture_sizes == [1, 129, 258]
+    assert _size_warnings(static_graphs) == []
+
+
+def test_engine_config_eager_has_no_graphs(models, static_graphs):
+    _, config = _engine_config(models, max_num_batched_tokens=4096, enforce_eager=True)
+    comp = config.compilation_config
+    assert comp.cudagraph_capture_sizes == [] and comp.max_cudagraph_capture_size == 0
+
+
+def test_engine_config_interactivity_sizes(models, static_graphs):
+    _, config = _engine_config(
+        models, max_num_batched_tokens=4096, performance_mode="interactivity"
+    )
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    assert set(range(1, 33)) <= set(sizes) and 129 in sizes
 
 
 def test_engine_config_with_budget_schedule(models, cuda_platform):

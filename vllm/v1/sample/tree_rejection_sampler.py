@@ -190,6 +190,7 @@ class TreeRejectionSampler:
         rows, row_tokens = _path_logit_rows(
             out, input_batch.cu_num_logits, input_batch.expanded_local_pos
         )
+        assert logits.shape[0] == rows.shape[0]
         expanded_logits = logits.shape[0] != input_batch.idx_mapping.shape[0]
         cu_np = input_batch.cu_num_logits_np
         scores = compute_topk_scores(
@@ -389,10 +390,12 @@ def _path_logit_rows(
     rows = torch.where(on_path, start + node, start + local)
     flat_sampled = out.sampled_token_ids[req, local].clamp(min=0)
     # A path's rows are distinct; off-path entries may repeat a path row, so
-    # only path entries write.
-    row_tokens = torch.zeros_like(flat_sampled)
-    row_tokens.index_put_((rows[on_path],), flat_sampled[on_path])
-    return rows, row_tokens
+    # they write to a spare slot past the end instead (a boolean-mask index
+    # would sync with the host).
+    target = torch.where(on_path, rows, num_logits)
+    row_tokens = flat_sampled.new_zeros(num_logits + 1)
+    row_tokens.index_put_((target,), flat_sampled)
+    return rows, row_tokens[:num_logits]
 
 
 @triton.jit

@@ -444,17 +444,20 @@ def cudagraph_capture_sizes(
     interactivity: bool = False,
 ) -> list[int]:
     """Capture sizes up to ``max_size`` tokens (default
-    :func:`default_max_capture_size`): vLLM's own ladder (1, 2, 4, multiples of
-    8 below 256, of 16 from 256; every size up to 32 with ``interactivity``),
-    for mixed steps, plus multiples of b + 1 for every budget b a step may
-    verify (the target's uniform tree-verify batches) and of D + 1 (the
-    drafter's batches) for batches of 1, 2, 4, 8, 16, 24, ... requests."""
+    :func:`default_max_capture_size`): vLLM's own ladder up to its default 512
+    tokens (1, 2, 4, multiples of 8 below 256, of 16 from 256; every size up to
+    32 with ``interactivity``), for mixed steps, plus multiples of b + 1 for
+    every budget b a step may verify (the target's uniform tree-verify batches)
+    and of D + 1 (the drafter's batches) for batches of 1, 2, 4, 8, 16, 24, ...
+    requests. Above 512 tokens only those multiples: a raised maximum adds
+    graphs for full batches, not one every 16 tokens."""
     if max_size is None:
         max_size = default_max_capture_size(cfg, max_num_seqs, max_num_batched_tokens)
     max_size = min(max_size, max_num_batched_tokens)
-    sizes = set(range(1, min(max_size, 32) + 1)) if interactivity else {1, 2, 4}
-    sizes |= set(range(8, min(max_size + 1, 256), 8))
-    sizes |= set(range(256, max_size + 1, 16))
+    ladder_max = min(max_size, _VLLM_MAX_CAPTURE_SIZE)
+    sizes = set(range(1, min(ladder_max, 32) + 1)) if interactivity else {1, 2, 4}
+    sizes |= set(range(8, min(ladder_max + 1, 256), 8))
+    sizes |= set(range(256, ladder_max + 1, 16))
     num_reqs = [n for n in (1, 2, 4) if n < max_num_seqs]
     num_reqs += list(range(8, max_num_seqs, 8)) + [max_num_seqs]
     sizes |= {n * (b + 1) for n in num_reqs for b in cfg.all_budgets}
