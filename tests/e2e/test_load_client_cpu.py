@@ -241,7 +241,9 @@ def test_streams_closed_at_the_deadline(tmp_path):
                 break
             time.sleep(0.02)
         assert fake.running == 0
-    assert took < 2.0
+    # Closed at the 1.5 s deadline, not run to the end (up to 10 s); the margin
+    # is for a loaded 2-core CI machine running the whole suite.
+    assert took < 4.0
     assert sorted(r["i"] for r in runs) == list(range(len(runs)))
     cut = [r for r in runs if r["at_deadline"]]
     assert 8 <= len(cut) <= 12
