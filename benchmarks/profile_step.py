@@ -748,13 +748,19 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
         else f", {requests} requests arriving as others finish (output lengths "
         "staggered)"
     )
+    settings = (
+        "vLLM's engine defaults (prefix caching on, each method's capture sizes)"
+        if setup.get("settings") == "defaults"
+        else "tuned engine settings (prefix caching off, the request ladder's "
+        "capture sizes)"
+    )
     lines = [
         "# Profile of one decode step",
         "",
         (
             f"`benchmarks/profile_step.py`: batch {setup.get('batch')}{arrivals}, "
-            f"{setup.get('max_tokens')} output tokens, {inputs}, CUDA graphs on; "
-            f"GPU: {', '.join(gpus)}."
+            f"{setup.get('max_tokens')} output tokens, {inputs}, {settings}, CUDA "
+            f"graphs on; GPU: {', '.join(gpus)}."
         ),
         "",
         (
@@ -1138,6 +1144,10 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             f"--requests {args.requests} > --batch {args.batch} runs them "
             f"{args.batch} at a time (max_num_seqs = --batch); drop --max-num-seqs"
         )
+    # bench_ddtree's engine settings read this: under --settings defaults
+    # continuous arrivals still keep max_num_seqs = --batch (the measured
+    # concurrency), as bench_ddtree's continuous mode does.
+    args.arrivals = "continuous" if args.requests > args.batch else "waves"
     if args.max_tokens < 2:
         raise ValueError(
             "--max-tokens must be >= 2 (the decode phase is the "
@@ -1209,6 +1219,8 @@ def setup_of(args) -> dict:
     # Absent at their defaults: older profiles still match.
     if args.requests != args.batch:
         setup["requests"] = args.requests
+    if args.settings != "tuned":
+        setup["settings"] = args.settings
     if args.pair is not None:
         setup["prompts"] = bd._sha(args.prompts)
         setup["info"]["prompts"] = str(args.prompts)

@@ -144,6 +144,23 @@ def test_continuous_requests_and_the_pair(tmp_path, capsys):
     one_wave = ps.parse_args(["--out", str(tmp_path), "--batch", "4"])
     assert "requests" not in ps.setup_of(one_wave)
     assert ps.worker_spec(one_wave, "dflash", "H200")["output_lengths"] == [64] * 4
+    # Under vLLM's defaults the engine still runs --batch requests at a time
+    # (vLLM's own max_num_seqs would take all 16 at once); one wave sets none.
+    defaults = ps.parse_args(
+        ["--out", str(tmp_path), "--batch", "4", "--requests", "16"]
+        + ["--settings", "defaults"]
+    )
+    llm = ps.worker_spec(defaults, "ddtree-auto", "H200")["llm"]
+    assert llm["max_num_seqs"] == 4 and "enable_prefix_caching" not in llm
+    # ... and such a profile never resumes from a tuned one.
+    assert ps.setup_of(defaults)["settings"] == "defaults"
+    assert "settings" not in ps.setup_of(args)
+    one_wave_defaults = ps.parse_args(
+        ["--out", str(tmp_path), "--batch", "4", "--settings", "defaults"]
+    )
+    assert (
+        "max_num_seqs" not in ps.worker_spec(one_wave_defaults, "dflash", "H200")["llm"]
+    )
 
     pair = ps.parse_args(
         [
@@ -173,6 +190,10 @@ def test_continuous_requests_and_the_pair(tmp_path, capsys):
     report = ps.markdown_report([_result("dflash", setup=setup)])
     assert "5 requests arriving as others finish" in report
     assert "held-out prompts of" in report and "trained weights" in report
+    assert "tuned engine settings" in report
+    defaults_setup = dict(setup, settings="defaults")
+    report = ps.markdown_report([_result("dflash", setup=defaults_setup)])
+    assert "vLLM's engine defaults" in report and "tuned" not in report
 
     for extra, message in (
         (["--batch", "4", "--requests", "2"], "--requests 2 is below --batch 4"),
