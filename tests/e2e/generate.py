@@ -12,6 +12,8 @@ id lists) and ``sampling`` (kwargs of ``SamplingParams``) for one generation, or
 ``runs``: a list of such generations, each with a ``name``, run in order by the
 same engine. A run may carry ``abort: {"index": i, "after_steps": n}``: request i
 is aborted after n engine steps and left out of the results.
+``register_tree_attn: true`` registers TREE_ATTN as ``CUSTOM`` before the engine
+starts (for an engine that uses it without DDTree).
 
 A run with ``requests`` instead of ``prompts`` is a serving scenario, stepped by
 hand (:func:`_run_scenario`): each request has its own ``sampling`` and joins at
@@ -245,6 +247,13 @@ def main(config_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     config = json.loads(Path(config_path).read_text())
+    if config.get("register_tree_attn"):
+        # The plugin registers TREE_ATTN (as CUSTOM) for DDTree engines only; an
+        # engine that names it without DDTree needs it here (the engine core and
+        # its worker run in this process).
+        from vllm_ddtree.glue import register_tree_attn_backend
+
+        register_tree_attn_backend()
     if config.get("verifier") == "biased":
         from tests.e2e.biased_verifier import install_biased_verifier
 

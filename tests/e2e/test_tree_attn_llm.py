@@ -32,13 +32,17 @@ def results(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("tree_attn_llm")
     target, drafter = tiny_pair(tmp)
     configs = {"ref": reference_configs(target, drafter)["ref"]}
+    # The plugin registers TREE_ATTN for DDTree engines only: these engines
+    # name it without DDTree, so tests/e2e/generate.py registers it first.
     configs["tree_attn"] = {
         "llm": llm_kwargs(target, attention_config=TREE_ATTN),
         "runs": greedy_runs(),
+        "register_tree_attn": True,
     }
     configs["tree_attn_dflash"] = {
         "llm": llm_kwargs(target, dflash_spec(drafter), attention_config=TREE_ATTN),
         "runs": greedy_runs(),
+        "register_tree_attn": True,
     }
     return run_engines(configs, tmp, "tree_attn_llm")
 
