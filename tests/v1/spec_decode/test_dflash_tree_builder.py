@@ -420,3 +420,15 @@ def test_out_buffers_are_written_in_place():
     assert tree.token_ids.data_ptr() == buffers.token_ids.data_ptr()
     with pytest.raises(ValueError, match="out.token_ids"):
         build_ddtree(logits, 8, out=DDTree.empty(2, 16, torch.device(DEVICE)))
+    # The layout is cached per size; every field is still checked on each call.
+    wrong_dtype = DDTree.empty(2, 8, torch.device(DEVICE))
+    wrong_dtype.depths = wrong_dtype.depths.long()
+    with pytest.raises(ValueError, match="out.depths must be a contiguous torch.int32"):
+        build_ddtree(logits, 8, out=wrong_dtype)
+    strided = DDTree.empty(2, 8, torch.device(DEVICE))
+    wide = strided.attn_mask.new_empty(
+        *strided.attn_mask.shape[:2], 2 * num_mask_words(8)
+    )
+    strided.attn_mask = wide[:, :, : num_mask_words(8)]  # right shape, not contiguous
+    with pytest.raises(ValueError, match="out.attn_mask"):
+        build_ddtree(logits, 8, out=strided)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.triton_utils import tl, triton
+from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.worker.gpu.input_batch import InputBatch, get_num_sampled_and_rejected
@@ -319,9 +320,9 @@ def walk_trees(
         max_depth,
         CHECK_FED=fed_token_ids is not None,
         HAS_ROWS=tree_rows is not None,
-        NODE_BLOCK=triton.next_power_of_2(budget),
-        OUT_BLOCK=triton.next_power_of_2(budget + 1),
-        PATH_BLOCK=triton.next_power_of_2(max_depth + 1),
+        NODE_BLOCK=next_power_of_2(budget),
+        OUT_BLOCK=next_power_of_2(budget + 1),
+        PATH_BLOCK=next_power_of_2(max_depth + 1),
         num_warps=4,
     )
     return TreeSampleOutput(sampled, num_sampled, accepted_nodes, num_accepted)

@@ -36,6 +36,7 @@ reads anything back to the host.
 import torch
 
 from vllm.triton_utils import tl, triton
+from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 
 
@@ -85,8 +86,8 @@ def write_tree_verify_inputs(
         cu_num_logits,
         num_reqs,
         NUM_WORDS=num_words,
-        NODE_BLOCK=triton.next_power_of_2(budget),
-        MASK_BLOCK=min(1024, triton.next_power_of_2((budget + 1) * num_words)),
+        NODE_BLOCK=next_power_of_2(budget),
+        MASK_BLOCK=min(1024, next_power_of_2((budget + 1) * num_words)),
     )
 
 
@@ -234,8 +235,8 @@ def store_draft_trees(
         idx_mapping,
         budget,
         mask_row,
-        NODE_BLOCK=triton.next_power_of_2(budget),
-        MASK_BLOCK=min(1024, triton.next_power_of_2(mask_row)),
+        NODE_BLOCK=next_power_of_2(budget),
+        MASK_BLOCK=min(1024, next_power_of_2(mask_row)),
     )
 
 
@@ -373,8 +374,8 @@ def prepare_draft_inputs(
         max_num_tokens,
         max_model_len,
         DEPTH=depth,
-        PATH_BLOCK=triton.next_power_of_2(depth),
-        QUERY_BLOCK=triton.next_power_of_2(depth + 1),
+        PATH_BLOCK=next_power_of_2(depth),
+        QUERY_BLOCK=next_power_of_2(depth + 1),
         PAD_SLOT=PAD_SLOT_ID,
         BLOCK=256,
     )

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from vllm.triton_utils import tl, triton
+from vllm.utils.math_utils import cdiv, next_power_of_2
 
 # Tree layout (shared with the tree attention backend and the tree sampler):
 # tree token 0 is the root (the previous step's bonus token) and tree token i >= 1 is
@@ -154,7 +155,7 @@ def build_ddtree_with_lse(
     else:
         _check_out(out, num_reqs, budget)
         tree = out
-    block_kept = triton.next_power_of_2(budget)
+    block_kept = next_power_of_2(budget)
     cap = block_kept if survivor_cap is None else survivor_cap
     # Per-request scratch, private to the kernel: the kept keys followed by a
     # depth's surviving candidates; the kept nodes of the last depth by rank;
@@ -166,8 +167,8 @@ def build_ddtree_with_lse(
     )
     jump = torch.empty(num_reqs, budget + 1, dtype=torch.int32, device=device)
 
-    block_words = triton.next_power_of_2(num_words)
-    block_rows = min(triton.next_power_of_2(budget + 1), max(4096 // block_words, 16))
+    block_words = next_power_of_2(num_words)
+    block_rows = min(next_power_of_2(budget + 1), max(4096 // block_words, 16))
     _ddtree_select_kernel[(num_reqs,)](
         tok_lp,
         tok_id,
@@ -188,7 +189,7 @@ def build_ddtree_with_lse(
         INVALID=_INVALID_KEY,
         BUDGET=budget,
         BLOCK_KEPT=block_kept,
-        BLOCK_CAND=triton.next_power_of_2(pairs.shape[1]),
+        BLOCK_CAND=next_power_of_2(pairs.shape[1]),
         CAP=cap,
         NUM_WORDS=num_words,
         BLOCK_WORDS=block_words,
@@ -199,16 +200,25 @@ def build_ddtree_with_lse(
     return tree, lse
 
 
+@functools.lru_cache(maxsize=64)
+def _out_layout(
+    num_reqs: int, budget: int
+) -> tuple[tuple[str, torch.Size, torch.dtype], ...]:
+    """(field, shape, dtype) of ``DDTree.empty(num_reqs, budget)``."""
+    want = DDTree.empty(num_reqs, budget, torch.device("meta"))
+    return tuple((name, t.shape, t.dtype) for name, t in vars(want).items())
+
+
 def _check_out(out: DDTree, num_reqs: int, budget: int) -> None:
     """``out`` must look like ``DDTree.empty(num_reqs, budget)``: the kernel
-    writes whole contiguous rows."""
-    want = DDTree.empty(num_reqs, budget, torch.device("meta"))
-    for name, ref in vars(want).items():
+    writes whole contiguous rows. (Runs on every eager step: the layout is
+    cached per size.)"""
+    for name, shape, dtype in _out_layout(num_reqs, budget):
         t = getattr(out, name)
-        if t.shape != ref.shape or t.dtype != ref.dtype or not t.is_contiguous():
+        if t.shape != shape or t.dtype != dtype or not t.is_contiguous():
             raise ValueError(
-                f"out.{name} must be a contiguous {ref.dtype} tensor of shape "
-                f"{tuple(ref.shape)}, got {t.dtype} {tuple(t.shape)}"
+                f"out.{name} must be a contiguous {dtype} tensor of shape "
+                f"{tuple(shape)}, got {t.dtype} {tuple(t.shape)}"
             )
 
 
@@ -290,18 +300,18 @@ def top_search_plan(
 ) -> TopSearchPlan:
     """Sizes of ``_ranked_top_tokens``' search (``cap`` and ``spill`` as there)."""
     if cap is None:
-        cap = max(2 * triton.next_power_of_2(num_top), 16)
+        cap = max(2 * next_power_of_2(num_top), 16)
     if cap < num_top or cap & (cap - 1):
         raise ValueError(f"cap must be a power of 2 >= {num_top}, got {cap}")
     if spill is None:
         spill = max(2 * cap, _TOP_MIN_SPILL)
     if spill < cap or spill & (spill - 1):
         raise ValueError(f"spill must be a power of 2 >= cap={cap}, got {spill}")
-    chunk = min(_TOP_CHUNK, max(16, triton.next_power_of_2(triton.cdiv(vocab, 8))))
-    num_chunks = triton.cdiv(vocab, chunk)
+    chunk = min(_TOP_CHUNK, max(16, next_power_of_2(cdiv(vocab, 8))))
+    num_chunks = cdiv(vocab, chunk)
     per_chunk = min(
         _TOP_MAX_PER_CHUNK,
-        triton.next_power_of_2(triton.cdiv(2 * num_top, num_chunks)),
+        next_power_of_2(cdiv(2 * num_top, num_chunks)),
     )
     return TopSearchPlan(cap, spill, chunk, num_chunks, per_chunk)
 
@@ -357,7 +367,7 @@ def _ranked_top_tokens(
     tok_id = torch.empty(num_reqs, depth, num_top, dtype=torch.int64, device=device)
     lse = torch.empty(num_reqs, depth, dtype=torch.float32, device=device)
     if vocab <= cap:
-        block = triton.next_power_of_2(vocab)
+        block = next_power_of_2(vocab)
         _rank_row_kernel[(rows,)](
             logits,
             logits.stride(0),
@@ -402,8 +412,8 @@ def _ranked_top_tokens(
         threshold,
         count,
         num_top,
-        BLOCK_CHUNKS=triton.next_power_of_2(num_chunks),
-        BLOCK_TOPS=triton.next_power_of_2(num_chunks * per_chunk),
+        BLOCK_CHUNKS=next_power_of_2(num_chunks),
+        BLOCK_TOPS=next_power_of_2(num_chunks * per_chunk),
         INT32_MIN=_INT32_MIN,
     )
     cand = torch.empty(rows, spill, dtype=torch.int64, device=device)

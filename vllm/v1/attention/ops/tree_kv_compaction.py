@@ -29,6 +29,7 @@ Example::
 import torch
 
 from vllm.triton_utils import tl, triton
+from vllm.utils.math_utils import cdiv, next_power_of_2
 
 # Raw-bit element types by itemsize: bf16/fp16/fp8/fp32 caches all copy as ints.
 _RAW_TYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32}
@@ -99,15 +100,15 @@ class TreeKVCompactor:
     ) -> None:
         num_reqs, max_depth = accepted_nodes.shape
         kv_stride, block_stride, slot_stride, head_stride, dim_stride = self.strides
-        depth_block = triton.next_power_of_2(max(max_depth, 1))
+        depth_block = next_power_of_2(max(max_depth, 1))
         elem_block = min(
             max(self.TILE_ELEMS // depth_block, 16),
-            triton.next_power_of_2(self.slot_elems),
+            next_power_of_2(self.slot_elems),
         )
         grid = (
             num_reqs,
             self.num_planes * self.layer_ptrs.shape[0],
-            triton.cdiv(self.slot_elems, elem_block),
+            cdiv(self.slot_elems, elem_block),
         )
         _tree_kv_compaction_kernel[grid](
             self.layer_ptrs,

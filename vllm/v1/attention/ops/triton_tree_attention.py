@@ -82,6 +82,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.triton_utils import tl, triton
+from vllm.utils.math_utils import cdiv, next_power_of_2
 
 # Split the committed context only when the batch has too few tiles to fill the
 # GPU, into at most this many chunks.
@@ -311,7 +312,7 @@ def tree_attention(
         num_stages=cfg.num_stages,
     )
     if num_splits > 1:
-        splits_padded = triton.next_power_of_2(num_splits)
+        splits_padded = next_power_of_2(num_splits)
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             out,
             part_out,
@@ -488,15 +489,15 @@ def plan_tree_attention(
     ``tail_only``: the cascade's suffix half (new keys only, one split)."""
     if tail_only:
         num_splits = 1
-    heads_padded = triton.next_power_of_2(num_q_heads // num_kv_heads)
-    head_size_padded = max(16, triton.next_power_of_2(head_size))
+    heads_padded = next_power_of_2(num_q_heads // num_kv_heads)
+    head_size_padded = max(16, next_power_of_2(head_size))
     user_config = config
     if config is None:
         config = _default_config(
             num_tokens, num_reqs, heads_padded, head_size_padded, itemsize
         )
         if tail_only:
-            config = _tail_config(config, triton.cdiv(num_tokens, num_reqs))
+            config = _tail_config(config, cdiv(num_tokens, num_reqs))
     # A tile holds whole tokens (all heads of a KV head) and >= 16 rows (tl.dot).
     block_m = max(config.block_m, heads_padded, 16)
     if block_m != config.block_m:
@@ -528,7 +529,7 @@ def plan_tree_attention(
             head_size_padded,
             itemsize,
         )
-        tiles = triton.cdiv(triton.cdiv(num_tokens, num_reqs), block_m // heads_padded)
+        tiles = cdiv(cdiv(num_tokens, num_reqs), block_m // heads_padded)
         if num_reqs * tiles * num_kv_heads * wide_splits <= num_sms:
             config, num_splits = wide, wide_splits
     return TreeAttentionPlan(config, num_splits, heads_padded, head_size_padded)
@@ -545,7 +546,7 @@ class TreeAttentionVariant:
 
     @property
     def splits_padded(self) -> int:
-        return triton.next_power_of_2(self.num_splits) if self.num_splits > 1 else 1
+        return next_power_of_2(self.num_splits) if self.num_splits > 1 else 1
 
 
 def tree_attention_variants(
@@ -568,13 +569,13 @@ def tree_attention_variants(
     saves less than its per-program overhead once the grid fills
     ``(1 + overhead) / overhead`` waves)."""
     plan = plan_tree_attention.__wrapped__  # not the launch-time cache
-    heads_padded = triton.next_power_of_2(num_q_heads // num_kv_heads)
-    head_size_padded = max(16, triton.next_power_of_2(head_size))
+    heads_padded = next_power_of_2(num_q_heads // num_kv_heads)
+    head_size_padded = max(16, next_power_of_2(head_size))
     reps: dict[tuple[TreeAttentionConfig, int], int] = {}
     for avg in range(1, max(1, max_num_tokens) + 1):
         cfg = _default_config(avg, 1, heads_padded, head_size_padded, itemsize)
         block_q = max(cfg.block_m, heads_padded, 16) // heads_padded
-        reps.setdefault((cfg, triton.cdiv(avg, block_q)), avg)
+        reps.setdefault((cfg, cdiv(avg, block_q)), avg)
     # Programs beyond which nothing changes: one split, never 8 wide warps.
     max_programs = num_sms * 2 * math.ceil((1 + _PROGRAM_OVERHEAD) / _PROGRAM_OVERHEAD)
     max_programs = max(max_programs, num_sms) + num_sms
@@ -676,8 +677,8 @@ def _default_config(
     wider than 256 bytes: head size 256, or fp32); 8 warps for 128-row tiles."""
     width = head_size_padded * itemsize // 2  # the head size in 16-bit units
     max_block_m = 128 if width <= 128 else 64
-    avg_q_len = triton.cdiv(num_tokens, num_reqs)
-    block_m = min(max_block_m, heads_padded * triton.next_power_of_2(avg_q_len))
+    avg_q_len = cdiv(num_tokens, num_reqs)
+    block_m = min(max_block_m, heads_padded * next_power_of_2(avg_q_len))
     block_n = 64 if width <= 128 else 32
     return TreeAttentionConfig(
         block_m=block_m,
@@ -692,7 +693,7 @@ def _tail_config(config: TreeAttentionConfig, avg_q_len: int) -> TreeAttentionCo
     two blocks: key blocks no wider than the query length (>= 32) and no
     pipelining, whose K/V buffers would only cut the programs per SM (measured
     with benchmarks/profile_step.py; results in benchmarks/results/)."""
-    block_n = min(config.block_n, max(32, triton.next_power_of_2(avg_q_len)))
+    block_n = min(config.block_n, max(32, next_power_of_2(avg_q_len)))
     return TreeAttentionConfig(
         **{**config.__dict__, "block_n": block_n, "num_stages": 1}
     )
@@ -725,11 +726,11 @@ def _num_splits(
     capacity = num_sms * max(1, per_sm)
     # Tiles of requests of the average query length; a partial tile costs a
     # whole one.
-    tiles_per_req = triton.cdiv(triton.cdiv(num_tokens, num_reqs), block_q)
+    tiles_per_req = cdiv(cdiv(num_tokens, num_reqs), block_q)
     programs = num_reqs * tiles_per_req * num_kv_heads
 
     def cost(splits: int) -> float:
-        waves = triton.cdiv(programs * splits, capacity)
+        waves = cdiv(programs * splits, capacity)
         return waves * (1 / splits + _PROGRAM_OVERHEAD) + _MERGE_OVERHEAD * (splits > 1)
 
     return min(range(1, _MAX_SPLITS + 1), key=cost)
