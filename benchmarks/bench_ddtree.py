@@ -127,11 +127,14 @@ MODE_DEFAULTS = {
         "batches": (1, 8, 32),
         "temperatures": (0.0, 1.0),
         "max_tokens": 256,
-        # At concurrency 32-64, 64 requests finished in about a second, mostly
-        # ramp-up and tail: at least four times the concurrency keeps it steady.
+        # A cell of the trained pair's at concurrency 8 with four waves (32
+        # requests) lasted about a second, and rounds of it ranged 0.80-1.21x
+        # DFlash: 32 waves (at most max_prompts requests) time each cell over
+        # several seconds at every concurrency.
         "num_prompts": 32,
-        "min_waves": 4,
-        "config_seconds": 150,
+        "min_waves": 32,
+        "max_prompts": 512,
+        "config_seconds": 210,
     },
     "cost": {
         "batches": (1, 4, 16, 64),
@@ -256,6 +259,15 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
             "(batch, temperature), cycling the prompts, so large "
             "batches are timed over more steps than one wave",
         )
+        if mode == "serve":
+            p.add_argument(
+                "--max-prompts",
+                type=int,
+                default=d["max_prompts"],
+                help="at most this many requests from --min-waves per "
+                "(concurrency, temperature) (--num-prompts is kept), so that "
+                "high concurrencies do not take minutes per cell",
+            )
     else:
         p.add_argument(
             "--waves",
@@ -408,7 +420,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             "--max-tokens must be >= 2 (the decode phase is the "
             "difference to a max_tokens=1 run)"
         )
-    for key in ("num_prompts", "waves", "min_waves", "rounds"):
+    for key in ("num_prompts", "waves", "min_waves", "max_prompts", "rounds"):
         if getattr(args, key, 1) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1")
     if arrivals_of(args) == "continuous" and len(args.batches) != 1:
@@ -726,6 +738,8 @@ def setup_of(args) -> dict:
         # resume into it).
         if args.min_waves != 1:
             setup["min_waves"] = args.min_waves
+        if args.mode == "serve":
+            setup["max_prompts"] = args.max_prompts
         if arrivals_of(args) != "waves":  # likewise
             setup["arrivals"] = arrivals_of(args)
         setup["prompts"] = _sha(args.prompts)
@@ -1500,7 +1514,7 @@ def bench_command(
     ``--settings defaults`` the caller warms up with a dataset of its own and
     passes ``num_warmups=0``."""
     if num_prompts is None:
-        num_prompts = max(args.num_prompts, batch * args.min_waves)
+        num_prompts = serve_num_prompts(args, batch)
     if num_warmups is None:
         num_warmups = batch
     cmd = [
@@ -1546,6 +1560,14 @@ def bench_command(
     return cmd + (["--ignore-eos"] if args.ignore_eos else [])
 
 
+def serve_num_prompts(args, batch: int) -> int:
+    """Timed requests of one serve cell at concurrency ``batch``: ``--min-waves``
+    waves, at most ``--max-prompts`` of them, and never fewer than
+    ``--num-prompts``."""
+    waves = batch * args.min_waves
+    return max(args.num_prompts, min(waves, getattr(args, "max_prompts", waves)))
+
+
 def serve_run_commands(
     args, base, prompts, dataset, batch, temperature, result, k
 ) -> list[list[str]]:
@@ -1555,7 +1577,7 @@ def serve_run_commands(
     caching is on: nothing timed may hit a block an earlier request wrote)."""
     if settings_of(args) == "tuned":
         return [bench_command(args, base, dataset, batch, temperature, result)]
-    n = max(args.num_prompts, batch * args.min_waves)
+    n = serve_num_prompts(args, batch)
     tag = k * TAGS_PER_RUN
     warm = [fresh_prompt(prompts[i % len(prompts)], tag + i) for i in range(batch)]
     timed = [fresh_prompt(prompts[i % len(prompts)], tag + batch + i) for i in range(n)]

@@ -157,6 +157,27 @@ def test_min_waves_in_setup_only_when_set(tmp_path):
     assert len(spec["requests"]["8"]) == 4 * 8
 
 
+def test_serve_cells_are_long_enough(tmp_path, capsys):
+    """Serve cells: 32 waves of the concurrency, at most --max-prompts requests,
+    never fewer than --num-prompts; the cap is part of the setup."""
+    base = ["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
+    args = bd.parse_args(base)
+    counts = {c: bd.serve_num_prompts(args, c) for c in (1, 8, 32, 64)}
+    assert counts == {1: 32, 8: 256, 32: 512, 64: 512}
+    assert bd.setup_of(args)["max_prompts"] == 512
+    capped = bd.parse_args([*base, "--max-prompts", "128"])
+    assert [bd.serve_num_prompts(capped, c) for c in (1, 8, 64)] == [32, 128, 128]
+    assert bd.setup_of(capped)["max_prompts"] == 128
+    more = bd.parse_args([*base, "--num-prompts", "1000", "--max-prompts", "128"])
+    assert bd.serve_num_prompts(more, 64) == 1000  # --num-prompts is kept
+    assert "max_prompts" not in bd.setup_of(
+        bd.parse_args(["e2e", "--out", str(tmp_path / "e"), *_pair(tmp_path)])
+    )
+    with pytest.raises(SystemExit):
+        bd.parse_args([*base, "--max-prompts", "0"])
+    assert "--max-prompts must be >= 1" in capsys.readouterr().err
+
+
 def test_continuous_arrivals_option(tmp_path, capsys):
     """--arrivals continuous: e2e only, one batch per command, in the setup (so
     its rows never merge with waves' rows) and in the worker's spec."""
@@ -1335,7 +1356,8 @@ def test_serve_row_and_commands(tmp_path):
         for c in (warm, timed)
     ]
     texts = [t["conversations"][0]["value"] for d in sets for t in d]
-    assert len(texts) == 2 + args.num_prompts and len(set(texts)) == len(texts)
+    assert len(texts) == 2 + 64 and len(set(texts)) == len(texts)  # 32 waves of 2
+    assert timed[timed.index("--num-prompts") + 1] == "64"
     assert timed[timed.index("--result-filename") + 1] == "r.json"
     (only,) = bd.serve_run_commands(
         tuned, "http://h:1", ["a"], tmp_path / "d.json", 2, 0.0, result, 0
