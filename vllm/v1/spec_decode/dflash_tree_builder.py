@@ -200,7 +200,8 @@ def build_ddtree_with_lse(
     return tree, lse
 
 
-@functools.lru_cache(maxsize=64)
+# One entry per (batch size, budget) an eager step meets.
+@functools.lru_cache(maxsize=4096)
 def _out_layout(
     num_reqs: int, budget: int
 ) -> tuple[tuple[str, torch.Size, torch.dtype], ...]:
