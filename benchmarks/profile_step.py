@@ -1063,7 +1063,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="bench_ddtree's engine settings: tuned (the default here: "
         "max_num_seqs = --max-num-seqs, prefix caching off, the request "
         "ladder's capture sizes, as every profile so far) or defaults "
-        "(vLLM's engine defaults, max_num_seqs included)",
+        "(vLLM's engine defaults: its own max_num_seqs, or --batch with "
+        "--requests > --batch)",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0)
@@ -1129,6 +1130,15 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     args.configs = bd.parse_configs(args.configs, list(bd.ALL_BUDGETS), args.schedule)
     if args.batch < 1:
         raise ValueError("--batch must be >= 1")
+    if (
+        args.settings == "defaults"
+        and args.max_num_seqs not in (None, args.batch)
+        and args.requests in (None, args.batch)
+    ):
+        raise ValueError(
+            "--max-num-seqs has no effect under --settings defaults (the engine "
+            "keeps vLLM's own max_num_seqs); drop it, or use --settings tuned"
+        )
     if args.max_num_seqs is None:
         args.max_num_seqs = args.batch
     if args.max_num_seqs < args.batch:

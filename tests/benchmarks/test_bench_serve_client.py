@@ -158,7 +158,7 @@ def test_serve_client_runs_vllm_bench_serve_twice_in_one_process(tmp_path):
                 c.close()
     finally:
         stop()
-    n = max(args.num_prompts, 2 * args.min_waves)
+    n = bd.serve_num_prompts(args, 2)
     for path, want in ((result.with_suffix(".warmup.json"), 2), (result, n)):
         data = json.loads(path.read_text())
         assert data["completed"] == want and data["failed"] == 0, path

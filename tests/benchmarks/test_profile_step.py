@@ -201,6 +201,10 @@ def test_continuous_requests_and_the_pair(tmp_path, capsys):
             ["--batch", "4", "--requests", "8", "--max-num-seqs", "8"],
             "drop --max-num-seqs",
         ),
+        (
+            ["--batch", "4", "--max-num-seqs", "8", "--settings", "defaults"],
+            "--max-num-seqs has no effect under --settings defaults",
+        ),
         (["--pair", str(PAIR), "--target", str(PAIR / "target")], "--pair or --target"),
         (["--pair", str(tmp_path)], "no eval_prompts.json"),
     ):

@@ -17,16 +17,35 @@ import triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = sorted(p for p in (ROOT / "vllm").rglob("*.py") if p.name != "__init__.py")
+MODULES = sorted(
+    p
+    for package in ("vllm", "vllm_ddtree")
+    for p in (ROOT / package).rglob("*.py")
+    if p.name != "__init__.py"
+)
+# Per-step modules the scan must cover (a renamed module fails here first).
+PER_STEP = (
+    "vllm/v1/attention/ops/triton_tree_attention.py",
+    "vllm/v1/attention/ops/tree_kv_compaction.py",
+    "vllm/v1/sample/tree_rejection_sampler.py",
+    "vllm/v1/spec_decode/ddtree_inputs.py",
+    "vllm/v1/spec_decode/dflash_tree_builder.py",
+)
 SLOW = {"cdiv", "next_power_of_2"}
 
 
 def _is_jit(node: ast.AST) -> bool:
-    return any("jit" in ast.unparse(d) for d in getattr(node, "decorator_list", []))
+    """Decorated ``@triton.jit`` / ``@jit`` (with or without arguments)."""
+    for d in getattr(node, "decorator_list", []):
+        target = d.func if isinstance(d, ast.Call) else d
+        if ast.unparse(target) in ("triton.jit", "jit"):
+            return True
+    return False
 
 
 def _host_calls(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, call) of ``triton.<slow>(...)`` outside @triton.jit functions."""
+    """(line, code) of ``triton.<slow>(...)`` outside @triton.jit functions, and
+    of imports that bring the helpers in bare (callable under any name)."""
     found: list[tuple[int, str]] = []
 
     def visit(node: ast.AST, in_jit: bool) -> None:
@@ -42,6 +61,12 @@ def _host_calls(tree: ast.AST) -> list[tuple[int, str]]:
             and node.func.value.id == "triton"
         ):
             found.append((node.lineno, ast.unparse(node)))
+        if (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("triton")
+            and any(alias.name in SLOW for alias in node.names)
+        ):
+            found.append((node.lineno, ast.unparse(node)))
         for child in ast.iter_child_nodes(node):
             visit(child, in_jit)
 
@@ -50,16 +75,24 @@ def _host_calls(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_the_scan_sees_the_modules_and_flags_a_host_call():
-    assert len(MODULES) >= 10, MODULES
+    scanned = {str(p.relative_to(ROOT)) for p in MODULES}
+    assert set(PER_STEP) <= scanned, set(PER_STEP) - scanned
     sample = (
         "import triton\n"
+        "from triton import cdiv\n"
         "@triton.jit\n"
         "def k(n):\n"
+        "    return triton.cdiv(n, 2)\n"
+        "@triton.jit(do_not_specialize=['n'])\n"
+        "def k2(n):\n"
         "    return triton.cdiv(n, 2)\n"
         "def host(n):\n"
         "    return triton.next_power_of_2(n)\n"
     )
-    assert _host_calls(ast.parse(sample)) == [(6, "triton.next_power_of_2(n)")]
+    assert _host_calls(ast.parse(sample)) == [
+        (2, "from triton import cdiv"),
+        (10, "triton.next_power_of_2(n)"),
+    ]
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
