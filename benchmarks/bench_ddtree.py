@@ -1564,8 +1564,7 @@ def serve_num_prompts(args, batch: int) -> int:
     """Timed requests of one serve cell at concurrency ``batch``: ``--min-waves``
     waves, at most ``--max-prompts`` of them, and never fewer than
     ``--num-prompts``."""
-    waves = batch * args.min_waves
-    return max(args.num_prompts, min(waves, getattr(args, "max_prompts", waves)))
+    return max(args.num_prompts, min(batch * args.min_waves, args.max_prompts))
 
 
 def serve_run_commands(
