@@ -277,6 +277,18 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
         )
     if mode == "serve":
         p.add_argument(
+            "--interleave",
+            type=int,
+            default=0,
+            metavar="SLICES",
+            help="start every config's server at once (each with an equal "
+            "share of GPU memory) and time each (concurrency, temperature) "
+            "as SLICES alternating runs per config (ABBA order), so that "
+            "the host's speed, which drifts over seconds on a shared "
+            "machine, is the same for every config; 0: one server after "
+            "another (the rows are labelled with the setting)",
+        )
+        p.add_argument(
             "--request-rate",
             default="inf",
             help="vllm bench serve's --request-rate (requests/s, Poisson "
@@ -430,6 +442,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         )
     parse_engine_args(getattr(args, "engine_arg", []))  # errors name the item
     check_run_options(args)
+    check_interleave(args)
     if getattr(args, "prompts", None) is not None and not args.prompts.is_file():
         raise ValueError(f"--prompts {args.prompts}: no such file")
     if getattr(args, "input_len", 1) < 1:
@@ -458,6 +471,42 @@ def check_run_options(args: argparse.Namespace) -> None:
         path = getattr(args, flag)
         if not (path / "config.json").is_file():
             raise ValueError(f"--{flag} {path}: no config.json there")
+
+
+# GPU memory the servers of --interleave share between them by default (vLLM's
+# own default for one server).
+INTERLEAVE_GPU_MEMORY = 0.9
+
+
+def interleave_of(args) -> int:
+    return getattr(args, "interleave", 0)
+
+
+def check_interleave(args) -> None:
+    """``--interleave``: at least two configs, and their servers' memory shares
+    fit on one GPU together."""
+    slices = interleave_of(args)
+    if slices < 0:
+        raise ValueError("--interleave must be >= 0 (0: one server at a time)")
+    if not slices:
+        return
+    if len(args.configs) < 2:
+        raise ValueError("--interleave compares configs: give --configs two or more")
+    share = args.gpu_memory_utilization
+    if share is not None and share * len(args.configs) > INTERLEAVE_GPU_MEMORY:
+        raise ValueError(
+            f"--interleave runs {len(args.configs)} servers at once: "
+            f"--gpu-memory-utilization {share} each does not fit (at most "
+            f"{INTERLEAVE_GPU_MEMORY / len(args.configs):.2f}; unset, they "
+            "share that equally)"
+        )
+
+
+def interleave_memory(args) -> float:
+    """Each interleaved server's ``gpu_memory_utilization``."""
+    if args.gpu_memory_utilization is not None:
+        return args.gpu_memory_utilization
+    return math.floor(100 * INTERLEAVE_GPU_MEMORY / len(args.configs)) / 100
 
 
 def _schedule_field(args, config: str) -> dict:
@@ -755,6 +804,10 @@ def setup_of(args) -> dict:
         setup["engine_args"] = parse_engine_args(args.engine_arg)
     if getattr(args, "request_rate", "inf") != "inf":
         setup["request_rate"] = args.request_rate
+    if interleave_of(args):
+        # Servers side by side, each with a share of GPU memory: rows never
+        # merge with those of one server at a time.
+        setup["interleave"] = interleave_of(args)
     if args.schedule is not None:
         # ddtree-schedule rows mean this schedule; another one needs another --out.
         setup["schedule"] = args.schedule
@@ -893,6 +946,9 @@ def run_sweep(args, clock: Clock | None = None, rid: str | None = None) -> int:
     hint = getattr(args, "resume_hint", args.out)
     failed, cut = [], []
     todo = plan(args, done)
+    if args.mode == "serve" and interleave_of(args):
+        failed, cut = run_serve_interleaved(args, todo, prompts, rid, clock)
+        todo = []
     for i, (config, fit, runs) in enumerate(todo, 1):
         tag = f"[{i}/{len(todo)}] {config}"
         if not runs:
@@ -1662,6 +1718,260 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
                 client.close()
             _kill_group(server)
     return ok
+
+
+def slice_sizes(num_prompts: int, batch: int, slices: int) -> list[int]:
+    """Timed requests of each of a cell's ``--interleave`` slices: near-equal
+    parts of ``num_prompts``, at most one per wave of ``batch``."""
+    count = max(1, min(slices, num_prompts // batch))
+    return [num_prompts // count + (j < num_prompts % count) for j in range(count)]
+
+
+def interleaved_cell_commands(
+    args, base, prompts, batch, temperature, result, k
+) -> tuple[list[str], list[tuple[Path, list[str]]]]:
+    """One server's commands for interleaved cell ``k``: the warm-up over
+    ``batch`` prompts of its own, then per slice (its result file, its timed
+    command). The prompts depend only on ``k`` and the slice, so every server
+    gets the same texts, each new to it (prefix caching is on by default)."""
+    tag = k * TAGS_PER_RUN
+    warm = [fresh_prompt(prompts[i % len(prompts)], tag + i) for i in range(batch)]
+    warm_result = result.with_suffix(".warmup.json")
+    warm_set = write_serve_dataset(warm, result.with_suffix(".warmup_prompts.json"))
+    warm_cmd = bench_command(
+        args, base, warm_set, batch, temperature, warm_result, batch, 0
+    )
+    slices, first = [], batch
+    sizes = slice_sizes(serve_num_prompts(args, batch), batch, interleave_of(args))
+    for j, size in enumerate(sizes):
+        timed = [
+            fresh_prompt(prompts[(first - batch + i) % len(prompts)], tag + first + i)
+            for i in range(size)
+        ]
+        first += size
+        out = result.with_suffix(f".slice{j}.json")
+        dataset = write_serve_dataset(timed, out.with_suffix(".prompts.json"))
+        cmd = bench_command(args, base, dataset, batch, temperature, out, size, 0)
+        slices.append((out, cmd))
+    return warm_cmd, slices
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def combine_slices(results: list[dict]) -> dict:
+    """The ``vllm bench serve`` results of one config's slices of a cell as one
+    result of the same form: tokens and durations add up (throughput is their
+    ratio), means are weighted by completed requests, acceptance by drafts,
+    and the latency medians and p99s are the median over slices."""
+
+    def total(key: str) -> float:
+        return sum(r.get(key) or 0 for r in results)
+
+    def weighted(key: str, weight: str) -> float | None:
+        pairs = [(r.get(key), r.get(weight) or 0) for r in results]
+        pairs = [(v, w) for v, w in pairs if v is not None and w]
+        den = sum(w for _, w in pairs)
+        return sum(v * w for v, w in pairs) / den if den else None
+
+    tokens, duration = total("total_output_tokens"), total("duration")
+    combined = {
+        "duration": duration,
+        "total_output_tokens": tokens,
+        "output_throughput": tokens / duration if duration else None,
+        "completed": total("completed"),
+        "failed": total("failed"),
+        "mean_tpot_ms": weighted("mean_tpot_ms", "completed"),
+        "mean_ttft_ms": weighted("mean_ttft_ms", "completed"),
+        "slices": len(results),
+    }
+    for key in ("median_ttft_ms", "median_itl_ms", "p99_itl_ms"):
+        combined[key] = _median([r.get(key) for r in results])
+    drafts = total("spec_decode_num_drafts")
+    if drafts:
+        combined.update(
+            spec_decode_num_drafts=drafts,
+            spec_decode_draft_tokens=total("spec_decode_draft_tokens"),
+            spec_decode_accepted_tokens=total("spec_decode_accepted_tokens"),
+            spec_decode_acceptance_length=weighted(
+                "spec_decode_acceptance_length", "spec_decode_num_drafts"
+            ),
+        )
+        rates = [
+            (r.get("spec_decode_per_position_acceptance_rates") or [], d)
+            for r in results
+            if (d := r.get("spec_decode_num_drafts"))
+        ]
+        width = min((len(v) for v, _ in rates), default=0)
+        combined["spec_decode_per_position_acceptance_rates"] = [
+            sum(v[i] * d for v, d in rates) / drafts for i in range(width)
+        ]
+    return combined
+
+
+def combine_usage(usages: list[dict | None]) -> dict | None:
+    """Host usage of a cell's slices: the first slice's threads, with the
+    calibration, busy shares and busy CPUs as medians over slices."""
+    usages = [u for u in usages if u]
+    if not usages:
+        return None
+    out = dict(usages[0])
+    for key in (
+        "calibration_ms",
+        "step_thread_busy_pct",
+        "next_thread_busy_pct",
+        "steal_pct",
+        "busy_cpus",
+    ):
+        out[key] = _median([u.get(key) for u in usages])
+    for key in ("wall_s", "timed_s", "step_thread_cpu_s"):
+        out[key] = sum(u.get(key) or 0 for u in usages)
+    out["slices"] = len(usages)
+    return out
+
+
+def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
+    """``--interleave``: every config's server up at once, then each pending
+    (concurrency, temperature) cell: a warm-up per server, then its timed
+    requests as slices run on one server at a time, alternating ABBA, so that
+    every config meets the same drift of the host's speed. A cell's rows are
+    written when all its slices are done (a cut cell is measured again on
+    resume). Returns (failed configs, configs cut by --limit-seconds)."""
+    cells = []
+    for _, _, runs in todo:
+        cells += [c for c in runs if c not in cells]
+    configs = [(c, max(fit)) for c, fit, runs in todo if runs]
+    if not cells:
+        print("bench_ddtree: nothing to do (measured already or no batch fits)")
+        return [], []
+    if clock.remaining() < max(clock.config_s):
+        print(
+            f"bench_ddtree: stopping, {clock.remaining():.0f} s left of "
+            f"--limit-seconds, starting the servers takes ~{max(clock.config_s):.0f}"
+            f" s; rerun with --resume-from {getattr(args, 'resume_hint', args.out)}"
+        )
+        return [], [c for c, _ in configs]
+    logs = args.out / "logs"
+    logs.mkdir(exist_ok=True)
+    env = _with_plugin(_worker_env(engine_in_process=False), logs)
+    deadline = time.monotonic() + min(clock.remaining(), 1e9)
+    share = argparse.Namespace(**vars(args))
+    share.gpu_memory_utilization = interleave_memory(args)
+    servers: dict[str, tuple] = {}  # config -> (server, base, client, log)
+    names = [c for c, _ in configs]
+    print(
+        f"bench_ddtree: interleaved servers {', '.join(names)} "
+        f"(gpu_memory_utilization {share.gpu_memory_utilization} each), "
+        f"{len(cells)} cells (batch, T) = {cells}",
+        flush=True,
+    )
+    try:
+        # One after another: a server sizes its KV cache from the memory free
+        # while it starts, which another one starting would change.
+        for config, max_batch in configs:
+            log = (logs / f"{config}.log").open("a")
+            port = free_port()
+            base = f"http://127.0.0.1:{port}"
+            server = subprocess.Popen(
+                serve_command(share, config, max_batch, port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+            servers[config] = (server, base, None, log)
+            if not _wait_healthy(base, server, deadline):
+                print(f"    {config}: server did not come up (see its log)")
+                timed_out = time.monotonic() >= deadline
+                return ([], names) if timed_out else ([config], [])
+            client = ServeClient(log, env, root_pid=server.pid)
+            servers[config] = (server, base, client, log)
+        for k, (batch, temperature) in enumerate(cells):
+            start = time.monotonic()
+            who = [c for c, _, runs in todo if (batch, temperature) in runs]
+            rows = _measure_interleaved_cell(
+                args, servers, who, prompts, rid, k, batch, temperature, deadline
+            )
+            if rows is None:
+                cut = time.monotonic() >= deadline - 1.0
+                print(
+                    f"    batch {batch} T={temperature}: "
+                    + ("cut by --limit-seconds" if cut else "failed (see the logs)")
+                )
+                return ([] if cut else who), (who if cut else [])
+            for row in rows:
+                append_row(args.out, row)
+            print(
+                f"    batch {batch:>3} T={temperature} in "
+                f"{time.monotonic() - start:.0f} s: "
+                + ", ".join(
+                    f"{r['config']} {r.get('tok_s') or 0:.1f} tok/s" for r in rows
+                ),
+                flush=True,
+            )
+    finally:
+        for server, _, client, log in servers.values():
+            if client is not None:
+                client.close()
+            _kill_group(server)
+            log.close()
+    return [], []
+
+
+def _measure_interleaved_cell(
+    args, servers, who, prompts, rid, k, batch, temperature, deadline
+) -> list[dict] | None:
+    """One cell on the servers of ``who``; its rows, or None if a run failed."""
+    logs = args.out / "logs"
+    plans = {}
+    for config in who:
+        _, base, client, _ = servers[config]
+        result = logs / f"{config}_b{batch}_t{temperature}.json"
+        warm, slices = interleaved_cell_commands(
+            args, base, prompts, batch, temperature, result, k
+        )
+        if not client.run(warm, deadline - time.monotonic()):
+            return None
+        plans[config] = (result, slices)
+    results = {c: [] for c in who}
+    usages = {c: [] for c in who}
+    for j in range(len(plans[who[0]][1])):
+        for config in who if j % 2 == 0 else reversed(who):
+            out, cmd = plans[config][1][j]
+            client = servers[config][2]
+            if not client.run(cmd, deadline - time.monotonic()) or not out.is_file():
+                return None
+            results[config].append(json.loads(out.read_text()))
+            usages[config].append(client.last_usage)
+    rows = []
+    for config in who:
+        result = plans[config][0]
+        combined = combine_slices(results[config])
+        result.write_text(json.dumps(combined, indent=1))
+        row = serve_row(combined)
+        row.update(
+            mode="serve",
+            settings=settings_of(args),
+            config=config,
+            run_id=rid,
+            batch=batch,
+            temperature=float(temperature),
+            max_tokens=args.max_tokens,
+            tree_budget=budget_of(config),
+            **_schedule_field(args, config),
+            interleave=len(results[config]),
+            slices_tok_s=[r.get("output_throughput") for r in results[config]],
+            host_usage=combine_usage(usages[config]),
+            time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        )
+        rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------------------

@@ -1813,3 +1813,97 @@ def test_host_table_in_the_report():
     # Rows without the field (older results) are left out of the table.
     assert "| ddtree-auto | 3.40 | -" not in text
     assert rep.host_table([_row("dflash", 1)]) is None
+
+
+def test_interleave_options(tmp_path, capsys):
+    """--interleave: serve only, two configs or more, memory shares that fit
+    together (unset: an equal share each), and in the setup (its rows never
+    merge with those of one server at a time)."""
+    base = ["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
+    base += ["--configs", "dflash,ddtree-auto"]
+    plain = bd.parse_args(base)
+    assert bd.interleave_of(plain) == 0 and "interleave" not in bd.setup_of(plain)
+    args = bd.parse_args([*base, "--interleave", "4"])
+    assert bd.setup_of(args)["interleave"] == 4
+    assert bd.interleave_memory(args) == 0.45
+    three = bd.parse_args(
+        [*base, "--interleave", "4", "--configs", "none,dflash,ddtree-8"]
+    )
+    assert bd.interleave_memory(three) == 0.3
+    own = bd.parse_args([*base, "--interleave", "2", "--gpu-memory-utilization", "0.2"])
+    assert bd.interleave_memory(own) == 0.2
+    with pytest.raises(ValueError, match="differ"):
+        rep.check_setup(bd.setup_of(plain), bd.setup_of(args), "o")
+    for extra, message in (
+        (["--interleave", "2", "--configs", "dflash"], "two or more"),
+        (["--interleave", "2", "--gpu-memory-utilization", "0.5"], "does not fit"),
+        (["--interleave", "-1"], "--interleave must be >= 0"),
+    ):
+        with pytest.raises(SystemExit):
+            bd.parse_args([*base, *extra])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # offline modes have no servers to interleave
+        bd.parse_args(
+            ["e2e", "--out", str(tmp_path / "e"), *_pair(tmp_path), "--interleave", "2"]
+        )
+
+
+def test_slice_sizes():
+    assert bd.slice_sizes(512, 32, 4) == [128] * 4
+    assert bd.slice_sizes(32, 1, 4) == [8] * 4
+    assert bd.slice_sizes(17, 4, 4) == [5, 4, 4, 4]
+    assert bd.slice_sizes(10, 8, 4) == [10]  # at most one slice per wave
+    assert bd.slice_sizes(8, 8, 0) == [8]
+    for n, b, s in ((512, 64, 3), (33, 2, 5), (7, 1, 7)):
+        assert sum(bd.slice_sizes(n, b, s)) == n
+
+
+def test_combine_slices():
+    """Slices of one cell make one vllm bench serve result: throughput from
+    the summed tokens over the summed durations (not the mean of the slices'
+    throughputs), request-weighted means, draft-weighted acceptance, medians
+    of the latency medians."""
+    a = {
+        "duration": 2.0,
+        "total_output_tokens": 1000,
+        "output_throughput": 500.0,
+        "completed": 4,
+        "failed": 0,
+        "mean_tpot_ms": 4.0,
+        "mean_ttft_ms": 10.0,
+        "median_itl_ms": 3.0,
+        "p99_itl_ms": 9.0,
+        "median_ttft_ms": 11.0,
+        "spec_decode_num_drafts": 100,
+        "spec_decode_draft_tokens": 1500,
+        "spec_decode_accepted_tokens": 300,
+        "spec_decode_acceptance_length": 4.0,
+        "spec_decode_per_position_acceptance_rates": [0.8, 0.4],
+    }
+    b = {
+        **a,
+        "duration": 6.0,
+        "total_output_tokens": 1000,
+        "output_throughput": 166.7,
+        "completed": 12,
+        "mean_tpot_ms": 8.0,
+        "median_itl_ms": 5.0,
+        "spec_decode_num_drafts": 300,
+        "spec_decode_accepted_tokens": 300,
+        "spec_decode_acceptance_length": 2.0,
+        "spec_decode_per_position_acceptance_rates": [0.4, 0.0, 0.1],
+    }
+    c = bd.combine_slices([a, b])
+    assert c["output_throughput"] == 250.0  # 2000 tokens in 8 s
+    assert c["completed"] == 16 and c["slices"] == 2
+    assert c["mean_tpot_ms"] == pytest.approx((4 * 4 + 12 * 8) / 16)
+    assert c["median_itl_ms"] == 4.0 and c["p99_itl_ms"] == 9.0
+    # 1 + 600 accepted / 400 drafts, as vLLM's own definition gives it.
+    assert c["spec_decode_acceptance_length"] == pytest.approx(2.5)
+    assert c["spec_decode_accepted_tokens"] == 600
+    assert c["spec_decode_per_position_acceptance_rates"] == pytest.approx([0.5, 0.1])
+    row = bd.serve_row(c)
+    assert row["tok_s"] == 250.0 and row["acceptance_length"] == pytest.approx(2.5)
+    plain = bd.combine_slices([{k: v for k, v in a.items() if "spec" not in k}])
+    assert "spec_decode_num_drafts" not in plain
+    assert bd.serve_row(plain)["acceptance_length"] is None

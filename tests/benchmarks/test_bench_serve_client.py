@@ -238,3 +238,75 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
         json.loads(x) for x in (tuned.out / bd.RESULTS_FILE).read_text().splitlines()
     ]
     assert row["host_usage"]["warmup_requests"] == 2
+
+
+def test_interleaved_serve_through_the_client(tmp_path, monkeypatch):
+    """--interleave on the CPU, fake servers in place of vllm serve: both
+    servers are up at once, each cell warms up every server and then runs its
+    timed requests as slices alternating ABBA between them, and each config's
+    row adds up its slices (requests, tokens, acceptance) from its own server;
+    every server gets the same prompt texts."""
+    from tests.e2e.servers import free_port
+
+    chunks = 4
+    argv = [*_serve_argv(chunks), "--num-prompts", "8", "--min-waves", "4"]
+    argv += ["--configs", "dflash,ddtree-auto", "--interleave", "2"]
+    argv += ["--batches", "1,2", "--temperatures", "0"]
+    args = bd.parse_args([*argv, "--out", str(tmp_path / "o")])
+    script = Path(fake.__file__)
+    ports, memory = {}, {}
+
+    def fake_serve(a, config, max_batch, port):
+        ports[port] = config
+        memory[config] = a.gpu_memory_utilization
+        return [sys.executable, str(script), str(port), str(chunks), "0.01"]
+
+    monkeypatch.setattr(bd, "serve_command", fake_serve)
+    order = []
+    real = bd.ServeClient
+
+    class Recording(real):
+        def run(self, cmd, time_left):
+            port = int(cmd[cmd.index("--base-url") + 1].rsplit(":", 1)[1])
+            name = cmd[cmd.index("--result-filename") + 1]
+            data = json.loads(Path(cmd[cmd.index("--dataset-path") + 1]).read_text())
+            texts = [d["conversations"][0]["value"] for d in data]
+            order.append((ports[port], name, texts))
+            return super().run(cmd, time_left)
+
+    monkeypatch.setattr(bd, "ServeClient", Recording)
+    assert bd.run_sweep(args) == 0, (args.out / "logs" / "dflash.log").read_text()[
+        -3000:
+    ]
+    assert memory == {"dflash": 0.45, "ddtree-auto": 0.45}
+    assert bd.setup_of(args)["interleave"] == 2
+    rows = [
+        json.loads(x) for x in (args.out / bd.RESULTS_FILE).read_text().splitlines()
+    ]
+    assert sorted((r["config"], r["batch"]) for r in rows) == sorted(
+        (c, b) for c in ("dflash", "ddtree-auto") for b in (1, 2)
+    )
+    for r in rows:
+        n = bd.serve_num_prompts(args, r["batch"])  # 8 at batch 1 and 2
+        assert r["interleave"] == 2 and len(r["slices_tok_s"]) == 2
+        assert r["completed"] == n and r["failed"] == 0
+        assert r["output_tokens"] == chunks * n
+        assert r["tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+        assert r["acceptance_length"] == pytest.approx(1 + fake.ACCEPTED)
+        assert r["host_usage"]["slices"] == 2
+    # Per cell: both warm-ups, then slices A B, B A (the configs in the order
+    # the plan gives them).
+    first, second = [c for c, _, _ in bd.plan(args, set())]
+    for batch in (1, 2):
+        cell = [(c, n) for c, n, _ in order if f"_b{batch}_" in n]
+        assert [c for c, _ in cell] == [first, second, first, second, second, first]
+        kinds = [n.rsplit(".", 2)[1] for _, n in cell]
+        assert kinds == ["warmup", "warmup", "slice0", "slice0", "slice1", "slice1"]
+    # Same texts for both servers in every run, none repeated within a server.
+    by_name = {}
+    for config, name, texts in order:
+        by_name.setdefault(name.replace(config, "C"), []).append(texts)
+    assert all(len(v) == 2 and v[0] == v[1] for v in by_name.values())
+    for config in (first, second):
+        seen = [t for c, _, texts in order if c == config for t in texts]
+        assert len(seen) == len(set(seen)) == (1 + 2) + 2 * 8  # warm-ups, slices
