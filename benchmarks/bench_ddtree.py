@@ -38,6 +38,7 @@ issue 5's targets. See docs/bench_ddtree.md for the H200 commands.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -483,15 +484,30 @@ def interleave_of(args) -> int:
 
 
 def check_interleave(args) -> None:
-    """``--interleave``: at least two configs, and their servers' memory shares
-    fit on one GPU together."""
+    """``--interleave``: an even slice count, at least two configs, vLLM's
+    defaults, and memory shares that fit on one GPU together."""
     slices = interleave_of(args)
     if slices < 0:
         raise ValueError("--interleave must be >= 0 (0: one server at a time)")
     if not slices:
         return
+    if slices < 2 or slices % 2:
+        raise ValueError(
+            "--interleave must be an even number of slices >= 2 (ABBA order "
+            "balances a drift of the host's speed only over pairs of slices)"
+        )
     if len(args.configs) < 2:
         raise ValueError("--interleave compares configs: give --configs two or more")
+    if settings_of(args) != "defaults":
+        raise ValueError(
+            "--interleave runs the defaults' warm-up and fresh prompts per cell; "
+            "it does not take --settings tuned"
+        )
+    if "gpu_memory_utilization" in parse_engine_args(getattr(args, "engine_arg", [])):
+        raise ValueError(
+            "--interleave shares GPU memory between its servers: set the share "
+            "with --gpu-memory-utilization, not --engine-arg"
+        )
     share = args.gpu_memory_utilization
     if share is not None and share * len(args.configs) > INTERLEAVE_GPU_MEMORY:
         raise ValueError(
@@ -808,6 +824,7 @@ def setup_of(args) -> dict:
         # Servers side by side, each with a share of GPU memory: rows never
         # merge with those of one server at a time.
         setup["interleave"] = interleave_of(args)
+        setup["interleave_gpu_memory"] = interleave_memory(args)
     if args.schedule is not None:
         # ddtree-schedule rows mean this schedule; another one needs another --out.
         setup["schedule"] = args.schedule
@@ -1722,8 +1739,13 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
 
 def slice_sizes(num_prompts: int, batch: int, slices: int) -> list[int]:
     """Timed requests of each of a cell's ``--interleave`` slices: near-equal
-    parts of ``num_prompts``, at most one per wave of ``batch``."""
-    count = max(1, min(slices, num_prompts // batch))
+    parts of ``num_prompts``. The count is even, so that ABBA order balances a
+    drift that is linear in time, and at most one slice per two waves of
+    ``batch`` (a slice's last requests run at a lower concurrency, and that
+    tail should stay a small part of it), but never under two."""
+    count = min(slices, num_prompts // (2 * batch))
+    count = max(2, count - count % 2)
+    count = min(count, num_prompts)
     return [num_prompts // count + (j < num_prompts % count) for j in range(count)]
 
 
@@ -1807,9 +1829,11 @@ def combine_slices(results: list[dict]) -> dict:
             for r in results
             if (d := r.get("spec_decode_num_drafts"))
         ]
-        width = min((len(v) for v, _ in rates), default=0)
+        # A position a slice's list stops before had nothing accepted there.
+        width = max((len(v) for v, _ in rates), default=0)
         combined["spec_decode_per_position_acceptance_rates"] = [
-            sum(v[i] * d for v, d in rates) / drafts for i in range(width)
+            sum((v[i] if i < len(v) else 0.0) * d for v, d in rates) / drafts
+            for i in range(width)
         ]
     return combined
 
@@ -1841,7 +1865,8 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
     requests as slices run on one server at a time, alternating ABBA, so that
     every config meets the same drift of the host's speed. A cell's rows are
     written when all its slices are done (a cut cell is measured again on
-    resume). Returns (failed configs, configs cut by --limit-seconds)."""
+    resume); a config whose server or run fails is dropped and the others go
+    on. Returns (failed configs, configs cut by --limit-seconds)."""
     cells = []
     for _, _, runs in todo:
         cells += [c for c in runs if c not in cells]
@@ -1849,32 +1874,48 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
     if not cells:
         print("bench_ddtree: nothing to do (measured already or no batch fits)")
         return [], []
+    hint = getattr(args, "resume_hint", args.out)
     if clock.remaining() < max(clock.config_s):
         print(
-            f"bench_ddtree: stopping, {clock.remaining():.0f} s left of "
-            f"--limit-seconds, starting the servers takes ~{max(clock.config_s):.0f}"
-            f" s; rerun with --resume-from {getattr(args, 'resume_hint', args.out)}"
+            f"bench_ddtree: not started: {clock.remaining():.0f} s left of "
+            f"--limit-seconds, interleaved servers and their cells take "
+            f"~{max(clock.config_s):.0f} s; rerun with --resume-from {hint}"
         )
-        return [], [c for c, _ in configs]
+        return [], []
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
     env = _with_plugin(_worker_env(engine_in_process=False), logs)
-    deadline = time.monotonic() + min(clock.remaining(), 1e9)
+    began = time.monotonic()
+    deadline = began + min(clock.remaining(), 1e9)
     share = argparse.Namespace(**vars(args))
     share.gpu_memory_utilization = interleave_memory(args)
-    servers: dict[str, tuple] = {}  # config -> (server, base, client, log)
-    names = [c for c, _ in configs]
+    servers: dict[str, tuple] = {}  # config -> (server, base, client)
+    failed: list[str] = []
     print(
-        f"bench_ddtree: interleaved servers {', '.join(names)} "
+        f"bench_ddtree: interleaved servers {', '.join(c for c, _ in configs)} "
         f"(gpu_memory_utilization {share.gpu_memory_utilization} each), "
         f"{len(cells)} cells (batch, T) = {cells}",
         flush=True,
     )
-    try:
+
+    def drop(config: str) -> None:
+        server, _, client = servers.pop(config)
+        if client is not None:
+            client.close()
+        _kill_groups([server])
+        failed.append(config)
+
+    with contextlib.ExitStack() as stack:
+        stack.callback(
+            lambda: (
+                [c.close() for _, _, c in servers.values() if c is not None],
+                _kill_groups([s for s, _, _ in servers.values()]),
+            )
+        )
         # One after another: a server sizes its KV cache from the memory free
         # while it starts, which another one starting would change.
         for config, max_batch in configs:
-            log = (logs / f"{config}.log").open("a")
+            log = stack.enter_context((logs / f"{config}.log").open("a"))
             port = free_port()
             base = f"http://127.0.0.1:{port}"
             server = subprocess.Popen(
@@ -1885,59 +1926,113 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
                 cwd=ROOT,
                 start_new_session=True,
             )
-            servers[config] = (server, base, None, log)
+            servers[config] = (server, base, None)
             if not _wait_healthy(base, server, deadline):
+                if time.monotonic() >= deadline:
+                    print(f"    {config}: --limit-seconds ran out while it started")
+                    return failed, [c for c, _ in configs if c not in failed]
                 print(f"    {config}: server did not come up (see its log)")
-                timed_out = time.monotonic() >= deadline
-                return ([], names) if timed_out else ([config], [])
-            client = ServeClient(log, env, root_pid=server.pid)
-            servers[config] = (server, base, client, log)
+                drop(config)
+                continue
+            servers[config] = (server, base, ServeClient(log, env, root_pid=server.pid))
+        took: dict[tuple, float] = {}
         for k, (batch, temperature) in enumerate(cells):
-            start = time.monotonic()
             who = [c for c, _, runs in todo if (batch, temperature) in runs]
-            rows = _measure_interleaved_cell(
-                args, servers, who, prompts, rid, k, batch, temperature, deadline
-            )
-            if rows is None:
-                cut = time.monotonic() >= deadline - 1.0
+            who = [c for c in who if c in servers]
+            if not who:
+                continue
+            # The slowest cell of this concurrency so far (or of any): a cell
+            # cut by the limit loses every config's slices.
+            same = [t for (b, _), t in took.items() if b == batch]
+            guess = max(same or list(took.values()) or [0.0])
+            if deadline - time.monotonic() < guess:
+                left = [c for c in cells[k:]]
                 print(
-                    f"    batch {batch} T={temperature}: "
-                    + ("cut by --limit-seconds" if cut else "failed (see the logs)")
+                    f"    not started: cells {left} (~{guess:.0f} s each, "
+                    f"{deadline - time.monotonic():.0f} s left); rerun with "
+                    f"--resume-from {hint}"
                 )
-                return ([] if cut else who), (who if cut else [])
+                break
+            if len(who) < 2:
+                print(
+                    f"    batch {batch} T={temperature}: only {who[0]} to measure "
+                    "(the others failed or have it): its row is not interleaved"
+                )
+            start = time.monotonic()
+            attempt = 0
+            while who:
+                # A cell measured again (a config dropped) gets prompts none of
+                # the servers has seen: the first attempt's are in their caches.
+                tag = k + attempt * len(cells)
+                attempt += 1
+                rows, bad = _measure_interleaved_cell(
+                    args, servers, who, prompts, rid, tag, batch, temperature, deadline
+                )
+                if bad is None:
+                    break
+                if time.monotonic() >= deadline - 1.0:
+                    print(f"    batch {batch} T={temperature}: cut by --limit-seconds")
+                    clock.record(time.monotonic() - began)
+                    return failed, [c for c in who]
+                print(
+                    f"    {bad}: a run of batch {batch} T={temperature} failed (see "
+                    "its log); dropped, the cell runs again without it"
+                )
+                drop(bad)
+                who = [c for c in who if c != bad]
+            if not who:
+                continue
+            took[(batch, temperature)] = time.monotonic() - start
             for row in rows:
                 append_row(args.out, row)
             print(
                 f"    batch {batch:>3} T={temperature} in "
-                f"{time.monotonic() - start:.0f} s: "
+                f"{took[(batch, temperature)]:.0f} s: "
                 + ", ".join(
                     f"{r['config']} {r.get('tok_s') or 0:.1f} tok/s" for r in rows
                 ),
                 flush=True,
             )
-    finally:
-        for server, _, client, log in servers.values():
-            if client is not None:
-                client.close()
-            _kill_group(server)
-            log.close()
-    return [], []
+    clock.record(time.monotonic() - began)
+    return failed, []
+
+
+def _kill_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process group first, then wait for them together (a
+    server at a time would spend up to 30 s each)."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + 30
+    for p in live:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
 
 
 def _measure_interleaved_cell(
     args, servers, who, prompts, rid, k, batch, temperature, deadline
-) -> list[dict] | None:
-    """One cell on the servers of ``who``; its rows, or None if a run failed."""
+) -> tuple[list[dict], str | None]:
+    """One cell on the servers of ``who``, prompts tagged from ``k``: (its
+    rows, None), or ([], the config whose run failed or lost requests)."""
     logs = args.out / "logs"
     plans = {}
     for config in who:
-        _, base, client, _ = servers[config]
+        _, base, client = servers[config]
         result = logs / f"{config}_b{batch}_t{temperature}.json"
         warm, slices = interleaved_cell_commands(
             args, base, prompts, batch, temperature, result, k
         )
         if not client.run(warm, deadline - time.monotonic()):
-            return None
+            return [], config
         plans[config] = (result, slices)
     results = {c: [] for c in who}
     usages = {c: [] for c in who}
@@ -1946,8 +2041,11 @@ def _measure_interleaved_cell(
             out, cmd = plans[config][1][j]
             client = servers[config][2]
             if not client.run(cmd, deadline - time.monotonic()) or not out.is_file():
-                return None
-            results[config].append(json.loads(out.read_text()))
+                return [], config
+            result = json.loads(out.read_text())
+            if result.get("failed"):  # vllm bench serve exits 0 all the same
+                return [], config
+            results[config].append(result)
             usages[config].append(client.last_usage)
     rows = []
     for config in who:
@@ -1965,13 +2063,14 @@ def _measure_interleaved_cell(
             max_tokens=args.max_tokens,
             tree_budget=budget_of(config),
             **_schedule_field(args, config),
-            interleave=len(results[config]),
+            slices=len(results[config]),
+            interleaved_with=[c for c in who if c != config],
             slices_tok_s=[r.get("output_throughput") for r in results[config]],
             host_usage=combine_usage(usages[config]),
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )
         rows.append(row)
-    return rows
+    return rows, None
 
 
 # ---------------------------------------------------------------------------

@@ -473,6 +473,36 @@ def latency_table(rows: Sequence[Mapping]) -> str | None:
     return markdown_table(header, body)
 
 
+def slices_table(rows: Sequence[Mapping]) -> str | None:
+    """Interleaved serve rows (``bench_ddtree.py serve --interleave``): each
+    slice's throughput and its ratio to DFlash's slice of the same index, run
+    next to it in time (None without such rows)."""
+    sliced = [r for r in rows if r.get("slices_tok_s")]
+    if not sliced:
+        return None
+    by_key = {row_key(r): r for r in sliced}
+    header = ["batch", "T", "config", "slices", "tok/s per slice", "x DFlash per slice"]
+    body = []
+    for r in sliced:
+        _, batch, temperature = row_key(r)
+        base = by_key.get(("dflash", batch, temperature))
+        ratios = "-"
+        if base is not None and r is not base:
+            pairs = zip(r["slices_tok_s"], base.get("slices_tok_s") or [])
+            ratios = ", ".join(fmt(_ratio(a, b), 3) for a, b in pairs)
+        body.append(
+            [
+                batch,
+                fmt(float(temperature), 1),
+                r["config"],
+                r.get("slices", len(r["slices_tok_s"])),
+                ", ".join(fmt(v, 1) for v in r["slices_tok_s"]),
+                ratios,
+            ]
+        )
+    return markdown_table(header, body)
+
+
 def host_table(rows: Sequence[Mapping]) -> str | None:
     """The host during each timed pass (rows' ``host_usage``, offline and
     serve; None without any): with a host-bound step, a process whose step
@@ -543,6 +573,17 @@ def markdown_report(rows: Sequence[Mapping], mode: str, setup: Mapping | None) -
             "step):",
             "",
             latency,
+            "",
+        ]
+    sliced = slices_table(rows)
+    if sliced:
+        parts += [
+            "Interleaved servers (`--interleave`): each cell's timed requests ran "
+            "as slices alternating between the servers (ABBA); a row's throughput "
+            "is its slices' tokens over their summed durations, its latency "
+            "medians and p99 the median over slices:",
+            "",
+            sliced,
             "",
         ]
     host = host_table(rows)

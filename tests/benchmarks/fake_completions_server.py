@@ -6,11 +6,14 @@ chunks and a usage record per request, and ``/metrics`` with vLLM's
 speculative-decoding counters (each request: ``chunks`` drafts of 15 tokens,
 ``ACCEPTED`` of them accepted, ``ACCEPTED`` at position 0).
 
-Run as a script: ``python fake_completions_server.py PORT CHUNKS [DELAY_S]``
-(``DELAY_S`` between chunks, like a server's steps)."""
+Run as a script: ``python fake_completions_server.py PORT CHUNKS [DELAY_S
+[ACCEPTED [DIE_AFTER]]]`` (``DELAY_S`` between chunks, like a server's steps;
+``ACCEPTED`` tokens per draft in place of the default; the process exits after
+``DIE_AFTER`` completions, a server that goes away mid-run)."""
 
 import asyncio
 import json
+import os
 import sys
 
 from aiohttp import web
@@ -20,7 +23,12 @@ ACCEPTED = 2
 SEEN = web.AppKey("seen", list)
 
 
-def make_app(chunks: int, delay_s: float = 0.0) -> web.Application:
+def make_app(
+    chunks: int,
+    delay_s: float = 0.0,
+    accepted: int = ACCEPTED,
+    die_after: int | None = None,
+) -> web.Application:
     app = web.Application()
     app[SEEN] = []
 
@@ -38,6 +46,8 @@ def make_app(chunks: int, delay_s: float = 0.0) -> web.Application:
         await resp.write(f"data: {json.dumps(tail)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         app[SEEN].append(body)
+        if die_after is not None and len(app[SEEN]) >= die_after:
+            os._exit(1)
         return resp
 
     async def health(request):
@@ -48,9 +58,9 @@ def make_app(chunks: int, delay_s: float = 0.0) -> web.Application:
         lines = [
             f"vllm:spec_decode_num_drafts_total {drafts}",
             f"vllm:spec_decode_num_draft_tokens_total {drafts * DRAFT_TOKENS}",
-            f"vllm:spec_decode_num_accepted_tokens_total {drafts * ACCEPTED}",
+            f"vllm:spec_decode_num_accepted_tokens_total {drafts * accepted}",
             'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} '
-            f"{drafts * ACCEPTED}",
+            f"{drafts * accepted}",
         ]
         return web.Response(text="\n".join(lines) + "\n")
 
@@ -63,7 +73,10 @@ def make_app(chunks: int, delay_s: float = 0.0) -> web.Application:
 def main() -> None:
     port, chunks = int(sys.argv[1]), int(sys.argv[2])
     delay_s = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
-    web.run_app(make_app(chunks, delay_s), host="127.0.0.1", port=port, print=None)
+    accepted = int(sys.argv[4]) if len(sys.argv) > 4 else ACCEPTED
+    die_after = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    app = make_app(chunks, delay_s, accepted, die_after)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
 
 
 def start_in_thread(port: int, chunks: int):

@@ -1825,6 +1825,7 @@ def test_interleave_options(tmp_path, capsys):
     assert bd.interleave_of(plain) == 0 and "interleave" not in bd.setup_of(plain)
     args = bd.parse_args([*base, "--interleave", "4"])
     assert bd.setup_of(args)["interleave"] == 4
+    assert bd.setup_of(args)["interleave_gpu_memory"] == 0.45
     assert bd.interleave_memory(args) == 0.45
     three = bd.parse_args(
         [*base, "--interleave", "4", "--configs", "none,dflash,ddtree-8"]
@@ -1838,6 +1839,15 @@ def test_interleave_options(tmp_path, capsys):
         (["--interleave", "2", "--configs", "dflash"], "two or more"),
         (["--interleave", "2", "--gpu-memory-utilization", "0.5"], "does not fit"),
         (["--interleave", "-1"], "--interleave must be >= 0"),
+        (["--interleave", "3"], "even number of slices"),
+        (
+            ["--interleave", "2", "--settings", "tuned"],
+            "does not take --settings tuned",
+        ),
+        (
+            ["--interleave", "2", "--engine-arg", "gpu_memory_utilization=0.9"],
+            "not --engine-arg",
+        ),
     ):
         with pytest.raises(SystemExit):
             bd.parse_args([*base, *extra])
@@ -1849,13 +1859,18 @@ def test_interleave_options(tmp_path, capsys):
 
 
 def test_slice_sizes():
+    """An even count (ABBA pairs), at most one slice per two waves, never
+    under two slices."""
     assert bd.slice_sizes(512, 32, 4) == [128] * 4
+    assert bd.slice_sizes(512, 64, 4) == [128] * 4  # 8 waves: two per slice
+    assert bd.slice_sizes(512, 64, 8) == [128] * 4  # not one wave per slice
     assert bd.slice_sizes(32, 1, 4) == [8] * 4
-    assert bd.slice_sizes(17, 4, 4) == [5, 4, 4, 4]
-    assert bd.slice_sizes(10, 8, 4) == [10]  # at most one slice per wave
-    assert bd.slice_sizes(8, 8, 0) == [8]
-    for n, b, s in ((512, 64, 3), (33, 2, 5), (7, 1, 7)):
-        assert sum(bd.slice_sizes(n, b, s)) == n
+    assert bd.slice_sizes(17, 4, 4) == [9, 8]
+    assert bd.slice_sizes(10, 8, 4) == [5, 5]  # under two waves: still a pair
+    assert bd.slice_sizes(1, 1, 2) == [1]  # one request cannot be split
+    for n, b, s in ((512, 64, 6), (33, 2, 10), (7, 1, 2)):
+        sizes = bd.slice_sizes(n, b, s)
+        assert sum(sizes) == n and len(sizes) % 2 == 0
 
 
 def test_combine_slices():
@@ -1901,9 +1916,42 @@ def test_combine_slices():
     # 1 + 600 accepted / 400 drafts, as vLLM's own definition gives it.
     assert c["spec_decode_acceptance_length"] == pytest.approx(2.5)
     assert c["spec_decode_accepted_tokens"] == 600
-    assert c["spec_decode_per_position_acceptance_rates"] == pytest.approx([0.5, 0.1])
+    # b's third position counts as 0 accepted in a: (0 * 100 + 0.1 * 300) / 400.
+    assert c["spec_decode_per_position_acceptance_rates"] == pytest.approx(
+        [0.5, 0.1, 0.075]
+    )
     row = bd.serve_row(c)
     assert row["tok_s"] == 250.0 and row["acceptance_length"] == pytest.approx(2.5)
     plain = bd.combine_slices([{k: v for k, v in a.items() if "spec" not in k}])
     assert "spec_decode_num_drafts" not in plain
     assert bd.serve_row(plain)["acceptance_length"] is None
+
+
+def test_report_shows_interleaved_slices():
+    """Interleaved rows get a table of their slices' throughputs and each
+    slice's ratio to DFlash's slice of the same index; other rows none."""
+    base = {"mode": "serve", "batch": 8, "temperature": 0.0, "run_id": "r"}
+    rows = [
+        {
+            **base,
+            "config": "dflash",
+            "tok_s": 100.0,
+            "slices": 2,
+            "slices_tok_s": [100.0, 80.0],
+        },
+        {
+            **base,
+            "config": "ddtree-auto",
+            "tok_s": 110.0,
+            "slices": 2,
+            "slices_tok_s": [120.0, 80.0],
+        },
+    ]
+    text = rep.markdown_report(rows, "serve", None)
+    assert "Interleaved servers" in text
+    (line,) = [
+        x for x in text.splitlines() if x.startswith("| 8 | 0.0 | ddtree-auto | 2 |")
+    ]
+    assert "120.0, 80.0" in line and "1.200, 1.000" in line
+    plain = [{k: v for k, v in r.items() if "slices" not in k} for r in rows]
+    assert "Interleaved servers" not in rep.markdown_report(plain, "serve", None)

@@ -240,73 +240,148 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
     assert row["host_usage"]["warmup_requests"] == 2
 
 
-def test_interleaved_serve_through_the_client(tmp_path, monkeypatch):
-    """--interleave on the CPU, fake servers in place of vllm serve: both
-    servers are up at once, each cell warms up every server and then runs its
-    timed requests as slices alternating ABBA between them, and each config's
-    row adds up its slices (requests, tokens, acceptance) from its own server;
-    every server gets the same prompt texts."""
-    from tests.e2e.servers import free_port
+# The client class itself (tests below replace bd.ServeClient with subclasses).
+REAL_CLIENT = bd.ServeClient
+
+
+def _interleaved(tmp_path, monkeypatch, name, extra, accepted, die_after=None):
+    """bench_ddtree serve --interleave 2 on fake servers (DFlash and DDTree auto,
+    ``accepted`` tokens per draft each, DDTree's server exiting after
+    ``die_after`` requests): (args, the runs the client was sent as
+    (config, result file, prompt texts), the rows, run_sweep's return code)."""
+    from tests.e2e.servers import free_port  # noqa: F401  (bench_ddtree's)
 
     chunks = 4
     argv = [*_serve_argv(chunks), "--num-prompts", "8", "--min-waves", "4"]
     argv += ["--configs", "dflash,ddtree-auto", "--interleave", "2"]
-    argv += ["--batches", "1,2", "--temperatures", "0"]
-    args = bd.parse_args([*argv, "--out", str(tmp_path / "o")])
+    argv += ["--temperatures", "0", *extra]
+    args = bd.parse_args([*argv, "--out", str(tmp_path / name)])
     script = Path(fake.__file__)
     ports, memory = {}, {}
 
     def fake_serve(a, config, max_batch, port):
         ports[port] = config
         memory[config] = a.gpu_memory_utilization
-        return [sys.executable, str(script), str(port), str(chunks), "0.01"]
+        cmd = [sys.executable, str(script), str(port), str(chunks), "0.01"]
+        cmd.append(str(accepted[config]))
+        if die_after and config in die_after:
+            cmd.append(str(die_after[config]))
+        return cmd
 
     monkeypatch.setattr(bd, "serve_command", fake_serve)
     order = []
-    real = bd.ServeClient
 
-    class Recording(real):
+    class Recording(REAL_CLIENT):
         def run(self, cmd, time_left):
             port = int(cmd[cmd.index("--base-url") + 1].rsplit(":", 1)[1])
             name = cmd[cmd.index("--result-filename") + 1]
             data = json.loads(Path(cmd[cmd.index("--dataset-path") + 1]).read_text())
             texts = [d["conversations"][0]["value"] for d in data]
-            order.append((ports[port], name, texts))
+            # Every server is up while any of them runs (the point of it).
+            up = []
+            for other in ports:
+                try:
+                    bd.urllib.request.urlopen(
+                        f"http://127.0.0.1:{other}/health", timeout=5
+                    )
+                    up.append(ports[other])
+                except OSError:
+                    pass
+            order.append((ports[port], name, texts, sorted(up)))
             return super().run(cmd, time_left)
 
     monkeypatch.setattr(bd, "ServeClient", Recording)
-    assert bd.run_sweep(args) == 0, (args.out / "logs" / "dflash.log").read_text()[
-        -3000:
-    ]
+    rc = bd.run_sweep(args)
     assert memory == {"dflash": 0.45, "ddtree-auto": 0.45}
-    assert bd.setup_of(args)["interleave"] == 2
     rows = [
         json.loads(x) for x in (args.out / bd.RESULTS_FILE).read_text().splitlines()
     ]
+    return args, order, rows, rc
+
+
+def test_interleaved_serve_through_the_client(tmp_path, monkeypatch):
+    """--interleave on the CPU, fake servers in place of vllm serve: both
+    servers are up at once, each cell warms up every server and then runs its
+    timed requests as slices alternating ABBA between them, and each config's
+    row adds up its slices (requests, tokens, acceptance) from its own server;
+    every server gets the same prompt texts, each new to it. Resumed, only the
+    cells not yet measured run."""
+    accepted = {"dflash": 2, "ddtree-auto": 5}
+    args, order, rows, rc = _interleaved(
+        tmp_path, monkeypatch, "o", ["--batches", "1,2"], accepted
+    )
+    assert rc == 0, (args.out / "logs" / "dflash.log").read_text()[-3000:]
+    setup = bd.setup_of(args)
+    assert setup["interleave"] == 2 and setup["interleave_gpu_memory"] == 0.45
     assert sorted((r["config"], r["batch"]) for r in rows) == sorted(
         (c, b) for c in ("dflash", "ddtree-auto") for b in (1, 2)
     )
     for r in rows:
         n = bd.serve_num_prompts(args, r["batch"])  # 8 at batch 1 and 2
-        assert r["interleave"] == 2 and len(r["slices_tok_s"]) == 2
+        assert r["slices"] == 2 and len(r["slices_tok_s"]) == 2
+        assert r["interleaved_with"] == [c for c in accepted if c != r["config"]]
         assert r["completed"] == n and r["failed"] == 0
-        assert r["output_tokens"] == chunks * n
-        assert r["tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
-        assert r["acceptance_length"] == pytest.approx(1 + fake.ACCEPTED)
+        assert r["output_tokens"] == 4 * n
+        # Each row's acceptance is its own server's (5 vs 2 accepted per draft).
+        assert r["acceptance_length"] == pytest.approx(1 + accepted[r["config"]])
         assert r["host_usage"]["slices"] == 2
-    # Per cell: both warm-ups, then slices A B, B A (the configs in the order
-    # the plan gives them).
+    assert all(up == sorted(accepted) for *_, up in order)
+    # Per cell: both warm-ups, then slices A B, B A (the plan's config order).
     first, second = [c for c, _, _ in bd.plan(args, set())]
     for batch in (1, 2):
-        cell = [(c, n) for c, n, _ in order if f"_b{batch}_" in n]
+        cell = [(c, n) for c, n, *_ in order if f"_b{batch}_" in n]
         assert [c for c, _ in cell] == [first, second, first, second, second, first]
         kinds = [n.rsplit(".", 2)[1] for _, n in cell]
         assert kinds == ["warmup", "warmup", "slice0", "slice0", "slice1", "slice1"]
     # Same texts for both servers in every run, none repeated within a server.
     by_name = {}
-    for config, name, texts in order:
+    for config, name, texts, _ in order:
         by_name.setdefault(name.replace(config, "C"), []).append(texts)
     assert all(len(v) == 2 and v[0] == v[1] for v in by_name.values())
     for config in (first, second):
-        seen = [t for c, _, texts in order if c == config for t in texts]
+        seen = [t for c, _, texts, _ in order if c == config for t in texts]
         assert len(seen) == len(set(seen)) == (1 + 2) + 2 * 8  # warm-ups, slices
+    # Resumed with one more concurrency: only its cell runs, for both configs.
+    more, order2, rows2, rc2 = _interleaved(
+        tmp_path,
+        monkeypatch,
+        "o2",
+        ["--batches", "1,2,4", "--resume-from", str(args.out)],
+        accepted,
+    )
+    assert rc2 == 0
+    assert {n.split("_b")[1].split("_")[0] for _, n, *_ in order2} == {"4"}
+    assert sorted((r["config"], r["batch"]) for r in rows2 if r["batch"] == 4) == [
+        ("ddtree-auto", 4),
+        ("dflash", 4),
+    ]
+
+
+def test_interleaved_serve_drops_a_failed_server(tmp_path, monkeypatch, capsys):
+    """DDTree's fake server exits in the second cell's first slice: the first
+    cell's rows stay, DDTree is blamed (run_sweep fails), and DFlash measures
+    the second cell alone over prompts its server has not seen."""
+    accepted = {"dflash": 2, "ddtree-auto": 3}
+    # Requests per server: cell 1: 1 warm-up + 2 x 4; cell 2: 2 warm-ups, then
+    # the 12th request (slice 0 of cell 2) is the last.
+    args, order, rows, rc = _interleaved(
+        tmp_path,
+        monkeypatch,
+        "f",
+        ["--batches", "1,2"],
+        accepted,
+        die_after={"ddtree-auto": 12},
+    )
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "ddtree-auto: a run of batch 2 T=0.0 failed" in out
+    assert "only dflash to measure" not in out  # the cell began with both
+    assert sorted((r["config"], r["batch"]) for r in rows) == [
+        ("ddtree-auto", 1),
+        ("dflash", 1),
+        ("dflash", 2),
+    ]
+    (lone,) = [r for r in rows if r["batch"] == 2]
+    assert lone["interleaved_with"] == [] and lone["failed"] == 0
+    seen = [t for c, _, texts, _ in order if c == "dflash" for t in texts]
+    assert len(seen) == len(set(seen))  # the re-run's prompts are new to it
