@@ -1503,6 +1503,38 @@ def serve_row(result: dict) -> dict:
     }
 
 
+def start_server(args, config, max_batch, log, env) -> tuple[subprocess.Popen, str]:
+    """``vllm serve`` of one config on a free port, its output in ``log``:
+    (the process, its base URL); the caller waits for it to be healthy."""
+    port = free_port()
+    server = subprocess.Popen(
+        serve_command(args, config, max_batch, port),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    return server, f"http://127.0.0.1:{port}"
+
+
+def serve_row_labels(args, config, rid, batch, temperature) -> dict:
+    """What a serve row says about where it came from, beside serve_row's
+    numbers."""
+    return dict(
+        mode="serve",
+        settings=settings_of(args),
+        config=config,
+        run_id=rid,
+        batch=batch,
+        temperature=float(temperature),
+        max_tokens=args.max_tokens,
+        tree_budget=budget_of(config),
+        **_schedule_field(args, config),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+
+
 def _wait_healthy(base: str, proc: subprocess.Popen, deadline: float) -> bool:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -1686,18 +1718,9 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
     dataset = write_serve_dataset(prompts, logs / "prompts_sharegpt.json")
     env = _with_plugin(_worker_env(engine_in_process=False), logs)
     deadline = time.monotonic() + min(time_left, 1e9)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     ok = True
     with (logs / f"{config}.log").open("a") as log:
-        server = subprocess.Popen(
-            serve_command(args, config, max_batch, port),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-        )
+        server, base = start_server(args, config, max_batch, log, env)
         client = None
         try:
             if not _wait_healthy(base, server, deadline):
@@ -1717,17 +1740,8 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
                     break
                 row = serve_row(json.loads(result.read_text()))
                 row.update(
-                    mode="serve",
-                    settings=settings_of(args),
-                    config=config,
-                    run_id=rid,
-                    batch=batch,
-                    temperature=float(temperature),
-                    max_tokens=args.max_tokens,
-                    tree_budget=budget_of(config),
-                    **_schedule_field(args, config),
+                    **serve_row_labels(args, config, rid, batch, temperature),
                     host_usage=client.last_usage,  # of the timed run (the last)
-                    time=time.strftime("%Y-%m-%dT%H:%M:%S"),
                 )
                 append_row(args.out, row)
         finally:
@@ -1916,16 +1930,7 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
         # while it starts, which another one starting would change.
         for config, max_batch in configs:
             log = stack.enter_context((logs / f"{config}.log").open("a"))
-            port = free_port()
-            base = f"http://127.0.0.1:{port}"
-            server = subprocess.Popen(
-                serve_command(share, config, max_batch, port),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=ROOT,
-                start_new_session=True,
-            )
+            server, base = start_server(share, config, max_batch, log, env)
             servers[config] = (server, base, None)
             if not _wait_healthy(base, server, deadline):
                 if time.monotonic() >= deadline:
@@ -2054,20 +2059,11 @@ def _measure_interleaved_cell(
         result.write_text(json.dumps(combined, indent=1))
         row = serve_row(combined)
         row.update(
-            mode="serve",
-            settings=settings_of(args),
-            config=config,
-            run_id=rid,
-            batch=batch,
-            temperature=float(temperature),
-            max_tokens=args.max_tokens,
-            tree_budget=budget_of(config),
-            **_schedule_field(args, config),
+            **serve_row_labels(args, config, rid, batch, temperature),
             slices=len(results[config]),
             interleaved_with=[c for c in who if c != config],
             slices_tok_s=[r.get("output_throughput") for r in results[config]],
             host_usage=combine_usage(usages[config]),
-            time=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )
         rows.append(row)
     return rows, None
