@@ -1951,9 +1951,8 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
             same = [t for (b, _), t in took.items() if b == batch]
             guess = max(same or list(took.values()) or [0.0])
             if deadline - time.monotonic() < guess:
-                left = [c for c in cells[k:]]
                 print(
-                    f"    not started: cells {left} (~{guess:.0f} s each, "
+                    f"    not started: cells {cells[k:]} (~{guess:.0f} s each, "
                     f"{deadline - time.monotonic():.0f} s left); rerun with "
                     f"--resume-from {hint}"
                 )
@@ -1978,7 +1977,7 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
                 if time.monotonic() >= deadline - 1.0:
                     print(f"    batch {batch} T={temperature}: cut by --limit-seconds")
                     clock.record(time.monotonic() - began)
-                    return failed, [c for c in who]
+                    return failed, list(who)
                 print(
                     f"    {bad}: a run of batch {batch} T={temperature} failed (see "
                     "its log); dropped, the cell runs again without it"
