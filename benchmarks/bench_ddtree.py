@@ -1681,35 +1681,10 @@ def serve_run_commands(
     caching is on: nothing timed may hit a block an earlier request wrote)."""
     if settings_of(args) == "tuned":
         return [bench_command(args, base, dataset, batch, temperature, result)]
-    n = serve_num_prompts(args, batch)
-    tag = k * TAGS_PER_RUN
-    warm = [fresh_prompt(prompts[i % len(prompts)], tag + i) for i in range(batch)]
-    timed = [fresh_prompt(prompts[i % len(prompts)], tag + batch + i) for i in range(n)]
-    warm_set = write_serve_dataset(warm, result.with_suffix(".warmup_prompts.json"))
-    timed_set = write_serve_dataset(timed, result.with_suffix(".prompts.json"))
-    warm_result = result.with_suffix(".warmup.json")
-    return [
-        bench_command(
-            args,
-            base,
-            warm_set,
-            batch,
-            temperature,
-            warm_result,
-            num_prompts=batch,
-            num_warmups=0,
-        ),
-        bench_command(
-            args,
-            base,
-            timed_set,
-            batch,
-            temperature,
-            result,
-            num_prompts=n,
-            num_warmups=0,
-        ),
-    ]
+    warm, [(_, timed)] = fresh_serve_commands(
+        args, base, prompts, batch, temperature, result, k
+    )
+    return [warm, timed]
 
 
 def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> bool:
@@ -1763,13 +1738,14 @@ def slice_sizes(num_prompts: int, batch: int, slices: int) -> list[int]:
     return [num_prompts // count + (j < num_prompts % count) for j in range(count)]
 
 
-def interleaved_cell_commands(
-    args, base, prompts, batch, temperature, result, k
+def fresh_serve_commands(
+    args, base, prompts, batch, temperature, result, k, slices: int = 0
 ) -> tuple[list[str], list[tuple[Path, list[str]]]]:
-    """One server's commands for interleaved cell ``k``: the warm-up over
-    ``batch`` prompts of its own, then per slice (its result file, its timed
-    command). The prompts depend only on ``k`` and the slice, so every server
-    gets the same texts, each new to it (prefix caching is on by default)."""
+    """Run ``k``'s commands under prompts new to the server (prefix caching is
+    on by default): the warm-up over ``batch`` prompts of its own, then (result
+    file, timed command) for the timed requests, one run into ``result``, or
+    with ``slices`` (``--interleave``) one per slice. The prompts depend only
+    on ``k`` and the slice, so interleaved servers get the same texts."""
     tag = k * TAGS_PER_RUN
     warm = [fresh_prompt(prompts[i % len(prompts)], tag + i) for i in range(batch)]
     warm_result = result.with_suffix(".warmup.json")
@@ -1777,19 +1753,20 @@ def interleaved_cell_commands(
     warm_cmd = bench_command(
         args, base, warm_set, batch, temperature, warm_result, batch, 0
     )
-    slices, first = [], batch
-    sizes = slice_sizes(serve_num_prompts(args, batch), batch, interleave_of(args))
+    n = serve_num_prompts(args, batch)
+    sizes = slice_sizes(n, batch, slices) if slices else [n]
+    runs, done = [], 0
     for j, size in enumerate(sizes):
         timed = [
-            fresh_prompt(prompts[(first - batch + i) % len(prompts)], tag + first + i)
+            fresh_prompt(prompts[(done + i) % len(prompts)], tag + batch + done + i)
             for i in range(size)
         ]
-        first += size
-        out = result.with_suffix(f".slice{j}.json")
+        done += size
+        out = result.with_suffix(f".slice{j}.json") if slices else result
         dataset = write_serve_dataset(timed, out.with_suffix(".prompts.json"))
         cmd = bench_command(args, base, dataset, batch, temperature, out, size, 0)
-        slices.append((out, cmd))
-    return warm_cmd, slices
+        runs.append((out, cmd))
+    return warm_cmd, runs
 
 
 def _median(values: list[float]) -> float | None:
@@ -1919,13 +1896,14 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
         _kill_groups([server])
         failed.append(config)
 
+    def stop_all() -> None:
+        for _, _, client in servers.values():
+            if client is not None:
+                client.close()
+        _kill_groups([server for server, _, _ in servers.values()])
+
     with contextlib.ExitStack() as stack:
-        stack.callback(
-            lambda: (
-                [c.close() for _, _, c in servers.values() if c is not None],
-                _kill_groups([s for s, _, _ in servers.values()]),
-            )
-        )
+        stack.callback(stop_all)
         # One after another: a server sizes its KV cache from the memory free
         # while it starts, which another one starting would change.
         for config, max_batch in configs:
@@ -2032,8 +2010,8 @@ def _measure_interleaved_cell(
     for config in who:
         _, base, client = servers[config]
         result = logs / f"{config}_b{batch}_t{temperature}.json"
-        warm, slices = interleaved_cell_commands(
-            args, base, prompts, batch, temperature, result, k
+        warm, slices = fresh_serve_commands(
+            args, base, prompts, batch, temperature, result, k, interleave_of(args)
         )
         if not client.run(warm, deadline - time.monotonic()):
             return [], config
