@@ -828,11 +828,18 @@ def setup_of(args) -> dict:
     if args.schedule is not None:
         # ddtree-schedule rows mean this schedule; another one needs another --out.
         setup["schedule"] = args.schedule
+    setup.update(cascade_setup())
+    return setup
+
+
+def cascade_setup() -> dict:
+    """TREE_ATTN's cascade switches set in this environment, which every engine
+    of the command inherits, as setup keys (none when unset: older setups
+    still match)."""
+    setup = {}
     for env, key in CASCADE_SETUP_KEYS.items():
         value = os.environ.get(env, "").strip()
         if value:
-            # TREE_ATTN's cascade form, inherited by every engine of this
-            # command (absent when unset: older setups still match).
             setup[key] = value
     return setup
 

@@ -754,6 +754,13 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
         else "tuned engine settings (prefix caching off, the request ladder's "
         "capture sizes)"
     )
+    cascade = [
+        f"{env}={setup[key]}"
+        for env, key in bd.CASCADE_SETUP_KEYS.items()
+        if setup.get(key) is not None
+    ]
+    if cascade:
+        settings += f", TREE_ATTN's cascade form on ({', '.join(cascade)})"
     lines = [
         "# Profile of one decode step",
         "",
@@ -1234,6 +1241,7 @@ def setup_of(args) -> dict:
     if args.pair is not None:
         setup["prompts"] = bd._sha(args.prompts)
         setup["info"]["prompts"] = str(args.prompts)
+    setup.update(bd.cascade_setup())
     return setup
 
 
