@@ -81,7 +81,13 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
     timing_stats,
     write_rounds_report,
 )
-from benchmarks.host_usage import HostUsage, thread_info  # noqa: E402
+from benchmarks.host_usage import (  # noqa: E402
+    HostUsage,
+    format_cpu_list,
+    parse_cpu_list,
+    pin_process_tree,
+    thread_info,
+)
 from tests.e2e.servers import free_port, plugin_site  # noqa: E402
 
 MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"
@@ -290,6 +296,16 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
             "another (the rows are labelled with the setting)",
         )
         p.add_argument(
+            "--pin-cpus",
+            default=None,
+            metavar="CPUS",
+            help="a measurement control, not a vLLM setting: once a server is "
+            "up, confine every thread of it to these CPUs (taskset syntax, "
+            "e.g. 2-4), the same CPUs for every config's server, and run this "
+            "script and its load clients on the others, so that configs are "
+            "not compared on cores of different speed (recorded in the setup)",
+        )
+        p.add_argument(
             "--request-rate",
             default="inf",
             help="vllm bench serve's --request-rate (requests/s, Poisson "
@@ -444,6 +460,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     parse_engine_args(getattr(args, "engine_arg", []))  # errors name the item
     check_run_options(args)
     check_interleave(args)
+    check_pin_cpus(args)
     if getattr(args, "prompts", None) is not None and not args.prompts.is_file():
         raise ValueError(f"--prompts {args.prompts}: no such file")
     if getattr(args, "input_len", 1) < 1:
@@ -516,6 +533,67 @@ def check_interleave(args) -> None:
             f"{INTERLEAVE_GPU_MEMORY / len(args.configs):.2f}; unset, they "
             "share that equally)"
         )
+
+
+def check_pin_cpus(args) -> None:
+    """``--pin-cpus``: a CPU list of this machine that leaves CPUs for the
+    script and its load clients; parsed in place into a set."""
+    text = getattr(args, "pin_cpus", None)
+    if text is None:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("--pin-cpus needs Linux (os.sched_setaffinity)")
+    try:
+        cpus = parse_cpu_list(text)
+    except ValueError as e:
+        raise ValueError(f"--pin-cpus: {e}") from None
+    mine = os.sched_getaffinity(0)
+    if not cpus <= mine:
+        raise ValueError(
+            f"--pin-cpus {text}: CPUs {format_cpu_list(cpus - mine)} are not "
+            f"available here (this process may use {format_cpu_list(mine)})"
+        )
+    if not mine - cpus:
+        raise ValueError(
+            f"--pin-cpus {text} leaves no CPU for this script and its load "
+            f"clients (available: {format_cpu_list(mine)})"
+        )
+    args.pin_cpus = cpus
+
+
+def pin_cpus_of(args) -> set[int] | None:
+    return getattr(args, "pin_cpus", None)
+
+
+@contextlib.contextmanager
+def clients_off_pinned_cpus(args):
+    """With ``--pin-cpus``: this process (and the servers and load clients it
+    starts meanwhile) on the CPUs the servers are not pinned to, restored on
+    exit."""
+    cpus = pin_cpus_of(args)
+    if not cpus:
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, saved - cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
+def pin_server(args, server: subprocess.Popen, log) -> None:
+    """With ``--pin-cpus``: every thread of a server that is up onto those
+    CPUs, said in its log."""
+    cpus = pin_cpus_of(args)
+    if not cpus:
+        return
+    threads = pin_process_tree(server.pid, cpus)
+    log.write(
+        f"bench_ddtree: pinned {threads} threads of this server to CPUs "
+        f"{format_cpu_list(cpus)}\n"
+    )
+    log.flush()
 
 
 def interleave_memory(args) -> float:
@@ -829,6 +907,9 @@ def setup_of(args) -> dict:
         # ddtree-schedule rows mean this schedule; another one needs another --out.
         setup["schedule"] = args.schedule
     setup.update(cascade_setup())
+    if pin_cpus_of(args):
+        # Rows of pinned servers never merge with unpinned ones.
+        setup["pin_cpus"] = format_cpu_list(pin_cpus_of(args))
     return setup
 
 
@@ -1701,13 +1782,17 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
     env = _with_plugin(_worker_env(engine_in_process=False), logs)
     deadline = time.monotonic() + min(time_left, 1e9)
     ok = True
-    with (logs / f"{config}.log").open("a") as log:
+    with (
+        clients_off_pinned_cpus(args),
+        (logs / f"{config}.log").open("a") as log,
+    ):
         server, base = start_server(args, config, max_batch, log, env)
         client = None
         try:
             if not _wait_healthy(base, server, deadline):
                 print(f"    {config}: server did not come up (see its log)")
                 return False
+            pin_server(args, server, log)
             client = ServeClient(log, env, root_pid=server.pid)
             for k, (batch, temperature) in enumerate(runs):
                 result = logs / f"{config}_b{batch}_t{temperature}.json"
@@ -1910,6 +1995,7 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
         _kill_groups([server for server, _, _ in servers.values()])
 
     with contextlib.ExitStack() as stack:
+        stack.enter_context(clients_off_pinned_cpus(args))
         stack.callback(stop_all)
         # One after another: a server sizes its KV cache from the memory free
         # while it starts, which another one starting would change.
@@ -1924,6 +2010,7 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
                 print(f"    {config}: server did not come up (see its log)")
                 drop(config)
                 continue
+            pin_server(args, server, log)
             servers[config] = (server, base, ServeClient(log, env, root_pid=server.pid))
         took: dict[tuple, float] = {}
         for k, (batch, temperature) in enumerate(cells):

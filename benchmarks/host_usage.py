@@ -128,3 +128,57 @@ class HostUsage:
             "next_thread": second_name,
             "next_thread_busy_pct": share(second),
         }
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """A CPU list in taskset / numactl syntax (``"2-4,7"``) as a set of CPU
+    ids; ``ValueError`` names what is wrong."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad CPU list {text!r} (want e.g. '2-4' or '2,3,7')")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"bad CPU list {text!r}: range {part} runs backwards")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def format_cpu_list(cpus) -> str:
+    """The inverse of :func:`parse_cpu_list`, ranges merged: ``{2, 3, 4, 7}``
+    -> ``"2-4,7"``."""
+    parts, run = [], []
+    for cpu in sorted(cpus):
+        if run and cpu == run[-1] + 1:
+            run.append(cpu)
+            continue
+        if run:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [cpu]
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(parts)
+
+
+def pin_process_tree(root_pid: int, cpus: set[int]) -> int:
+    """Every thread of ``root_pid``'s process tree onto ``cpus`` (Linux sets
+    affinity per thread; threads started later inherit their creator's).
+    Returns the threads pinned; ones that end meanwhile are skipped."""
+    import psutil
+
+    root = psutil.Process(root_pid)
+    pinned = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            threads = proc.threads()
+        except psutil.Error:  # ended meanwhile
+            continue
+        for thread in threads:
+            try:
+                os.sched_setaffinity(thread.id, cpus)
+            except ProcessLookupError:
+                continue
+            pinned += 1
+    return pinned

@@ -173,11 +173,13 @@ tests/v1/test_sm90_compile.py"
     # concurrency 1 / 8 / 32 / 64, T=0 and 1, under vLLM's defaults. ROUNDS=N:
     # N fresh servers per config, alternating order (medians in rounds.md).
     # INTERLEAVE=S: the configs' servers side by side, S alternating slices
-    # per cell (bench_ddtree.py serve --interleave).
+    # per cell (bench_ddtree.py serve --interleave). PIN_CPUS=LIST: every
+    # server on the same CPUs once up, the load clients on the others
+    # (--pin-cpus; a measurement control, labelled in the setup).
     pair_bench "${OUT_NAME:-bench_serve_headline}" serve \
       --configs "${1:-dflash,ddtree-auto}" --batches "${BATCHES:-1,8,32,64}" \
       --temperatures 0,1 ${ROUNDS:+--rounds $ROUNDS} \
-      ${INTERLEAVE:+--interleave $INTERLEAVE}
+      ${INTERLEAVE:+--interleave $INTERLEAVE} ${PIN_CPUS:+--pin-cpus $PIN_CPUS}
     exit $? ;;
   profile-8b)
     # Qwen3-8B shapes (dummy weights), batch 1: the step of budgets 127 and 255

@@ -9,6 +9,10 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
+import sys
+import textwrap
 import types
 from pathlib import Path
 
@@ -1925,6 +1929,98 @@ def test_combine_slices():
     plain = bd.combine_slices([{k: v for k, v in a.items() if "spec" not in k}])
     assert "spec_decode_num_drafts" not in plain
     assert bd.serve_row(plain)["acceptance_length"] is None
+
+
+def test_cpu_lists():
+    """--pin-cpus' syntax is taskset's; the setup writes it back with ranges
+    merged."""
+    assert hu.parse_cpu_list("2-4,7") == {2, 3, 4, 7}
+    assert hu.parse_cpu_list(" 0 ") == {0}
+    assert hu.parse_cpu_list("3,1-2") == {1, 2, 3}
+    assert hu.format_cpu_list({7, 2, 3, 4, 9}) == "2-4,7,9"
+    assert hu.format_cpu_list({5}) == "5"
+    for text in ("2-4,7", "0", "0-15", "1,3,5-6"):
+        assert hu.format_cpu_list(hu.parse_cpu_list(text)) == text
+    for bad, message in (
+        ("", "bad CPU list"),
+        ("a", "bad CPU list"),
+        ("4-2", "runs backwards"),
+        ("1-", "bad CPU list"),
+        ("1,,2", "bad CPU list"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            hu.parse_cpu_list(bad)
+
+
+def test_pin_cpus_options(tmp_path, capsys):
+    """--pin-cpus: serve only, CPUs this process may use, at least one left
+    for the script and its clients; in the setup (pinned rows never merge with
+    unpinned ones)."""
+    base = ["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
+    mine = sorted(os.sched_getaffinity(0))
+    plain = bd.parse_args(base)
+    assert bd.pin_cpus_of(plain) is None and "pin_cpus" not in bd.setup_of(plain)
+    missing = max(mine) + 1
+    cases = [
+        (["--pin-cpus", str(missing)], f"CPUs {missing} are not available"),
+        (["--pin-cpus", "x"], "--pin-cpus: bad CPU list"),
+        (
+            ["--pin-cpus", hu.format_cpu_list(mine)],
+            "leaves no CPU for this script",
+        ),
+    ]
+    for extra, message in cases:
+        with pytest.raises(SystemExit):
+            bd.parse_args([*base, *extra])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # offline engines run in this script's tree
+        bd.parse_args(
+            ["e2e", "--out", str(tmp_path / "e"), *_pair(tmp_path), "--pin-cpus", "0"]
+        )
+    capsys.readouterr()
+    if len(mine) < 2:
+        pytest.skip("one CPU here: nothing to pin a server to apart from clients")
+    args = bd.parse_args([*base, "--pin-cpus", str(mine[-1])])
+    assert bd.pin_cpus_of(args) == {mine[-1]}
+    assert bd.setup_of(args)["pin_cpus"] == str(mine[-1])
+    with pytest.raises(ValueError, match="differ"):
+        rep.check_setup(bd.setup_of(plain), bd.setup_of(args), "o")
+
+
+def test_pin_process_tree_pins_every_thread(tmp_path):
+    """Every thread of a process and of its child, started before the pinning,
+    ends up on the CPUs asked for (Linux affinity is per thread)."""
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("one CPU here: a pinned set would equal the whole machine")
+    code = textwrap.dedent(
+        """
+        import subprocess, sys, threading, time
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print(child.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+    )
+    child = None
+    try:
+        child = int(proc.stdout.readline())
+        import psutil
+
+        tids = [t.id for p in (proc.pid, child) for t in psutil.Process(p).threads()]
+        assert len(tids) >= 3  # main + sleeper thread, and the child's main
+        assert all(os.sched_getaffinity(t) == set(mine) for t in tids)
+        target = {mine[-1]}
+        assert hu.pin_process_tree(proc.pid, target) == len(tids)
+        assert [os.sched_getaffinity(t) for t in tids] == [target] * len(tids)
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
 
 
 def test_report_shows_interleaved_slices():

@@ -7,6 +7,7 @@ the client and later runs report failure."""
 
 import io
 import json
+import os
 import sys
 import textwrap
 import time
@@ -238,17 +239,34 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
         json.loads(x) for x in (tuned.out / bd.RESULTS_FILE).read_text().splitlines()
     ]
     assert row["host_usage"]["warmup_requests"] == 2
+    # --pin-cpus: the server is pinned once it is up (its log says so), and
+    # this process has its CPUs back afterwards.
+    mine = os.sched_getaffinity(0)
+    if len(mine) > 1:
+        pin = bd.parse_args(
+            [*argv, "--out", str(tmp_path / "p"), "--pin-cpus", str(max(mine))]
+        )
+        pin.out.mkdir(parents=True)
+        assert bd.run_serve_config(pin, "ddtree-64", 4, [(1, 0.0)], prompts, "r3", 300)
+        assert os.sched_getaffinity(0) == mine
+        log = (pin.out / "logs" / "ddtree-64.log").read_text()
+        assert f"threads of this server to CPUs {max(mine)}" in log
 
 
-# The client class itself (tests below replace bd.ServeClient with subclasses).
+# The client class and server start themselves (tests below replace them).
 REAL_CLIENT = bd.ServeClient
+REAL_START_SERVER = bd.start_server
 
 
-def _interleaved(tmp_path, monkeypatch, name, extra, accepted, die_after=None):
+def _interleaved(
+    tmp_path, monkeypatch, name, extra, accepted, die_after=None, affinity=None
+):
     """bench_ddtree serve --interleave 2 on fake servers (DFlash and DDTree auto,
     ``accepted`` tokens per draft each, DDTree's server exiting after
     ``die_after`` requests): (args, the runs the client was sent as
-    (config, result file, prompt texts), the rows, run_sweep's return code)."""
+    (config, result file, prompt texts, the configs whose servers were up),
+    the rows, run_sweep's return code). ``affinity``, a list: per run, the CPUs
+    of (every server thread, that run's client, this process) appended."""
     from tests.e2e.servers import free_port  # noqa: F401  (bench_ddtree's)
 
     chunks = 4
@@ -269,6 +287,14 @@ def _interleaved(tmp_path, monkeypatch, name, extra, accepted, die_after=None):
         return cmd
 
     monkeypatch.setattr(bd, "serve_command", fake_serve)
+    pids = {}
+
+    def start_server(*a, **kw):
+        server, base = REAL_START_SERVER(*a, **kw)
+        pids[ports[int(base.rsplit(":", 1)[1])]] = server.pid
+        return server, base
+
+    monkeypatch.setattr(bd, "start_server", start_server)
     order = []
 
     class Recording(REAL_CLIENT):
@@ -288,6 +314,23 @@ def _interleaved(tmp_path, monkeypatch, name, extra, accepted, die_after=None):
                 except OSError:
                     pass
             order.append((ports[port], name, texts, sorted(up)))
+            if affinity is not None:
+                import psutil
+
+                threads = [
+                    t.id
+                    for pid in pids.values()
+                    for p in [psutil.Process(pid)]
+                    for p in [p, *p.children(recursive=True)]
+                    for t in p.threads()
+                ]
+                affinity.append(
+                    (
+                        {frozenset(os.sched_getaffinity(t)) for t in threads},
+                        os.sched_getaffinity(self.proc.pid),
+                        os.sched_getaffinity(0),
+                    )
+                )
             return super().run(cmd, time_left)
 
     monkeypatch.setattr(bd, "ServeClient", Recording)
@@ -355,6 +398,37 @@ def test_interleaved_serve_through_the_client(tmp_path, monkeypatch):
         ("ddtree-auto", 4),
         ("dflash", 4),
     ]
+
+
+def test_interleaved_servers_pinned_to_the_same_cpus(tmp_path, monkeypatch):
+    """--pin-cpus: while any timed or warm-up run goes, every thread of every
+    server is on the pinned CPUs and this process and the run's client on the
+    others; the rows' setup says so; afterwards this process has its CPUs
+    back."""
+    mine = os.sched_getaffinity(0)
+    if len(mine) < 2:
+        pytest.skip("one CPU here: nothing to pin a server to apart from clients")
+    pinned = {max(mine)}
+    seen = []
+    args, order, rows, rc = _interleaved(
+        tmp_path,
+        monkeypatch,
+        "p",
+        ["--batches", "1", "--pin-cpus", str(max(mine))],
+        {"dflash": 2, "ddtree-auto": 3},
+        affinity=seen,
+    )
+    assert rc == 0, (args.out / "logs" / "dflash.log").read_text()[-3000:]
+    assert os.sched_getaffinity(0) == mine
+    assert len(seen) == len(order) == 6  # per server: a warm-up and two slices
+    for servers, client_cpus, own in seen:
+        assert servers == {frozenset(pinned)}
+        assert client_cpus == own == mine - pinned
+    assert len(rows) == 2
+    assert bd.setup_of(args)["pin_cpus"] == str(max(mine))
+    for config in ("dflash", "ddtree-auto"):
+        log = (args.out / "logs" / f"{config}.log").read_text()
+        assert f"to CPUs {max(mine)}" in log
 
 
 def test_interleaved_serve_drops_a_failed_server(tmp_path, monkeypatch, capsys):
