@@ -544,7 +544,7 @@ def check_pin_cpus(args) -> None:
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError("--pin-cpus needs Linux (os.sched_setaffinity)")
     try:
-        cpus = parse_cpu_list(text)
+        cpus = parse_cpu_list(text, limit=(os.cpu_count() or 1) - 1)
     except ValueError as e:
         raise ValueError(f"--pin-cpus: {e}") from None
     mine = os.sched_getaffinity(0)
@@ -582,18 +582,31 @@ def clients_off_pinned_cpus(args):
         os.sched_setaffinity(0, saved)
 
 
-def pin_server(args, server: subprocess.Popen, log) -> None:
+def pin_server(args, server: subprocess.Popen, log) -> bool:
     """With ``--pin-cpus``: every thread of a server that is up onto those
-    CPUs, said in its log."""
+    CPUs, said in its log. False (said there too) if that failed: the server
+    is then a failed one."""
+    import psutil
+
     cpus = pin_cpus_of(args)
     if not cpus:
-        return
-    threads = pin_process_tree(server.pid, cpus)
+        return True
+    try:
+        threads = pin_process_tree(server.pid, cpus)
+    except (OSError, RuntimeError, psutil.Error) as e:
+        threads, why = 0, f"{type(e).__name__}: {e}"
+    else:
+        why = "no thread found" if not threads else None
+    if why is not None:
+        log.write(f"bench_ddtree: could not pin this server to CPUs: {why}\n")
+        log.flush()
+        return False
     log.write(
         f"bench_ddtree: pinned {threads} threads of this server to CPUs "
         f"{format_cpu_list(cpus)}\n"
     )
     log.flush()
+    return True
 
 
 def interleave_memory(args) -> float:
@@ -1619,6 +1632,12 @@ def serve_row_labels(args, config, rid, batch, temperature) -> dict:
         max_tokens=args.max_tokens,
         tree_budget=budget_of(config),
         **_schedule_field(args, config),
+        # A measurement control, on the row as well (rounds.md shows no setup).
+        **(
+            {"pin_cpus": format_cpu_list(pin_cpus_of(args))}
+            if pin_cpus_of(args)
+            else {}
+        ),
         time=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
 
@@ -1792,7 +1811,9 @@ def run_serve_config(args, config, max_batch, runs, prompts, rid, time_left) -> 
             if not _wait_healthy(base, server, deadline):
                 print(f"    {config}: server did not come up (see its log)")
                 return False
-            pin_server(args, server, log)
+            if not pin_server(args, server, log):
+                print(f"    {config}: could not pin the server (see its log)")
+                return False
             client = ServeClient(log, env, root_pid=server.pid)
             for k, (batch, temperature) in enumerate(runs):
                 result = logs / f"{config}_b{batch}_t{temperature}.json"
@@ -2010,7 +2031,10 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
                 print(f"    {config}: server did not come up (see its log)")
                 drop(config)
                 continue
-            pin_server(args, server, log)
+            if not pin_server(args, server, log):
+                print(f"    {config}: could not pin the server (see its log)")
+                drop(config)
+                continue
             servers[config] = (server, base, ServeClient(log, env, root_pid=server.pid))
         took: dict[tuple, float] = {}
         for k, (batch, temperature) in enumerate(cells):

@@ -130,55 +130,67 @@ class HostUsage:
         }
 
 
-def parse_cpu_list(text: str) -> set[int]:
+def parse_cpu_list(text: str, limit: int | None = None) -> set[int]:
     """A CPU list in taskset / numactl syntax (``"2-4,7"``) as a set of CPU
-    ids; ``ValueError`` names what is wrong."""
+    ids, none above ``limit``; ``ValueError`` names what is wrong."""
     cpus: set[int] = set()
     for part in text.split(","):
         part = part.strip()
         lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        if not _ascii_number(lo) or (sep and not _ascii_number(hi)):
             raise ValueError(f"bad CPU list {text!r} (want e.g. '2-4' or '2,3,7')")
         first, last = int(lo), int(hi) if sep else int(lo)
         if last < first:
             raise ValueError(f"bad CPU list {text!r}: range {part} runs backwards")
+        if limit is not None and last > limit:
+            raise ValueError(f"CPU {last} does not exist here (the last is {limit})")
         cpus.update(range(first, last + 1))
     return cpus
+
+
+def _ascii_number(text: str) -> bool:
+    return text.isascii() and text.isdecimal()
 
 
 def format_cpu_list(cpus) -> str:
     """The inverse of :func:`parse_cpu_list`, ranges merged: ``{2, 3, 4, 7}``
     -> ``"2-4,7"``."""
-    parts, run = [], []
+    runs: list[list[int]] = []
     for cpu in sorted(cpus):
-        if run and cpu == run[-1] + 1:
-            run.append(cpu)
-            continue
-        if run:
-            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [cpu]
-    if run:
-        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(parts)
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
-def pin_process_tree(root_pid: int, cpus: set[int]) -> int:
+def pin_process_tree(root_pid: int, cpus: set[int], passes: int = 5) -> int:
     """Every thread of ``root_pid``'s process tree onto ``cpus`` (Linux sets
     affinity per thread; threads started later inherit their creator's).
-    Returns the threads pinned; ones that end meanwhile are skipped."""
+    Walks the tree again until a walk finds every thread there already (a
+    thread or process started during a walk by one not yet pinned would keep
+    the old CPUs). Returns the threads on ``cpus``; ones that end meanwhile
+    are skipped. ``RuntimeError`` if the tree is not settled after
+    ``passes`` walks; ``OSError`` (e.g. CPUs outside the server's cgroup) and
+    ``psutil.Error`` (the root gone) pass through."""
     import psutil
 
     root = psutil.Process(root_pid)
-    pinned = 0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            threads = proc.threads()
-        except psutil.Error:  # ended meanwhile
-            continue
-        for thread in threads:
+    for _ in range(passes):
+        moved = on_cpus = 0
+        for proc in [root, *root.children(recursive=True)]:
             try:
-                os.sched_setaffinity(thread.id, cpus)
-            except ProcessLookupError:
+                threads = proc.threads()
+            except psutil.Error:  # ended meanwhile
                 continue
-            pinned += 1
-    return pinned
+            for thread in threads:
+                try:
+                    if os.sched_getaffinity(thread.id) != cpus:
+                        os.sched_setaffinity(thread.id, cpus)
+                        moved += 1
+                except ProcessLookupError:
+                    continue
+                on_cpus += 1
+        if not moved:
+            return on_cpus
+    raise RuntimeError(f"threads of process {root_pid} kept appearing off {cpus}")

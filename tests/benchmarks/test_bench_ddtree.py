@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 
@@ -1947,6 +1948,7 @@ def test_cpu_lists():
         ("4-2", "runs backwards"),
         ("1-", "bad CPU list"),
         ("1,,2", "bad CPU list"),
+        ("\u00b2", "bad CPU list"),  # a digit to str.isdigit, not a number
     ):
         with pytest.raises(ValueError, match=message):
             hu.parse_cpu_list(bad)
@@ -1960,9 +1962,9 @@ def test_pin_cpus_options(tmp_path, capsys):
     mine = sorted(os.sched_getaffinity(0))
     plain = bd.parse_args(base)
     assert bd.pin_cpus_of(plain) is None and "pin_cpus" not in bd.setup_of(plain)
-    missing = max(mine) + 1
     cases = [
-        (["--pin-cpus", str(missing)], f"CPUs {missing} are not available"),
+        (["--pin-cpus", str(os.cpu_count())], "does not exist here"),
+        (["--pin-cpus", "0-4000000000"], "does not exist here"),
         (["--pin-cpus", "x"], "--pin-cpus: bad CPU list"),
         (
             ["--pin-cpus", hu.format_cpu_list(mine)],
@@ -1995,29 +1997,54 @@ def test_pin_process_tree_pins_every_thread(tmp_path):
         pytest.skip("one CPU here: a pinned set would equal the whole machine")
     code = textwrap.dedent(
         """
-        import subprocess, sys, threading, time
+        import os, subprocess, sys, threading, time
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        grandchild = "import time; time.sleep(60)"
+        child = subprocess.Popen([sys.executable, "-c",
+            "import subprocess, sys, time; "
+            f"subprocess.Popen([sys.executable, '-c', {grandchild!r}]); "
+            "time.sleep(60)"])
         print(child.pid, flush=True)
+        sys.stdin.readline()  # pinned meanwhile: a thread started now inherits
+        late = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+        late.start()
+        time.sleep(0.2)
+        print(sorted(os.sched_getaffinity(late.native_id)), flush=True)
         time.sleep(60)
         """
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     child = None
     try:
         child = int(proc.stdout.readline())
         import psutil
 
-        tids = [t.id for p in (proc.pid, child) for t in psutil.Process(p).threads()]
-        assert len(tids) >= 3  # main + sleeper thread, and the child's main
+        deadline = time.monotonic() + 30
+        while not psutil.Process(child).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (grandchild,) = psutil.Process(child).children()
+        tree = (proc.pid, child, grandchild.pid)
+        tids = [t.id for p in tree for t in psutil.Process(p).threads()]
+        assert len(tids) >= 4  # main + sleeper thread, the child's, the grandchild's
         assert all(os.sched_getaffinity(t) == set(mine) for t in tids)
         target = {mine[-1]}
         assert hu.pin_process_tree(proc.pid, target) == len(tids)
         assert [os.sched_getaffinity(t) for t in tids] == [target] * len(tids)
+        assert hu.pin_process_tree(proc.pid, target) == len(tids)  # settled
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline()) == sorted(target)
     finally:
         if child is not None:
+            import psutil
+
+            for p in psutil.Process(child).children():
+                p.kill()
             os.kill(child, signal.SIGKILL)
         proc.kill()
         proc.wait()

@@ -8,6 +8,7 @@ the client and later runs report failure."""
 import io
 import json
 import os
+import re
 import sys
 import textwrap
 import time
@@ -250,7 +251,29 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
         assert bd.run_serve_config(pin, "ddtree-64", 4, [(1, 0.0)], prompts, "r3", 300)
         assert os.sched_getaffinity(0) == mine
         log = (pin.out / "logs" / "ddtree-64.log").read_text()
-        assert f"threads of this server to CPUs {max(mine)}" in log
+        assert re.search(
+            rf"pinned [1-9]\d* threads of this server to CPUs {max(mine)}", log
+        )
+        (row,) = [
+            json.loads(x) for x in (pin.out / bd.RESULTS_FILE).read_text().splitlines()
+        ]
+        assert row["pin_cpus"] == str(max(mine))  # on the row, not only the setup
+        # A server that cannot be pinned is a failed one, and the CPUs come back.
+        monkeypatch.setattr(
+            bd,
+            "pin_process_tree",
+            lambda pid, cpus: (_ for _ in ()).throw(OSError(22, "Invalid argument")),
+        )
+        bad = bd.parse_args(
+            [*argv, "--out", str(tmp_path / "b"), "--pin-cpus", str(max(mine))]
+        )
+        bad.out.mkdir(parents=True)
+        assert not bd.run_serve_config(
+            bad, "ddtree-64", 4, [(1, 0.0)], prompts, "r4", 300
+        )
+        assert os.sched_getaffinity(0) == mine
+        log = (bad.out / "logs" / "ddtree-64.log").read_text()
+        assert "could not pin this server to CPUs: OSError" in log
 
 
 # The client class and server start themselves (tests below replace them).
