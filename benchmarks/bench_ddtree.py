@@ -86,6 +86,7 @@ from benchmarks.host_usage import (  # noqa: E402
     format_cpu_list,
     parse_cpu_list,
     pin_process_tree,
+    process_tree,
     thread_info,
 )
 from tests.e2e.servers import free_port, plugin_site  # noqa: E402
@@ -565,6 +566,14 @@ def pin_cpus_of(args) -> set[int] | None:
     return getattr(args, "pin_cpus", None)
 
 
+def pin_cpus_field(args) -> dict:
+    """``{"pin_cpus": LIST}`` with ``--pin-cpus``, else empty: in the setup
+    (pinned rows never merge with unpinned ones) and on every row (a
+    ``rounds.md`` shows no setup)."""
+    cpus = pin_cpus_of(args)
+    return {"pin_cpus": format_cpu_list(cpus)} if cpus else {}
+
+
 @contextlib.contextmanager
 def clients_off_pinned_cpus(args):
     """With ``--pin-cpus``: this process (and the servers and load clients it
@@ -593,10 +602,9 @@ def pin_server(args, server: subprocess.Popen, log) -> bool:
         return True
     try:
         threads = pin_process_tree(server.pid, cpus)
+        why = None if threads else "no thread found"
     except (OSError, RuntimeError, psutil.Error) as e:
-        threads, why = 0, f"{type(e).__name__}: {e}"
-    else:
-        why = "no thread found" if not threads else None
+        why = f"{type(e).__name__}: {e}"
     if why is not None:
         log.write(f"bench_ddtree: could not pin this server to CPUs: {why}\n")
         log.flush()
@@ -920,9 +928,7 @@ def setup_of(args) -> dict:
         # ddtree-schedule rows mean this schedule; another one needs another --out.
         setup["schedule"] = args.schedule
     setup.update(cascade_setup())
-    if pin_cpus_of(args):
-        # Rows of pinned servers never merge with unpinned ones.
-        setup["pin_cpus"] = format_cpu_list(pin_cpus_of(args))
+    setup.update(pin_cpus_field(args))
     return setup
 
 
@@ -1358,14 +1364,9 @@ def run_worker(spec: dict) -> None:
 
 
 def parse_cpulist(text: str) -> list[int]:
-    """``"0-3,8,10-11"`` (Linux's cpulist format) -> ``[0, 1, 2, 3, 8, 10, 11]``."""
-    cpus = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        first, _, last = part.partition("-")
-        cpus.extend(range(int(first), int(last or first) + 1))
-    return cpus
+    """``"0-3,8,10-11"`` (Linux's cpulist format) -> ``[0, 1, 2, 3, 8, 10, 11]``
+    (a node without CPUs has an empty list)."""
+    return sorted(parse_cpu_list(text)) if text.strip() else []
 
 
 def numa_kib(numa_maps: str) -> dict[int, int]:
@@ -1453,9 +1454,8 @@ def host_placement() -> dict:
     for path in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
         for cpu in parse_cpulist(_read(path / "cpulist") or ""):
             node_of[cpu] = int(path.name[4:])
-    me = psutil.Process()
     procs = []
-    for proc in [me, *me.children(recursive=True)]:
+    for proc in process_tree(psutil.Process()):
         try:
             cpu = proc.cpu_num()
             threads = busy_threads(proc)
@@ -1632,12 +1632,7 @@ def serve_row_labels(args, config, rid, batch, temperature) -> dict:
         max_tokens=args.max_tokens,
         tree_budget=budget_of(config),
         **_schedule_field(args, config),
-        # A measurement control, on the row as well (rounds.md shows no setup).
-        **(
-            {"pin_cpus": format_cpu_list(pin_cpus_of(args))}
-            if pin_cpus_of(args)
-            else {}
-        ),
+        **pin_cpus_field(args),
         time=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
 

@@ -76,8 +76,7 @@ class HostUsage:
     def __init__(self, root_pid: int | None = None):
         import psutil
 
-        root = psutil.Process(root_pid)
-        self._procs = [root, *root.children(recursive=True)]
+        self._procs = process_tree(psutil.Process(root_pid))
         self._threads = thread_cpu(self._procs)
         self._times = psutil.cpu_times()
         self._start = time.perf_counter()
@@ -130,6 +129,11 @@ class HostUsage:
         }
 
 
+def process_tree(root) -> list:
+    """``root`` (a ``psutil.Process``) and all its descendants."""
+    return [root, *root.children(recursive=True)]
+
+
 def parse_cpu_list(text: str, limit: int | None = None) -> set[int]:
     """A CPU list in taskset / numactl syntax (``"2-4,7"``) as a set of CPU
     ids, none above ``limit``; ``ValueError`` names what is wrong."""
@@ -178,7 +182,7 @@ def pin_process_tree(root_pid: int, cpus: set[int], passes: int = 5) -> int:
     root = psutil.Process(root_pid)
     for _ in range(passes):
         moved = on_cpus = 0
-        for proc in [root, *root.children(recursive=True)]:
+        for proc in process_tree(root):
             try:
                 threads = proc.threads()
             except psutil.Error:  # ended meanwhile

@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks import bench_ddtree as bd
 from benchmarks import bench_serve_client as client
+from benchmarks import host_usage as hu
 from tests.benchmarks import fake_completions_server as fake
 from tests.benchmarks.test_bench_ddtree import _pair
 
@@ -343,8 +344,7 @@ def _interleaved(
                 threads = [
                     t.id
                     for pid in pids.values()
-                    for p in [psutil.Process(pid)]
-                    for p in [p, *p.children(recursive=True)]
+                    for p in hu.process_tree(psutil.Process(pid))
                     for t in p.threads()
                 ]
                 affinity.append(
