@@ -200,6 +200,8 @@ class Problem:
         self.key_cache, self.value_cache = kv.split(HEAD_SIZE, -1)
         perm = torch.randperm(num_blocks, generator=gen).to(torch.int32).cuda()
         self.block_tables = perm.view(self.num_rotations, batch, blocks_per_req)
+        # Host copy: a launch timed in a CUDA graph must not read the device.
+        self.seq_len = seq_len
         self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
         self.query_start_loc = torch.arange(
             0, (batch + 1) * self.q_len, self.q_len, dtype=torch.int32, device="cuda"
@@ -247,7 +249,7 @@ class Problem:
                 self.block_tables[i],
                 HEAD_SIZE**-0.5,
                 self.q_len,
-                int(self.seq_lens[0]),
+                self.seq_len,
                 fa_version=3,
             )
             tree_attention_with_context(
@@ -290,7 +292,7 @@ class Problem:
             out=out,
             max_seqlen_q=self.q_len,
             cu_seqlens_q=self.query_start_loc,
-            max_seqlen_k=int(self.seq_lens[0]),
+            max_seqlen_k=self.seq_len,
             seqused_k=self.seq_lens,
             softmax_scale=HEAD_SIZE**-0.5,
             causal=True,
@@ -303,7 +305,7 @@ class Problem:
             metadata = get_scheduler_metadata(
                 batch_size=self.batch,
                 max_seqlen_q=self.q_len,
-                max_seqlen_k=int(self.seq_lens[0]),
+                max_seqlen_k=self.seq_len,
                 num_heads_q=NUM_Q_HEADS,
                 num_heads_kv=NUM_KV_HEADS,
                 headdim=HEAD_SIZE,
