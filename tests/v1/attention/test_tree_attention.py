@@ -888,6 +888,50 @@ def test_variants_are_exactly_the_plans_of_every_step(
     assert len(listed) >= 4
 
 
+@pytest.mark.parametrize(
+    "heads,head_size,num_sms,max_reqs,max_tokens,min_reqs",
+    [
+        ((4, 2), 64, 8, 24, 600, 1),
+        ((32, 8), 128, 132, 24, 600, 1),
+        ((32, 8), 128, 132, 24, 600, 8),
+        ((32, 8), 128, 16, 40, 700, 8),
+        ((2, 1), 64, 4, 48, 500, 40),
+        # Two SMs: from two query tiles per request on, plans stop changing
+        # before the cascade's first batch; one representative there still.
+        ((32, 8), 128, 2, 24, 600, 8),
+    ],
+)
+def test_cascade_suffix_variants_are_exactly_its_plans(
+    heads, head_size, num_sms, max_reqs, max_tokens, min_reqs
+):
+    """With the cascade on, the list adds the suffix plans (tail_only) of every
+    step of at least min_reqs requests, and only those; the full kernel's
+    variants stay as without it."""
+    variants = tree_attention_variants(
+        *heads, head_size, num_sms, max_reqs, max_tokens, cascade_min_reqs=min_reqs
+    )
+    full = [v for v in variants if not v.tail_only]
+    assert full == tree_attention_variants(
+        *heads, head_size, num_sms, max_reqs, max_tokens
+    )
+    listed = {(v.config, v.splits_padded) for v in variants if v.tail_only}
+    assert all(v.num_splits == 1 for v in variants if v.tail_only)
+    reached, steps = set(), 0
+    for num_reqs in range(min_reqs, max_reqs + 1):
+        for num_tokens in range(num_reqs, max_tokens + 1):
+            plan = plan_tree_attention.__wrapped__(
+                num_tokens, num_reqs, *heads, head_size, num_sms, tail_only=True
+            )
+            key = _variant_key(plan)
+            assert key in listed, (num_tokens, num_reqs, key)
+            reached.add(key)
+            steps += 1
+    print(f"{steps} steps, {len(listed)} suffix variants")
+    assert steps >= 4_000
+    assert reached == listed
+    assert len(listed) >= 2
+
+
 def test_variants_cover_sampled_large_steps():
     """Qwen3-8B heads on an H200, vLLM's default batch limits: random steps of
     up to 256 requests and 16384 tokens all plan a listed variant."""
@@ -919,7 +963,12 @@ def test_warm_up_launches_every_variant_like_a_step(monkeypatch):
 
     monkeypatch.setattr(tta, "tree_attention", record)
     cfg = TreeAttentionConfig(block_m=32, block_n=64, num_warps=4)
-    variants = [TreeAttentionVariant(cfg, 1), TreeAttentionVariant(cfg, 3)]
+    tail_cfg = TreeAttentionConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    variants = [
+        TreeAttentionVariant(cfg, 1),
+        TreeAttentionVariant(cfg, 3),
+        TreeAttentionVariant(tail_cfg, 1, tail_only=True),
+    ]
     kv = torch.zeros(3, 16, 2, 2 * 64, dtype=torch.float16)
     key_cache, value_cache = kv.split(64, dim=-1)
     mask = torch.zeros(8, 7, 1, dtype=torch.int32)
@@ -928,11 +977,16 @@ def test_warm_up_launches_every_variant_like_a_step(monkeypatch):
     n = warm_up_tree_attention(
         variants, q_like, key_cache, value_cache, 9, mask, is_tree, 0.125
     )
-    assert n == 2 and [c[4]["num_splits"] for c in calls] == [1, 3]
+    assert n == 3 and [c[4]["num_splits"] for c in calls] == [1, 3, 1]
+    assert [c[4]["config"] for c in calls] == [cfg, cfg, tail_cfg]
+    # The suffix variant with a log-sum-exp buffer laid out like the cascade's.
+    assert calls[0][4]["tail_lse"] is None and calls[1][4]["tail_lse"] is None
+    tail_lse = calls[2][4]["tail_lse"]
+    assert tail_lse.dtype == torch.float32 and tail_lse.shape == (4, 16)
+    assert tail_lse.stride() == (16, 1)
     for shape, k, v, bt_shape, kw in calls:
         assert shape == (16, 4, 64)
         assert k is key_cache and v is value_cache and bt_shape == (1, 9)
-        assert kw["config"] == cfg
         assert kw["tree_mask"].data_ptr() == mask.data_ptr()
         assert kw["tree_mask"].shape == (1, 7, 1) and kw["is_tree"].shape == (1,)
 
@@ -969,11 +1023,15 @@ def test_warm_up_runs_the_kernel_and_reads_only():
     mask = torch.ones(2, 5, 1, dtype=torch.int32, device=DEVICE)
     is_tree = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     cfg = TreeAttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
-    variants = [TreeAttentionVariant(cfg, 1), TreeAttentionVariant(cfg, 2)]
+    variants = [
+        TreeAttentionVariant(cfg, 1),
+        TreeAttentionVariant(cfg, 2),
+        TreeAttentionVariant(cfg, 1, tail_only=True),
+    ]
     q_like = torch.empty(1, 4, 32, dtype=dtype, device=DEVICE)
     n = warm_up_tree_attention(
         variants, q_like, key_cache, value_cache, 4, mask, is_tree, 32**-0.5
     )
-    assert n == 2
+    assert n == 3
     assert torch.equal(kv, before)
     assert int(mask.sum()) == 10 and int(is_tree.sum()) == 0

@@ -501,10 +501,11 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     # Steps whose longest query is at least this long run the kernel rows as a
     # cascade (tree_attention_with_context): FlashAttention over the committed
     # context, the Triton kernel over the new keys, merged by log-sum-exp. None:
-    # off (the Triton kernel reads the whole context). Off by default: measured
-    # in engines at one budget only (benchmarks/README.md, "cascade") and not yet
-    # checked end to end for greedy equality; set it for a measurement with
-    # CONTEXT_CASCADE_ENV.
+    # off (the Triton kernel reads the whole context). Off by default: its three
+    # launches per layer cost more than they save on one request over a short
+    # context, and the batches and contexts where the kernel alone measures
+    # slower have not been timed in engines yet (benchmarks/README.md,
+    # "cascade"); set it with CONTEXT_CASCADE_ENV.
     fa_context_min_query_len: ClassVar[int | None] = context_cascade_min_query_len()
     # ... and whose kernel rows hold at least this many requests (the cascade's
     # extra launches cost more than they save on small batches).

@@ -543,6 +543,8 @@ class TreeAttentionVariant:
 
     config: TreeAttentionConfig
     num_splits: int  # a representative of its padded class; 1 = no split
+    # The cascade's suffix half (TAIL_ONLY: new keys only, log-sum-exp out).
+    tail_only: bool = False
 
     @property
     def splits_padded(self) -> int:
@@ -557,9 +559,12 @@ def tree_attention_variants(
     max_num_reqs: int,
     max_num_tokens: int,
     itemsize: int = 2,
+    cascade_min_reqs: int | None = None,
 ) -> list[TreeAttentionVariant]:
     """Every variant :func:`plan_tree_attention` picks for some step of up to
-    ``max_num_reqs`` requests and ``max_num_tokens`` tokens.
+    ``max_num_reqs`` requests and ``max_num_tokens`` tokens; with
+    ``cascade_min_reqs``, also the suffix plans (``tail_only``) of steps of at
+    least that many requests, which the cascade form may run.
 
     The plan depends on the sizes only through the average query length's tile
     shape, the tiles per request and the request count, so one query length
@@ -571,34 +576,45 @@ def tree_attention_variants(
     plan = plan_tree_attention.__wrapped__  # not the launch-time cache
     heads_padded = next_power_of_2(num_q_heads // num_kv_heads)
     head_size_padded = max(16, next_power_of_2(head_size))
-    reps: dict[tuple[TreeAttentionConfig, int], int] = {}
-    for avg in range(1, max(1, max_num_tokens) + 1):
-        cfg = _default_config(avg, 1, heads_padded, head_size_padded, itemsize)
-        block_q = max(cfg.block_m, heads_padded, 16) // heads_padded
-        reps.setdefault((cfg, cdiv(avg, block_q)), avg)
     # Programs beyond which nothing changes: one split, never 8 wide warps.
     max_programs = num_sms * 2 * math.ceil((1 + _PROGRAM_OVERHEAD) / _PROGRAM_OVERHEAD)
     max_programs = max(max_programs, num_sms) + num_sms
     out: dict[tuple, TreeAttentionVariant] = {}
-    for (_, tiles), avg in reps.items():
-        per_req = tiles * num_kv_heads
-        # A step of n requests averages avg tokens with as few as
-        # (avg - 1) * n + 1 of them.
-        fit = max_num_tokens if avg == 1 else (max_num_tokens - 1) // (avg - 1)
-        last = min(max_num_reqs, max(1, fit))
-        for num_reqs in range(1, min(last, max_programs // per_req + 1) + 1):
-            p = plan(
-                num_reqs * avg,
-                num_reqs,
-                num_q_heads,
-                num_kv_heads,
-                head_size,
-                num_sms,
-                itemsize=itemsize,
-            )
-            v = TreeAttentionVariant(p.config, p.num_splits)
-            out.setdefault((v.config, v.splits_padded), v)
-    return sorted(out.values(), key=lambda v: (str(v.config), v.splits_padded))
+    kinds = [(False, 1)]
+    if cascade_min_reqs is not None:
+        kinds.append((True, max(1, cascade_min_reqs)))
+    for tail_only, min_reqs in kinds:
+        reps: dict[tuple[TreeAttentionConfig, int], int] = {}
+        for avg in range(1, max(1, max_num_tokens) + 1):
+            cfg = _default_config(avg, 1, heads_padded, head_size_padded, itemsize)
+            if tail_only:  # its key blocks follow the query length too
+                cfg = _tail_config(cfg, avg)
+            block_q = max(cfg.block_m, heads_padded, 16) // heads_padded
+            reps.setdefault((cfg, cdiv(avg, block_q)), avg)
+        for (_, tiles), avg in reps.items():
+            per_req = tiles * num_kv_heads
+            # A step of n requests averages avg tokens with as few as
+            # (avg - 1) * n + 1 of them.
+            fit = max_num_tokens if avg == 1 else (max_num_tokens - 1) // (avg - 1)
+            last = min(max_num_reqs, max(1, fit))
+            # At least one step of min_reqs requests, where the cascade starts.
+            top = max(min_reqs, min(last, max_programs // per_req + 1))
+            for num_reqs in range(min_reqs, min(last, top) + 1):
+                p = plan(
+                    num_reqs * avg,
+                    num_reqs,
+                    num_q_heads,
+                    num_kv_heads,
+                    head_size,
+                    num_sms,
+                    itemsize=itemsize,
+                    tail_only=tail_only,
+                )
+                v = TreeAttentionVariant(p.config, p.num_splits, tail_only)
+                out.setdefault((v.config, v.splits_padded, tail_only), v)
+    return sorted(
+        out.values(), key=lambda v: (v.tail_only, str(v.config), v.splits_padded)
+    )
 
 
 def warm_up_tree_attention(
@@ -627,6 +643,11 @@ def warm_up_tree_attention(
     qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
     seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
     block_table = torch.zeros((1, block_table_width), dtype=torch.int32, device=device)
+    # Contiguous [heads, tokens] like the cascade's: the unit token stride is
+    # specialized, the head stride is not.
+    tail_lse = torch.empty(
+        (num_q_heads, num_tokens), dtype=torch.float32, device=device
+    )
     for v in variants:
         tree_attention(
             q,
@@ -641,6 +662,7 @@ def warm_up_tree_attention(
             is_tree=None if is_tree is None else is_tree[:1],
             num_splits=v.num_splits,
             config=v.config,
+            tail_lse=tail_lse if v.tail_only else None,
         )
     return len(variants)
 
