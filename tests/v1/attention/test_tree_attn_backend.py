@@ -492,6 +492,28 @@ def test_full_cudagraph_mixed_batches_stay_in_the_kernel(vllm_config, monkeypatc
     assert md.prefill_rows is not None
 
 
+def test_cascade_reads_the_kernel_rows_longest_query(vllm_config, monkeypatch):
+    """A prompt delegated to FlashAttention does not switch the tree rows to the
+    cascade: the switch reads the longest query among the kernel's own rows."""
+    from vllm.v1.attention.backends import tree_attn
+
+    impl_cls = tree_attn.TreeAttentionImpl
+    monkeypatch.setattr(impl_cls, "fa_context_min_reqs", 1)
+    checked = 0
+    for threshold, q_lens, mode, delegated, cascade in (
+        (32, [16, 16, 1, 40, 70], None, True, False),  # prompts of 40 and 70
+        (16, [16, 16, 1, 40, 70], None, True, True),
+        (32, [16, 40], CUDAGraphMode.FULL, False, True),  # all in the kernel
+        (41, [16, 40], CUDAGraphMode.FULL, False, False),
+    ):
+        monkeypatch.setattr(impl_cls, "fa_context_min_query_len", threshold)
+        md = prefill_split(vllm_config, q_lens, monkeypatch, mode)
+        assert (md.prefill_rows is not None) == delegated, (threshold, q_lens)
+        assert (md.kernel_rows.ctx_lens is not None) == cascade, (threshold, q_lens)
+        checked += 1
+    assert checked == 4
+
+
 @needs_gpu
 def test_mixed_batch_with_flash_attn_prefills(vllm_config):
     budget = 15

@@ -235,7 +235,9 @@ class DDTreeModelState(DefaultModelState):
         layers = self.vllm_config.compilation_config.static_forward_context
         sched = self.vllm_config.scheduler_config
         launches, seen = 0, set()
-        # With the cascade form switched on, its suffix kernels too.
+        # With the cascade form switched on, its suffix kernels too, for every
+        # step of enough requests: the switch's query-length test reads the
+        # longest row, which says nothing of the average the plan follows.
         cascade_min_reqs = (
             None
             if TreeAttentionImpl.fa_context_min_query_len is None

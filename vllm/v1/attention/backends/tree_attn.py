@@ -399,7 +399,13 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             is_tree = self._tree_inputs.is_tree[:num_reqs]
         query_start_loc = cm.query_start_loc[: num_reqs + 1]
         seq_lens = cm.seq_lens[:num_reqs]
-        if self._use_context_cascade(cm.max_query_len, num_reqs):
+        # The kernel rows' own longest query: with prompts delegated to
+        # FlashAttention, the step's longest is a prompt's (CPU tensors only).
+        max_query_len = cm.max_query_len
+        if 0 < num_reqs < cm.num_reqs:
+            qsl = cm.query_start_loc_cpu[: num_reqs + 1]
+            max_query_len = int((qsl[1:] - qsl[:-1]).max())
+        if self._use_context_cascade(max_query_len, num_reqs):
             # Once per step, for every layer of this group.
             ctx_lens = torch.sub(
                 seq_lens,
@@ -503,9 +509,9 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     # context, the Triton kernel over the new keys, merged by log-sum-exp. None:
     # off (the Triton kernel reads the whole context). Off by default: its three
     # launches per layer cost more than they save on one request over a short
-    # context, and the batches and contexts where the kernel alone measures
-    # slower have not been timed in engines yet (benchmarks/README.md,
-    # "cascade"); set it with CONTEXT_CASCADE_ENV.
+    # context, and where the kernel alone is slower the gain has to show in
+    # whole engine steps first (benchmarks/README.md, "cascade"); set it with
+    # CONTEXT_CASCADE_ENV.
     fa_context_min_query_len: ClassVar[int | None] = context_cascade_min_query_len()
     # ... and whose kernel rows hold at least this many requests (the cascade's
     # extra launches cost more than they save on small batches).
