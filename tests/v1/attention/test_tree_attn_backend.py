@@ -566,7 +566,7 @@ def _tree_step(vllm_config, budget=31, seed=1):
 def test_cascade_dispatch(vllm_config, monkeypatch, threshold, min_reqs, used):
     """The impl takes the cascade only where FlashAttention exists, the
     kernel rows' longest query reaches fa_context_min_query_len (here 32) and
-    kernel rows hold fa_context_min_reqs requests (here 2)."""
+    they hold fa_context_min_reqs requests (here 2)."""
     from vllm.v1.attention.backends import tree_attn
 
     calls = []
