@@ -848,6 +848,25 @@ def _variant_key(plan) -> tuple:
     )
 
 
+def _plans_of_every_step(
+    listed, heads, head_size, num_sms, max_reqs, max_tokens, min_reqs=1, tail=False
+):
+    """Plan every step of min_reqs..max_reqs requests and up to max_tokens
+    tokens, asserting each plan's variant is listed; returns the variants
+    reached and the number of steps."""
+    reached, steps = set(), 0
+    for num_reqs in range(min_reqs, max_reqs + 1):
+        for num_tokens in range(num_reqs, max_tokens + 1):
+            plan = plan_tree_attention.__wrapped__(
+                num_tokens, num_reqs, *heads, head_size, num_sms, tail_only=tail
+            )
+            key = _variant_key(plan)
+            assert key in listed, (num_tokens, num_reqs, key)
+            reached.add(key)
+            steps += 1
+    return reached, steps
+
+
 @pytest.mark.parametrize(
     "heads,head_size,num_sms,max_reqs,max_tokens",
     [
@@ -872,16 +891,9 @@ def test_variants_are_exactly_the_plans_of_every_step(
             *heads, head_size, num_sms, max_reqs, max_tokens
         )
     }
-    reached, steps = set(), 0
-    for num_reqs in range(1, max_reqs + 1):
-        for num_tokens in range(num_reqs, max_tokens + 1):
-            plan = plan_tree_attention.__wrapped__(
-                num_tokens, num_reqs, *heads, head_size, num_sms
-            )
-            key = _variant_key(plan)
-            assert key in listed, (num_tokens, num_reqs, key)
-            reached.add(key)
-            steps += 1
+    reached, steps = _plans_of_every_step(
+        listed, heads, head_size, num_sms, max_reqs, max_tokens
+    )
     print(f"{steps} steps, {len(listed)} variants")
     assert steps >= 8_000
     assert reached == listed
@@ -916,16 +928,9 @@ def test_cascade_suffix_variants_are_exactly_its_plans(
     )
     listed = {(v.config, v.splits_padded) for v in variants if v.tail_only}
     assert all(v.num_splits == 1 for v in variants if v.tail_only)
-    reached, steps = set(), 0
-    for num_reqs in range(min_reqs, max_reqs + 1):
-        for num_tokens in range(num_reqs, max_tokens + 1):
-            plan = plan_tree_attention.__wrapped__(
-                num_tokens, num_reqs, *heads, head_size, num_sms, tail_only=True
-            )
-            key = _variant_key(plan)
-            assert key in listed, (num_tokens, num_reqs, key)
-            reached.add(key)
-            steps += 1
+    reached, steps = _plans_of_every_step(
+        listed, heads, head_size, num_sms, max_reqs, max_tokens, min_reqs, True
+    )
     print(f"{steps} steps, {len(listed)} suffix variants")
     assert steps >= 4_000
     assert reached == listed
