@@ -996,6 +996,87 @@ def test_warm_up_launches_every_variant_like_a_step(monkeypatch):
         assert kw["tree_mask"].shape == (1, 7, 1) and kw["is_tree"].shape == (1,)
 
 
+@needs_gpu
+def test_warm_up_leaves_nothing_to_compile_gpu():
+    """On the GPU, with the cascade on: once the variants of every step within
+    small limits are warmed up, the full kernel and the cascade's suffix over
+    steps of all request counts and query lengths within those limits add no
+    binary to Triton's kernel caches."""
+    from vllm.v1.attention.backends.tree_attn import TreeAttentionInputs
+
+    max_reqs, max_tokens, dtype = 8, 160, torch.bfloat16
+    num_q, num_kv, head, block, width = 32, 8, 128, 16, 16
+    variants = tree_attention_variants(
+        num_q,
+        num_kv,
+        head,
+        tta.num_sms(torch.device(DEVICE)),
+        max_reqs,
+        max_tokens,
+        cascade_min_reqs=1,
+    )
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    kv = torch.randn(
+        max_reqs * width, block, num_kv, 2 * head, generator=gen, device=DEVICE
+    ).to(dtype)
+    key_cache, value_cache = kv.split(head, dim=-1)
+    inputs = TreeAttentionInputs.allocate(max_reqs, 31, torch.device(DEVICE))
+    q_like = torch.empty(1, num_q, head, dtype=dtype, device=DEVICE)
+    warm_up_tree_attention(
+        variants,
+        q_like,
+        key_cache,
+        value_cache,
+        width,
+        inputs.attn_mask,
+        inputs.is_tree,
+        head**-0.5,
+    )
+    kernels = (tta._tree_attention_kernel, tta._merge_splits_kernel)
+
+    def binaries() -> int:
+        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+
+    before, steps = binaries(), 0
+    assert before >= len(variants) // 2
+    for num_reqs in range(1, max_reqs + 1):
+        for q_len in (1, 2, 7, 16, 17, 20):
+            num_tokens = num_reqs * q_len
+            if num_tokens > max_tokens:
+                continue
+            q = torch.randn(num_tokens, num_q, head, generator=gen, device=DEVICE)
+            q = q.to(dtype)
+            qsl = torch.arange(
+                0, num_tokens + 1, q_len, dtype=torch.int32, device=DEVICE
+            )
+            seq_lens = torch.full((num_reqs,), 40 + q_len, device=DEVICE)
+            table = torch.arange(
+                num_reqs * width, dtype=torch.int32, device=DEVICE
+            ).view(num_reqs, width)
+            for tail in (False, True):
+                tail_lse = (
+                    torch.empty(num_q, num_tokens, device=DEVICE) if tail else None
+                )
+                tree_attention(
+                    q,
+                    key_cache,
+                    value_cache,
+                    torch.empty_like(q),
+                    qsl,
+                    seq_lens.to(torch.int32),
+                    table,
+                    head**-0.5,
+                    inputs.attn_mask[:num_reqs],
+                    inputs.is_tree[:num_reqs],
+                    tail_lse=tail_lse,
+                )
+                steps += 1
+    torch.cuda.synchronize()
+    print(f"{steps} launches over {len(variants)} warmed-up variants")
+    assert steps >= 80
+    assert binaries() == before
+
+
 def test_split_strides_do_not_select_variants():
     """The only kernel arguments that depend on a step's token count (the
     split buffers' log-sum-exp strides) are left unspecialized, so one warm-up
