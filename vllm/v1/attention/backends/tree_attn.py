@@ -504,7 +504,7 @@ def context_cascade_min_reqs() -> int:
 
 class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     supports_dcp: bool = False
-    # Steps whose longest query is at least this long run the kernel rows as a
+    # Steps whose kernel rows' longest query is at least this long run them as a
     # cascade (tree_attention_with_context): FlashAttention over the committed
     # context, the Triton kernel over the new keys, merged by log-sum-exp. None:
     # off (the Triton kernel reads the whole context). Off by default: its three
