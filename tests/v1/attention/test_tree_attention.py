@@ -1049,7 +1049,9 @@ def test_warm_up_leaves_nothing_to_compile_gpu():
             qsl = torch.arange(
                 0, num_tokens + 1, q_len, dtype=torch.int32, device=DEVICE
             )
-            seq_lens = torch.full((num_reqs,), 40 + q_len, device=DEVICE)
+            seq_lens = torch.full(
+                (num_reqs,), 40 + q_len, dtype=torch.int32, device=DEVICE
+            )
             table = torch.arange(
                 num_reqs * width, dtype=torch.int32, device=DEVICE
             ).view(num_reqs, width)
@@ -1063,7 +1065,7 @@ def test_warm_up_leaves_nothing_to_compile_gpu():
                     value_cache,
                     torch.empty_like(q),
                     qsl,
-                    seq_lens.to(torch.int32),
+                    seq_lens,
                     table,
                     head**-0.5,
                     inputs.attn_mask[:num_reqs],

@@ -597,9 +597,9 @@ def tree_attention_variants(
             # (avg - 1) * n + 1 of them.
             fit = max_num_tokens if avg == 1 else (max_num_tokens - 1) // (avg - 1)
             last = min(max_num_reqs, max(1, fit))
+            cap = max_programs // per_req + 1
             # At least one step of min_reqs requests, where the cascade starts.
-            top = max(min_reqs, min(last, max_programs // per_req + 1))
-            for num_reqs in range(min_reqs, min(last, top) + 1):
+            for num_reqs in range(min_reqs, min(last, max(cap, min_reqs)) + 1):
                 p = plan(
                     num_reqs * avg,
                     num_reqs,
