@@ -594,6 +594,24 @@ def test_split_kv_matches_single_pass(num_splits):
     torch.testing.assert_close(split, one_pass, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [2, 5, 32])
+def test_splits_cut_through_the_new_keys(num_splits):
+    """Splits take runs of whole key blocks over the committed and the new
+    keys: a split may start inside a tree (its early rows then see none of its
+    keys) or hold only new keys, and a request without context is split too."""
+    trees = [random_tree("heap", 63, seed=3), random_tree("parents", 40, seed=4), None]
+    q_lens, ctx_lens = [64, 41, 50], [10, 70, 0]
+    config = TreeAttentionConfig(
+        block_m=32, block_n=32, num_warps=4, num_stages=1, min_split_keys=32
+    )
+    # The first tree's last tile (rows 48..63 of 16-token tiles) sees keys
+    # 0..73: three 32-key blocks, one per split from 2 splits on, the last two
+    # over new keys only (rows before 22 see none of them).
+    check_trees(
+        ctx_lens, trees, q_lens, 4, 2, 64, 16, torch.float32, num_splits, config=config
+    )
+
+
 # ------------------------------------------------ cascade: context + new keys
 
 

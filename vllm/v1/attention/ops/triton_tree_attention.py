@@ -47,11 +47,11 @@ only the last partial block and the request's new keys (the tree) are masked.
 The KV loop is software-pipelined: each key's page comes from the block table,
 an indirect load, so Triton's pipeliner needs ``num_stages = 2 * depth + 1`` for
 ``depth`` K/V blocks in flight (5 stages: loads two blocks ahead).
-When the batch has too few tiles to fill the GPU, the committed context of each
-request is cut into up to ``num_splits`` chunks of at least ``min_split_keys``
-keys (flash-decoding); the last chunk of a request also takes its new keys, and a
-second kernel merges the partial results by their log-sum-exp, one program per
-(token, query head). Masked lanes are ``-inf``; all offsets into the KV cache and
+When the batch has too few tiles to fill the GPU, the keys a tile sees (the
+committed context and the new keys up to its last row) are cut into up to
+``num_splits`` runs of whole key blocks, at least ``min_split_keys`` keys each
+(flash-decoding), and a second kernel merges the partial results by their
+log-sum-exp, one program per (token, query head). Masked lanes are ``-inf``; all offsets into the KV cache and
 the activations are int64. ``TreeAttentionConfig`` overrides the tile shape.
 
 Example::
@@ -84,7 +84,7 @@ import torch
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
 
-# Split the committed context only when the batch has too few tiles to fill the
+# Split the keys of a tile only when the batch has too few tiles to fill the
 # GPU, into at most this many chunks.
 _MAX_SPLITS = 32
 # Cost model for the split count (_num_splits): fixed cost of one program
@@ -107,8 +107,8 @@ class TreeAttentionConfig:
     ``block_m`` query rows (tokens x query heads of one KV head) per program and
     ``block_n`` keys per step; ``num_stages`` is Triton's pipelining depth: the
     paged K/V loads sit behind a block-table load, so ``2 * d + 1`` stages keep
-    ``d`` blocks in flight. ``min_split_keys`` is the smallest committed chunk
-    of a split (flash-decoding).
+    ``d`` blocks in flight. ``min_split_keys`` is the smallest run of keys
+    a split takes (flash-decoding).
     """
 
     block_m: int = 128
@@ -1009,9 +1009,16 @@ def _tree_attention_kernel(
     tok = (q_start + row).to(tl.int64)
 
     ctx_len = tl.load(seq_lens_ptr + req) - q_len
-    num_active_splits = tl.minimum(
-        num_splits, tl.maximum(1, tl.cdiv(ctx_len, MIN_SPLIT_KEYS))
+    # The tile's keys: the committed ones, then the new ones up to its last
+    # row. Splits take equal runs of whole BLOCK_N blocks of them, so the new
+    # (masked) keys no longer all land on one split's program.
+    kv_end = ctx_len + tl.minimum(q_len, row_start + BLOCK_Q)
+    num_kv_blocks = tl.cdiv(kv_end, BLOCK_N)
+    split_blocks = tl.cdiv(
+        num_kv_blocks,
+        tl.minimum(num_splits, tl.maximum(1, tl.cdiv(kv_end, MIN_SPLIT_KEYS))),
     )
+    num_active_splits = tl.cdiv(num_kv_blocks, split_blocks)
     if split >= num_active_splits:
         # Nothing to attend: an empty partial that the merge skips.
         tl.store(
@@ -1040,14 +1047,14 @@ def _tree_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
 
-    # Committed keys of this split in whole blocks: visible to every row.
-    chunk = tl.cdiv(tl.cdiv(ctx_len, num_active_splits), BLOCK_N) * BLOCK_N
-    kv_lo = split * chunk
-    kv_hi = tl.minimum(ctx_len, kv_lo + chunk)
+    kv_lo = split * split_blocks * BLOCK_N
+    kv_hi = tl.minimum(kv_end, kv_lo + split_blocks * BLOCK_N)
     if TAIL_ONLY:  # (one split) no committed key
         kv_lo = ctx_len
-        kv_hi = ctx_len
-    full_end = kv_lo + tl.maximum(kv_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
+    # Committed keys of this split in whole blocks: visible to every row.
+    full_end = (
+        kv_lo + tl.maximum(tl.minimum(kv_hi, ctx_len) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    )
     all_keys = tl.full([BLOCK_N], 1, dtype=tl.int1)  # masks only padded dims
     for start in range(kv_lo, full_end, BLOCK_N):
         k, v = _load_kv_block(
@@ -1070,13 +1077,10 @@ def _tree_attention_kernel(
             acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION, MASKED=False
         )
 
-    # Masked blocks: the split's partial last block of committed keys and, on
-    # the request's last split, its new keys (key j visible to row i iff j <= i
-    # and, on tree rows, bit j of mask row i is set).
-    masked_lo = tl.minimum(full_end, ctx_len)
-    masked_hi = kv_hi
-    if split == num_active_splits - 1:
-        masked_hi = ctx_len + tl.minimum(q_len, row_start + BLOCK_Q)
+    # Masked blocks: the rest of the split, a partial block of committed keys
+    # and new keys (key j visible to row i iff j <= i and, on tree rows, bit j
+    # of mask row i is set). A row may see none of a split's keys: its partial
+    # log-sum-exp is then -inf, which the merge skips.
     mask_row_ptr = tree_mask_ptr
     tree_row = row_valid
     if HAS_TREE:
@@ -1087,9 +1091,9 @@ def _tree_attention_kernel(
             + row.to(tl.int64) * stride_mask_row
         )
         tree_row = (tree_flag != 0) & row_valid & (row < max_tree_len)
-    for start in range(masked_lo, masked_hi, BLOCK_N):
+    for start in range(full_end, kv_hi, BLOCK_N):
         key_pos = start + offs_n
-        key_valid = key_pos < masked_hi
+        key_valid = key_pos < kv_hi
         k, v = _load_kv_block(
             k_head_ptr,
             v_head_ptr,
@@ -1178,7 +1182,7 @@ def _merge_splits_kernel(
     """Merge one (token, query head)'s split partial outputs by log-sum-exp.
 
     Every split wrote a log2-sum-exp for the row (-inf when it saw no key); the
-    last split holds the row's own token, so the largest one is finite.
+    split holding the row's own key has a finite one.
     """
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
