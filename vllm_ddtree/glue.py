@@ -329,7 +329,6 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
         ADDITIONAL_CONFIG_KEY,
         DDTreeConfig,
         batch_limits,
-        cudagraph_capture_sizes,
         is_ddtree_method,
     )
 
@@ -358,6 +357,14 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
             seqs,
         )
     self.max_num_seqs, self.max_num_batched_tokens = seqs, tokens
+    _fit_capture_sizes(self, cfg, seqs, tokens)
+    if not model_config.enforce_eager:
+        _warn_ungraphed_trees(self, cfg, seqs)
+
+
+def _fit_capture_sizes(self, cfg, seqs: int, tokens: int) -> None:
+    from vllm.v1.spec_decode.ddtree_config import cudagraph_capture_sizes
+
     cc = self.compilation_config
     if (
         self.cudagraph_capture_sizes is not None
@@ -391,6 +398,36 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
     elif cc.max_cudagraph_capture_size is not None:
         cc.max_cudagraph_capture_size = cc.cudagraph_capture_sizes[-1]
     self.compilation_config = cc
+
+
+def _warn_ungraphed_trees(self, cfg, seqs: int) -> None:
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.spec_decode.ddtree_config import first_ungraphed_batch
+
+    cc = self.compilation_config
+    if cc.cudagraph_mode == CUDAGraphMode.NONE:
+        return  # no graphs to fall out of
+    sizes = self.cudagraph_capture_sizes or cc.cudagraph_capture_sizes
+    if sizes:
+        largest = max(sizes)
+    else:  # vLLM's own sizes, up to the maximum it was given
+        largest = self.max_cudagraph_capture_size or cc.max_cudagraph_capture_size
+    first = first_ungraphed_batch(cfg, seqs, largest or 0)
+    if first is None:
+        return
+    logger.warning(
+        "DDTree: tree_budget=%d verifies %d tokens per request and step, so "
+        "steps of %d or more running requests (up to max_num_seqs=%d) exceed "
+        "the largest CUDA graph (%d tokens) and run without graphs, where a "
+        "DFlash chain still has one; large trees pay off at small batches. "
+        "Serving many concurrent requests, use tree_budget 'auto' or "
+        "tree_budget_per_batch_size (docs/ddtree.md, Budgets)",
+        cfg.tree_budget,
+        cfg.verify_len,
+        first,
+        seqs,
+        largest,
+    )
 
 
 def _create_engine_config(original, self, *args, **kwargs):

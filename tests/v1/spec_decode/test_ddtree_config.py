@@ -512,6 +512,25 @@ def test_cudagraph_sizes_up_to_a_users_maximum():
     assert set(range(1, 33)) <= set(fine)
 
 
+@pytest.mark.parametrize(
+    "cfg,seqs,largest,want",
+    [
+        (DDTreeConfig(128, 15), 63, 512, 4),  # 3 trees of 129 fit 512 tokens
+        (DDTreeConfig(127, 15), 63, 512, 5),
+        (DDTreeConfig(31, 15), 256, 512, 17),
+        (DDTreeConfig(128, 15), 3, 512, None),  # every batch fits a graph
+        (DDTreeConfig(128, 15), 63, 8192, None),  # a raised maximum
+        (DDTreeConfig(15, 15), 256, 512, None),  # a chain's rows: DFlash's too
+        (DDTreeConfig(7, 15), 256, 512, None),
+        (DDTreeConfig(16, 15), 256, 20, None),  # DFlash's chains miss it too
+        (DDTreeConfig(128, 15, (15, 31)), 63, 512, None),  # a schedule
+        (DDTreeConfig(128, 15), 63, 0, None),  # no graphs
+    ],
+)
+def test_first_ungraphed_batch(cfg, seqs, largest, want):
+    assert ddt.first_ungraphed_batch(cfg, seqs, largest) == want
+
+
 def test_config_roundtrip():
     vllm_config = types.SimpleNamespace(
         additional_config={"vllm_ddtree": CFG.to_dict()},
@@ -897,6 +916,46 @@ def test_budget_schedule_without_async_scheduling_warns(
     warnings.clear()
     _engine_config(models, max_num_batched_tokens=4096, async_scheduling=False)
     assert not any("async scheduling" in w for w in warnings)
+
+
+def test_large_fixed_budget_warns_of_steps_without_graphs(
+    models, cuda_platform, monkeypatch
+):
+    from vllm_ddtree import glue
+
+    warnings = []
+    monkeypatch.setattr(
+        glue.logger, "warning", lambda msg, *a: warnings.append(msg % a)
+    )
+
+    def ungraphed():
+        return [w for w in warnings if "run without graphs" in w]
+
+    _engine_config(models, max_num_batched_tokens=4096)
+    (w,) = ungraphed()
+    assert "tree_budget=128 verifies 129 tokens" in w and "steps of 4 or more" in w
+    assert "max_num_seqs=31" in w and "largest CUDA graph (512 tokens)" in w
+    warnings.clear()
+    _engine_config(
+        models, max_num_batched_tokens=4096, cudagraph_capture_sizes=[1, 129, 258]
+    )
+    (w,) = ungraphed()
+    assert "steps of 3 or more" in w and "(258 tokens)" in w
+    for kwargs in (
+        {"enforce_eager": True},
+        {"max_cudagraph_capture_size": 4096},
+        {"max_num_seqs": 3},
+        {"compilation_config": {"cudagraph_mode": "NONE"}},
+    ):
+        warnings.clear()
+        _engine_config(models, max_num_batched_tokens=4096, **kwargs)
+        assert ungraphed() == [], kwargs
+    _, drafter = models
+    for budget in ("auto", 15):
+        warnings.clear()
+        spec = {"method": "ddtree", "model": drafter, "tree_budget": budget}
+        _engine_config(models, spec, max_num_batched_tokens=4096)
+        assert ungraphed() == [], budget
 
 
 def test_engine_config_spec_flags(models, cuda_platform):

@@ -467,6 +467,21 @@ def cudagraph_capture_sizes(
     return sorted(s for s in sizes if s <= max_size)
 
 
+def first_ungraphed_batch(
+    cfg: DDTreeConfig, max_num_seqs: int, max_capture_size: int
+) -> int | None:
+    """The fewest running requests whose trees no longer fit the largest CUDA
+    graph (``max_capture_size`` tokens) while a DFlash chain of the same drafter
+    would still run in one, or None. Only for one budget at every batch size:
+    such steps run eagerly, on top of verifying B + 1 rows per request."""
+    if cfg.step_budgets or cfg.verify_len <= cfg.draft_len or max_capture_size < 1:
+        return None
+    first = max_capture_size // cfg.verify_len + 1
+    if first > max_num_seqs or first * cfg.draft_len > max_capture_size:
+        return None
+    return first
+
+
 def check_sampling_params(params: Any) -> None:
     """Reject per-request settings that read output tokens in chain order."""
     penalties = {

@@ -115,7 +115,7 @@ class TreeAttentionConfig:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 5
-    min_split_keys: int = 256
+    min_split_keys: int = 64
 
     def __post_init__(self):
         def pow2(x: int) -> bool:
