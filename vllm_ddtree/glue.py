@@ -358,8 +358,6 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
         )
     self.max_num_seqs, self.max_num_batched_tokens = seqs, tokens
     _fit_capture_sizes(self, cfg, seqs, tokens)
-    if not model_config.enforce_eager:
-        _warn_ungraphed_trees(self, cfg, seqs)
 
 
 def _fit_capture_sizes(self, cfg, seqs: int, tokens: int) -> None:
@@ -400,19 +398,20 @@ def _fit_capture_sizes(self, cfg, seqs: int, tokens: int) -> None:
     self.compilation_config = cc
 
 
-def _warn_ungraphed_trees(self, cfg, seqs: int) -> None:
+def _warn_ungraphed_trees(vllm_config, cfg) -> None:
+    """From the finished config: vLLM settles the graph mode and drops capture
+    sizes above the step's token limit after the engine arguments."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.spec_decode.ddtree_config import first_ungraphed_batch
 
-    cc = self.compilation_config
-    if cc.cudagraph_mode == CUDAGraphMode.NONE:
-        return  # no graphs to fall out of
-    sizes = self.cudagraph_capture_sizes or cc.cudagraph_capture_sizes
-    if sizes:
-        largest = max(sizes)
-    else:  # vLLM's own sizes, up to the maximum it was given
-        largest = self.max_cudagraph_capture_size or cc.max_cudagraph_capture_size
-    first = first_ungraphed_batch(cfg, seqs, largest or 0)
+    cc = vllm_config.compilation_config
+    if cc.cudagraph_mode in (None, CUDAGraphMode.NONE):
+        return
+    sched = vllm_config.scheduler_config
+    largest = cc.max_cudagraph_capture_size or 0
+    first = first_ungraphed_batch(
+        cfg, sched.max_num_seqs, sched.max_num_batched_tokens, largest
+    )
     if first is None:
         return
     logger.warning(
@@ -425,7 +424,7 @@ def _warn_ungraphed_trees(self, cfg, seqs: int) -> None:
         cfg.tree_budget,
         cfg.verify_len,
         first,
-        seqs,
+        sched.max_num_seqs,
         largest,
     )
 
@@ -455,6 +454,8 @@ def _create_engine_config(original, self, *args, **kwargs):
             "tree_budget to choose one for every batch size)",
             cfg.tree_budget,
         )
+    if cfg is not None:
+        _warn_ungraphed_trees(vllm_config, cfg)
     return vllm_config
 
 

@@ -605,8 +605,9 @@ def test_splits_cut_through_the_new_keys(num_splits):
         block_m=32, block_n=32, num_warps=4, num_stages=1, min_split_keys=32
     )
     # The first tree's last tile (rows 48..63 of 16-token tiles) sees keys
-    # 0..73: three 32-key blocks, one per split from 2 splits on, the last two
-    # over new keys only (rows before 22 see none of them).
+    # 0..73: three 32-key blocks, two runs at 2 splits and one block each from
+    # 3 on, the last ones over new keys only; rows 48..53 see none of the last
+    # split's keys, and the rows 16..31 tile none of its second block's.
     check_trees(
         ctx_lens, trees, q_lens, 4, 2, 64, 16, torch.float32, num_splits, config=config
     )

@@ -513,22 +513,23 @@ def test_cudagraph_sizes_up_to_a_users_maximum():
 
 
 @pytest.mark.parametrize(
-    "cfg,seqs,largest,want",
+    "cfg,seqs,tokens,largest,want",
     [
-        (DDTreeConfig(128, 15), 63, 512, 4),  # 3 trees of 129 fit 512 tokens
-        (DDTreeConfig(127, 15), 63, 512, 5),
-        (DDTreeConfig(31, 15), 256, 512, 17),
-        (DDTreeConfig(128, 15), 3, 512, None),  # every batch fits a graph
-        (DDTreeConfig(128, 15), 63, 8192, None),  # a raised maximum
-        (DDTreeConfig(15, 15), 256, 512, None),  # a chain's rows: DFlash's too
-        (DDTreeConfig(7, 15), 256, 512, None),
-        (DDTreeConfig(16, 15), 256, 20, None),  # DFlash's chains miss it too
-        (DDTreeConfig(128, 15, (15, 31)), 63, 512, None),  # a schedule
-        (DDTreeConfig(128, 15), 63, 0, None),  # no graphs
+        (DDTreeConfig(128, 15), 63, 8192, 512, 4),  # 3 trees of 129 fit 512
+        (DDTreeConfig(127, 15), 63, 8192, 512, 5),
+        (DDTreeConfig(31, 15), 256, 8192, 512, 17),
+        (DDTreeConfig(128, 15), 3, 8192, 512, None),  # every batch fits a graph
+        (DDTreeConfig(128, 15), 8, 512, 512, None),  # trimmed to the graph
+        (DDTreeConfig(128, 15), 63, 8192, 8192, None),  # a raised maximum
+        (DDTreeConfig(15, 15), 256, 8192, 512, None),  # DFlash's rows
+        (DDTreeConfig(7, 15), 256, 8192, 512, None),
+        (DDTreeConfig(16, 15), 256, 8192, 20, None),  # DFlash's chains miss it too
+        (DDTreeConfig(128, 15, (15, 31)), 63, 8192, 512, None),  # a schedule
+        (DDTreeConfig(128, 15), 63, 8192, 0, None),  # no graphs
     ],
 )
-def test_first_ungraphed_batch(cfg, seqs, largest, want):
-    assert ddt.first_ungraphed_batch(cfg, seqs, largest) == want
+def test_first_ungraphed_batch(cfg, seqs, tokens, largest, want):
+    assert ddt.first_ungraphed_batch(cfg, seqs, tokens, largest) == want
 
 
 def test_config_roundtrip():
@@ -919,8 +920,10 @@ def test_budget_schedule_without_async_scheduling_warns(
 
 
 def test_large_fixed_budget_warns_of_steps_without_graphs(
-    models, cuda_platform, monkeypatch
+    models, static_graphs, monkeypatch
 ):
+    """Judged on the finished config: vLLM's graph mode and its capture sizes
+    within the step's token limit."""
     from vllm_ddtree import glue
 
     warnings = []
@@ -928,34 +931,32 @@ def test_large_fixed_budget_warns_of_steps_without_graphs(
         glue.logger, "warning", lambda msg, *a: warnings.append(msg % a)
     )
 
-    def ungraphed():
+    def ungraphed(**kwargs):
+        warnings.clear()
+        _engine_config(models, **{"max_num_batched_tokens": 4096, **kwargs})
         return [w for w in warnings if "run without graphs" in w]
 
-    _engine_config(models, max_num_batched_tokens=4096)
     (w,) = ungraphed()
     assert "tree_budget=128 verifies 129 tokens" in w and "steps of 4 or more" in w
     assert "max_num_seqs=31" in w and "largest CUDA graph (512 tokens)" in w
-    warnings.clear()
-    _engine_config(
-        models, max_num_batched_tokens=4096, cudagraph_capture_sizes=[1, 129, 258]
-    )
-    (w,) = ungraphed()
+    (w,) = ungraphed(cudagraph_capture_sizes=[1, 129, 258])
+    assert "steps of 3 or more" in w and "(258 tokens)" in w
+    # vLLM drops sizes above the step's token limit.
+    (w,) = ungraphed(cudagraph_capture_sizes=[1, 129, 258, 8192])
     assert "steps of 3 or more" in w and "(258 tokens)" in w
     for kwargs in (
         {"enforce_eager": True},
+        {"compilation_config": {"cudagraph_mode": "NONE"}},
+        {"optimization_level": 0},
         {"max_cudagraph_capture_size": 4096},
         {"max_num_seqs": 3},
-        {"compilation_config": {"cudagraph_mode": "NONE"}},
+        {"max_num_seqs": 8, "max_num_batched_tokens": 512},  # trimmed trees
     ):
-        warnings.clear()
-        _engine_config(models, max_num_batched_tokens=4096, **kwargs)
-        assert ungraphed() == [], kwargs
+        assert ungraphed(**kwargs) == [], kwargs
     _, drafter = models
     for budget in ("auto", 15):
-        warnings.clear()
         spec = {"method": "ddtree", "model": drafter, "tree_budget": budget}
-        _engine_config(models, spec, max_num_batched_tokens=4096)
-        assert ungraphed() == [], budget
+        assert ungraphed(spec=spec) == [], budget
 
 
 def test_engine_config_spec_flags(models, cuda_platform):

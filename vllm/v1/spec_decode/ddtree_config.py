@@ -468,7 +468,10 @@ def cudagraph_capture_sizes(
 
 
 def first_ungraphed_batch(
-    cfg: DDTreeConfig, max_num_seqs: int, max_capture_size: int
+    cfg: DDTreeConfig,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_capture_size: int,
 ) -> int | None:
     """The fewest running requests whose trees no longer fit the largest CUDA
     graph (``max_capture_size`` tokens) while a DFlash chain of the same drafter
@@ -476,6 +479,8 @@ def first_ungraphed_batch(
     such steps run eagerly, on top of verifying B + 1 rows per request."""
     if cfg.step_budgets or cfg.verify_len <= cfg.draft_len or max_capture_size < 1:
         return None
+    if max_num_batched_tokens <= max_capture_size:
+        return None  # no step is larger than the largest graph
     first = max_capture_size // cfg.verify_len + 1
     if first > max_num_seqs or first * cfg.draft_len > max_capture_size:
         return None

@@ -510,8 +510,9 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     # off (the Triton kernel reads the whole context). Off by default: its three
     # launches per layer cost more than they save on one request over a short
     # context, and the steps where it saves layer time (large trees of many
-    # requests) cost several DFlash steps either way, a budget to avoid there
-    # (benchmarks/README.md, "cascade"); set it with CONTEXT_CASCADE_ENV.
+    # requests) cost several DFlash steps either way, so such budgets are not
+    # what to serve many requests with (benchmarks/README.md, "cascade"); set
+    # it with CONTEXT_CASCADE_ENV.
     fa_context_min_query_len: ClassVar[int | None] = context_cascade_min_query_len()
     # ... and whose kernel rows hold at least this many requests (the cascade's
     # extra launches cost more than they save on small batches).

@@ -48,11 +48,12 @@ The KV loop is software-pipelined: each key's page comes from the block table,
 an indirect load, so Triton's pipeliner needs ``num_stages = 2 * depth + 1`` for
 ``depth`` K/V blocks in flight (5 stages: loads two blocks ahead).
 When the batch has too few tiles to fill the GPU, the keys a tile sees (the
-committed context and the new keys up to its last row) are cut into up to
-``num_splits`` runs of whole key blocks, at least ``min_split_keys`` keys each
+committed context and the new keys up to its last row) are cut into equal runs of
+whole key blocks, one per ``min_split_keys`` keys and at most ``num_splits``
 (flash-decoding), and a second kernel merges the partial results by their
-log-sum-exp, one program per (token, query head). Masked lanes are ``-inf``; all offsets into the KV cache and
-the activations are int64. ``TreeAttentionConfig`` overrides the tile shape.
+log-sum-exp, one program per (token, query head). Masked lanes are ``-inf``; all
+offsets into the KV cache and the activations are int64. ``TreeAttentionConfig``
+overrides the tile shape.
 
 Example::
 
@@ -538,7 +539,7 @@ def plan_tree_attention(
 @dataclass(frozen=True)
 class TreeAttentionVariant:
     """One compiled form of :func:`tree_attention`'s kernels: the tile shape,
-    and whether (and into how many padded splits) the context is split, which
+    and whether (and into how many padded splits) a tile's keys are split, which
     adds the merge kernel and gives the split buffers token-dependent strides."""
 
     config: TreeAttentionConfig
@@ -1010,10 +1011,11 @@ def _tree_attention_kernel(
 
     ctx_len = tl.load(seq_lens_ptr + req) - q_len
     # The tile's keys: the committed ones, then the new ones up to its last
-    # row. Splits take equal runs of whole BLOCK_N blocks of them, so the new
-    # (masked) keys no longer all land on one split's program.
+    # row. Splits take equal runs of whole BLOCK_N blocks of them, so that the
+    # masked new keys spread over the splits instead of lengthening the last.
     kv_end = ctx_len + tl.minimum(q_len, row_start + BLOCK_Q)
-    num_kv_blocks = tl.cdiv(kv_end, BLOCK_N)
+    # At least one block (and one active split) even for a malformed seq_len.
+    num_kv_blocks = tl.maximum(tl.cdiv(kv_end, BLOCK_N), 1)
     split_blocks = tl.cdiv(
         num_kv_blocks,
         tl.minimum(num_splits, tl.maximum(1, tl.cdiv(kv_end, MIN_SPLIT_KEYS))),
