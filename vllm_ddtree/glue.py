@@ -329,6 +329,7 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
         ADDITIONAL_CONFIG_KEY,
         DDTreeConfig,
         batch_limits,
+        cudagraph_capture_sizes,
         is_ddtree_method,
     )
 
@@ -357,12 +358,6 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
             seqs,
         )
     self.max_num_seqs, self.max_num_batched_tokens = seqs, tokens
-    _fit_capture_sizes(self, cfg, seqs, tokens)
-
-
-def _fit_capture_sizes(self, cfg, seqs: int, tokens: int) -> None:
-    from vllm.v1.spec_decode.ddtree_config import cudagraph_capture_sizes
-
     cc = self.compilation_config
     if (
         self.cudagraph_capture_sizes is not None
