@@ -98,7 +98,11 @@ def _patch_model_runner(module) -> None:
     _wrap(module, "init_speculator", _init_speculator)
     _wrap(module, "init_model_state", _init_model_state)
     _wrap(module.GPUModelRunner, "__init__", _model_runner_init)
+    _wrap(module.GPUModelRunner, "load_model", _load_model)
     _wrap(module.GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
+    _wrap(module.GPUModelRunner, "capture_model", _capture_model)
+    _wrap(module.GPUModelRunner, "execute_model", _execute_model)
+    _wrap(module.GPUModelRunner, "prepare_inputs", _prepare_inputs)
 
 
 def _patch_stat_loggers(module) -> None:
@@ -230,7 +234,8 @@ def _create_speculative_config(
     if not ddt.is_ddtree_method(raw):
         return original(self, target_model_config, target_parallel_config)
 
-    budget, dflash = ddt.parse_speculative_config(raw)
+    parsed = ddt.parse_speculative_config(raw)
+    budget, dflash = parsed.tree_budget, parsed.dflash
     ddt.check_engine_args(self, target_model_config)
     if target_parallel_config.tensor_parallel_size > 1:
         logger.warning(
@@ -250,11 +255,16 @@ def _create_speculative_config(
         ) from e
     finally:
         self.speculative_config = raw
-    schedule = dflash.get("num_speculative_tokens_per_batch_size") or ()
+    if parsed.adaptive:
+        smaller = ddt.adaptive_ladder(budget, parsed.schedule)[1:-1]
+    else:
+        smaller = tuple(sorted({b for *_, b in parsed.schedule} - {budget}))
     cfg = ddt.DDTreeConfig(
         budget,
         ddt.draft_depth_of(spec.draft_model_config),
-        tuple(sorted({b for _, _, b in schedule} - {budget})),
+        smaller,
+        parsed.adaptive,
+        parsed.schedule if parsed.adaptive else (),
     )
     # The drafter's mask tokens run in its own batch, never in the target's:
     # no step slots to reserve (vLLM 0.26 reserves B - 1 per request for DFlash).
@@ -266,9 +276,15 @@ def _create_speculative_config(
     _use_tree_attention(self)
     register_tree_attn_backend()
     logger.info(
-        "DDTree: tree_budget=%d%s, drafter %s drafts %d positions per step",
+        "DDTree: %s tree_budget=%d%s, drafter %s drafts %d positions per step",
+        "adaptive (a per-request cap; each step's trees sized by measured cost "
+        "and acceptance)"
+        if cfg.adaptive
+        else "fixed",
         cfg.tree_budget,
-        f" (per batch size: {list(schedule)})" if schedule else "",
+        f" (per batch size: {[list(r) for r in parsed.schedule]})"
+        if parsed.schedule
+        else "",
         dflash["model"],
         cfg.draft_depth,
     )
@@ -349,7 +365,7 @@ def _set_batch_defaults(original, self, usage_context, model_config, parallel_co
         seqs_from_user,
         tokens_from_user,
     )
-    if seqs * cfg.verify_len > tokens:
+    if not cfg.adaptive and seqs * cfg.verify_len > tokens:
         logger.warning(
             "DDTree: max_num_batched_tokens=%d holds full trees for %d of "
             "max_num_seqs=%d requests; the scheduler trims the others' trees",
@@ -437,6 +453,7 @@ def _create_engine_config(original, self, *args, **kwargs):
     if (
         cfg is not None
         and cfg.step_budgets
+        and not cfg.adaptive
         and vllm_config.speculative_config.uses_dynamic_speculative_decoding()
         and not vllm_config.scheduler_config.async_scheduling
     ):
@@ -491,6 +508,19 @@ def _scheduler_init(original, self, *args, **kwargs):
     self.make_spec_decoding_stats = functools.partial(
         make_tree_spec_decoding_stats, self, cfg.draft_depth
     )
+    if cfg.adaptive:
+        from vllm.v1.spec_decode.ddtree_config import scheduled_tree_budgets
+
+        # Draft slots per request by batch size: a cap that keeps the step's
+        # tokens and KV within the trees the budget can choose; vLLM's lookup
+        # would read the ladder listed in the speculative config.
+        sched = self.vllm_config.scheduler_config
+        self.dynamic_sd_lookup = scheduled_tree_budgets(
+            cfg,
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            self.vllm_config.compilation_config.max_cudagraph_capture_size or 0,
+        )
 
 
 def _model_runner_init(original, self, vllm_config, *args, **kwargs):
@@ -500,6 +530,57 @@ def _model_runner_init(original, self, vllm_config, *args, **kwargs):
     original(self, vllm_config, *args, **kwargs)
 
 
+def _load_model(original, self, *args, **kwargs):
+    if _ddtree_of(self.vllm_config) is None:
+        return original(self, *args, **kwargs)
+    # MRv2 sizes the structured-output bitmask by max_num_reqs x (1 +
+    # tree_budget) logit rows (vocab / 32 words each: ~10 GiB for 512
+    # requests, budget 1024 and a 152K vocabulary); a step never has more
+    # logit rows than tokens.
+    module = sys.modules[type(self).__module__]
+    worker_cls = module.StructuredOutputsWorker
+    max_rows = self.vllm_config.scheduler_config.max_num_batched_tokens
+
+    def sized(max_num_logits: int, **kw):
+        return worker_cls(max_num_logits=min(max_num_logits, max_rows), **kw)
+
+    module.StructuredOutputsWorker = sized
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        module.StructuredOutputsWorker = worker_cls
+
+
+def _adaptive_of(runner):
+    return getattr(getattr(runner, "speculator", None), "adaptive", None)
+
+
+def _capture_model(original, self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    adaptive = _adaptive_of(self)
+    if adaptive is not None:
+        # Every step shape is captured now: time them for the cost model.
+        adaptive.profile(self)
+    return out
+
+
+def _execute_model(original, self, scheduler_output, *args, **kwargs):
+    adaptive = _adaptive_of(self)
+    if adaptive is not None and not kwargs.get("dummy_run", False):
+        # The step's budget, before MRv2 pads and dispatches the batch.
+        scheduler_output = adaptive.plan(scheduler_output)
+    return original(self, scheduler_output, *args, **kwargs)
+
+
+def _prepare_inputs(original, self, *args, **kwargs):
+    input_batch = original(self, *args, **kwargs)
+    adaptive = _adaptive_of(self)
+    if adaptive is not None:
+        # The batch-wide split of the step's nodes, on the GPU.
+        input_batch = adaptive.reallocate(self, input_batch)
+    return input_batch
+
+
 def _initialize_kv_cache(original, self, *args, **kwargs):
     out = original(self, *args, **kwargs)
     warm_up = getattr(self.model_state, "warm_up_tree_attention", None)
@@ -507,6 +588,10 @@ def _initialize_kv_cache(original, self, *args, **kwargs):
         # KV caches, block tables and attention groups exist now, whatever the
         # CUDA-graph mode; capture then finds TREE_ATTN compiled.
         warm_up(self.block_tables, self.attn_groups)
+    adaptive = _adaptive_of(self)
+    if adaptive is not None:
+        # And the budget's kernels, for every tree width and step cap.
+        adaptive.warm_up(self)
     return out
 
 

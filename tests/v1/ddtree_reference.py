@@ -82,6 +82,7 @@ def build_ddtree_reference(
     parent_ids = torch.zeros((num_reqs, budget), dtype=torch.int32)
     depths = torch.zeros((num_reqs, budget), dtype=torch.int32)
     num_nodes = torch.zeros(num_reqs, dtype=torch.int32)
+    log_probs = torch.full((num_reqs, budget), -torch.inf, dtype=torch.float32)
     for r in range(num_reqs):
         lp = [logp[r, d, order[r, d]] for d in range(depth)]  # sorted per depth
         node_score = [np.float32(0.0)]  # by node index; the root scores 0
@@ -103,6 +104,7 @@ def build_ddtree_reference(
             token_ids[r, n] = int(order[r, d - 1, trank])
             parent_ids[r, n] = parent_node
             depths[r, n] = d
+            log_probs[r, n] = float(score)
             n += 1
             node_score.append(score)
             own_rank = rank_at_depth[d]
@@ -112,7 +114,7 @@ def build_ddtree_reference(
                 push(n, d + 1, own_rank, 0)  # first child
         num_nodes[r] = n
     mask = torch.stack([_ancestor_mask(parent_ids[r]) for r in range(num_reqs)])
-    return DDTree(token_ids, parent_ids, depths, mask, num_nodes)
+    return DDTree(token_ids, parent_ids, depths, mask, num_nodes, log_probs)
 
 
 def compact_tree_kv_reference(

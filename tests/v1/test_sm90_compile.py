@@ -55,9 +55,11 @@ PROBE = textwrap.dedent("""
                torch.zeros(2 * 129, dtype=torch.int32),
                tree_rows=torch.zeros(1, dtype=torch.int32))
     store_draft_trees(tree.token_ids, tree.parent_ids, tree.depths,
-                      tree.attn_mask, torch.zeros(2, 128, dtype=torch.int64),
+                      tree.log_probs, tree.attn_mask,
+                      torch.zeros(2, 128, dtype=torch.int64),
                       tree.token_ids, tree.parent_ids, tree.depths,
-                      tree.attn_mask, torch.zeros(2, dtype=torch.int32), 2)
+                      tree.log_probs, tree.attn_mask,
+                      torch.zeros(2, dtype=torch.int32), 2)
     # TREE_ATTN's start-up warm-up, unsplit and split (the merge kernel too).
     kv = torch.zeros(4, 16, 8, 256, dtype=torch.bfloat16)
     cfg = TreeAttentionConfig(block_m=64, block_n=64, num_warps=4)

@@ -79,6 +79,9 @@ def vllm_config(tmp_path_factory):
                 "method": "ddtree",
                 "model": str(drafter),
                 "tree_budget": BUDGET,
+                # Every step verifies the scheduler's slots (the adaptive
+                # budget's split: tests/v1/spec_decode/test_ddtree_adaptive.py).
+                "adaptive_budget": False,
             },
             max_model_len=256,
             max_num_seqs=NUM_STATES,

@@ -22,39 +22,78 @@ CFG = DDTreeConfig(tree_budget=128, draft_depth=15)
 # ---------------------------------------------------------------------------
 
 
+FIXED = {"adaptive_budget": False}
+
+
 def test_parse_maps_onto_dflash():
-    budget, dflash = ddt.parse_speculative_config(
+    parsed = ddt.parse_speculative_config(
         {"method": "ddtree", "model": "d", "tree-budget": 32, "revision": "main"}
     )
-    assert budget == 32
-    assert dflash == {
+    assert parsed.tree_budget == 32 and parsed.adaptive and parsed.schedule == ()
+    # Adaptive: vLLM's schedule lists every ladder budget (one CUDA graph set
+    # each); the scheduler's own draft slots replace its lookup.
+    assert parsed.dflash == {
         "model": "d",
         "revision": "main",
         "method": "dflash",
         "num_speculative_tokens": 32,
+        "num_speculative_tokens_per_batch_size": [
+            [1, 1, 32],
+            [2, 2, 31],
+            [3, 3, 15],
+            [4, 4, 7],
+            [5, 5, 3],
+            [6, 6, 1],
+            [7, 7, 0],
+        ],
     }
+    budget, dflash, adaptive, schedule = ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree-budget": 32, **FIXED}
+    )
+    assert (budget, adaptive, schedule) == (32, False, ())
+    assert dflash == {"model": "d", "method": "dflash", "num_speculative_tokens": 32}
 
 
 def test_parse_default_budget_is_auto():
-    """No tree_budget: the measured per-batch-size schedule, exactly as
-    tree_budget='auto' asks for it."""
+    """No tree_budget: 'auto'. Adaptive (the default): the cost model alone
+    decides, up to the builder's largest tree; fixed: the measured
+    per-batch-size schedule."""
     assert ddt.DEFAULT_TREE_BUDGET == ddt.AUTO_TREE_BUDGET == "auto"
     default = ddt.parse_speculative_config({"method": "ddtree", "model": "d"})
     auto = ddt.parse_speculative_config(
         {"method": "ddtree", "model": "d", "tree_budget": "auto"}
     )
     assert default == auto
-    budget, dflash = default
-    schedule = [tuple(e) for e in ddt.AUTO_TREE_BUDGET_PER_BATCH_SIZE]
+    assert default.tree_budget == ddt.AUTO_TREE_BUDGET_CAP == 1024
+    assert default.adaptive and default.schedule == ()
+    listed = [b for *_, b in default.dflash["num_speculative_tokens_per_batch_size"]]
+    assert listed == [1024, 1023, 511, 255, 127, 63, 31, 15, 7, 3, 1, 0]
+    budget, dflash, _, _ = ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", **FIXED}
+    )
+    schedule = [list(e) for e in ddt.AUTO_TREE_BUDGET_PER_BATCH_SIZE]
     assert dflash["num_speculative_tokens_per_batch_size"] == schedule
     assert budget == dflash["num_speculative_tokens"] == 31
     # A schedule of the user's own replaces the default.
-    budget, dflash = ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", "tree_budget_per_batch_size": [[1, 8, 7]]}
+    budget, dflash, _, _ = ddt.parse_speculative_config(
+        {
+            "method": "ddtree",
+            "model": "d",
+            "tree_budget_per_batch_size": [[1, 8, 7]],
+            **FIXED,
+        }
     )
     assert budget == 7 and dflash["num_speculative_tokens_per_batch_size"] == [
-        (1, 8, 7)
+        [1, 8, 7]
     ]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_parse_bad_adaptive_flag(value):
+    with pytest.raises(ValueError, match="adaptive_budget must be true .* or false"):
+        ddt.parse_speculative_config(
+            {"method": "ddtree", "model": "d", "adaptive_budget": value}
+        )
 
 
 @pytest.mark.parametrize("budget", [1, 7, 1024])
@@ -119,25 +158,47 @@ SCHEDULE = [[1, 1, 64], [2, 8, 16], [9, 64, 4]]
 
 
 def test_parse_budget_schedule_maps_onto_dynamic_sd():
-    budget, dflash = ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", "tree_budget_per_batch_size": SCHEDULE}
-    )
-    assert budget == 64
-    assert dflash["num_speculative_tokens"] == 64
-    assert dflash["num_speculative_tokens_per_batch_size"] == [
-        (1, 1, 64),
-        (2, 8, 16),
-        (9, 64, 4),
-    ]
-    # tree_budget may repeat the largest budget; ranges may come unsorted.
-    assert ddt.parse_speculative_config(
+    parsed = ddt.parse_speculative_config(
         {
             "method": "ddtree",
             "model": "d",
-            "tree_budget": 64,
-            "tree-budget-per-batch-size": SCHEDULE[::-1],
+            "tree_budget_per_batch_size": SCHEDULE,
+            **FIXED,
         }
-    ) == (budget, dflash)
+    )
+    budget, dflash = parsed.tree_budget, parsed.dflash
+    assert budget == 64
+    assert dflash["num_speculative_tokens"] == 64
+    assert dflash["num_speculative_tokens_per_batch_size"] == [
+        [1, 1, 64],
+        [2, 8, 16],
+        [9, 64, 4],
+    ]
+    # tree_budget may repeat the largest budget; ranges may come unsorted.
+    assert (
+        ddt.parse_speculative_config(
+            {
+                "method": "ddtree",
+                "model": "d",
+                "tree_budget": 64,
+                "tree-budget-per-batch-size": SCHEDULE[::-1],
+                **FIXED,
+            }
+        )
+        == parsed
+    )
+    # Adaptive: the schedule's budgets are per-request caps by batch size,
+    # and each is a budget a step may choose.
+    adaptive = ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree_budget_per_batch_size": SCHEDULE}
+    )
+    assert adaptive.adaptive and adaptive.schedule == (
+        (1, 1, 64),
+        (2, 8, 16),
+        (9, 64, 4),
+    )
+    listed = [b for *_, b in adaptive.dflash["num_speculative_tokens_per_batch_size"]]
+    assert listed == [64, 63, 31, 16, 15, 7, 4, 3, 1, 0]
 
 
 @pytest.mark.parametrize(
@@ -192,11 +253,11 @@ def test_parse_budget_schedule_conflicts():
 
 
 def test_parse_auto_budget_is_the_measured_schedule():
-    budget, dflash = ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", "tree_budget": "auto"}
+    budget, dflash, _, _ = ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree_budget": "auto", **FIXED}
     )
     auto = [tuple(e) for e in ddt.AUTO_TREE_BUDGET_PER_BATCH_SIZE]
-    assert dflash["num_speculative_tokens_per_batch_size"] == auto
+    assert [tuple(e) for e in dflash["num_speculative_tokens_per_batch_size"]] == auto
     assert budget == dflash["num_speculative_tokens"] == max(b for *_, b in auto)
     assert "tree_budget" not in dflash
     # The table itself passes the schedule checks a user's schedule passes.
@@ -209,8 +270,8 @@ def test_parse_auto_budget_is_the_measured_schedule():
 def test_parse_auto_budget_conflicts_with_a_schedule():
     with pytest.raises(
         ValueError,
-        match="tree_budget='auto' picks a budget per "
-        "batch size itself; drop tree_budget_per_batch_size",
+        match="tree_budget='auto' picks the budget itself; drop "
+        "tree_budget_per_batch_size",
     ):
         ddt.parse_speculative_config(
             {
@@ -576,11 +637,15 @@ def cuda_platform(monkeypatch):
 
 
 def _engine_config(models, spec=None, **kwargs):
+    """An engine config; fixed budgets unless ``spec`` says otherwise (the
+    adaptive mode's own tests below set ``adaptive_budget``)."""
     from vllm.engine.arg_utils import EngineArgs
 
     target, drafter = models
     if spec is None:
         spec = {"method": "ddtree", "model": drafter, "tree_budget": 128}
+    if isinstance(spec, dict) and spec.get("method") == "ddtree":
+        spec = {"adaptive_budget": False, **spec}
     args = EngineArgs(
         model=target, speculative_config=spec, max_model_len=2048, **kwargs
     )
@@ -959,6 +1024,84 @@ def test_large_fixed_budget_warns_of_steps_without_graphs(
         assert ungraphed(spec=spec) == [], budget
 
 
+def _adaptive(models, **spec):
+    return {"method": "ddtree", "model": models[1], "adaptive_budget": True, **spec}
+
+
+@pytest.mark.parametrize("tokens", [8192, 2048])
+def test_adaptive_engine_config(models, cuda_platform, tokens):
+    """An adaptive engine: tree_budget is a cap; the step limits fit the
+    drafter's block per request; the scheduler's draft slots by batch size
+    are DDTree's (within the trees a step can choose and half the step's
+    tokens), vLLM's schedule lists every ladder budget for the graphs, and the
+    capture sizes are vLLM's own (rounded per budget by its graph manager)."""
+    from tests.plugins.engine_summary import build_scheduler
+
+    _, config = _engine_config(
+        models, _adaptive(models, tree_budget=128), max_num_batched_tokens=tokens
+    )
+    cfg = DDTreeConfig.from_vllm_config(config)
+    assert cfg.adaptive and cfg.tree_budget == 128
+    assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 127, 128)
+    sched = config.scheduler_config
+    assert sched.max_num_batched_tokens == tokens
+    from vllm.config import SchedulerConfig
+
+    # vLLM's default number of sequences, as far as the drafter's blocks fit.
+    assert sched.max_num_seqs == min(SchedulerConfig.DEFAULT_MAX_NUM_SEQS, tokens // 16)
+    listed = {
+        b for *_, b in config.speculative_config.num_speculative_tokens_per_batch_size
+    }
+    assert listed == set(cfg.ladder)
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    assert set(VLLM_LADDER) <= set(sizes) and sizes[-1] == 512
+    assert not {129, 258} & set(sizes)  # no multiples of the cap's tree
+    scheduler = build_scheduler(config)
+    lookup = scheduler.dynamic_sd_lookup
+    want = ddt.scheduled_tree_budgets(cfg, sched.max_num_seqs, tokens, 512)
+    assert lookup == want and len(lookup) == sched.max_num_seqs + 1
+    span = min(tokens // 2, 1024)
+    for r in range(1, sched.max_num_seqs + 1):
+        assert lookup[r] in cfg.ladder and r * (1 + lookup[r]) <= max(span, r)
+        assert lookup[r] <= lookup[r - 1] or r == 1
+    assert lookup[1] == (128 if span > 129 else 127)
+    # The scheduler keeps the drafter's lookahead.
+    assert scheduler.num_lookahead_tokens == 16
+
+
+def test_scheduled_tree_budgets_follow_the_users_caps():
+    cfg = DDTreeConfig(
+        64, 15, (1, 3, 7, 15, 16, 31, 63), adaptive=True, caps=((1, 1, 64), (2, 8, 16))
+    )
+    lookup = ddt.scheduled_tree_budgets(cfg, 64, 8192, 512)
+    assert lookup[1] == 64 and lookup[2:9] == [16] * 7
+    # Past the last range its cap carries on, within the step's span.
+    assert lookup[9] == 16 and lookup[40] == 16 and lookup[64] == 15
+    assert cfg.cap_for(100) == 16 and DDTreeConfig(8, 15).cap_for(3) == 8
+    assert ddt.ladder_floor((0, 1, 3, 7), 6) == 3
+    assert ddt.ladder_floor((0, 1, 3, 7), 0) == 0
+    assert DDTreeConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_auto_is_adaptive_up_to_the_largest_tree(models, cuda_platform):
+    from vllm.config import SchedulerConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = models
+    config = EngineArgs(
+        model=target,
+        speculative_config={"method": "ddtree", "model": drafter},
+        max_model_len=2048,
+    ).create_engine_config()
+    cfg = DDTreeConfig.from_vllm_config(config)
+    assert cfg.adaptive and cfg.tree_budget == 1024
+    assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 127, 255, 511, 1023, 1024)
+    sched = config.scheduler_config
+    assert sched.max_num_seqs == min(
+        SchedulerConfig.DEFAULT_MAX_NUM_SEQS, sched.max_num_batched_tokens // 16
+    )
+
+
 def test_engine_config_spec_flags(models, cuda_platform):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -971,7 +1114,9 @@ def test_engine_config_spec_flags(models, cuda_platform):
         max_model_len=2048,
     )
     config = args.create_engine_config()
-    assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(8, 15)
+    assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(
+        8, 15, (1, 3, 7), adaptive=True
+    )
     with pytest.raises(ValueError, match="drop --spec-tokens"):
         EngineArgs(
             model=target, spec_method="ddtree", spec_model=drafter, spec_tokens=4

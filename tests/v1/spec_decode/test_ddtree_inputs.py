@@ -380,41 +380,59 @@ def test_draft_writer_semantics():
 
 
 @pytest.mark.parametrize(
-    "budget,num_reqs,max_reqs", [(6, 3, 5), (64, 4, 4), (1024, 2, 3)]
+    "budget,width,num_reqs,max_reqs",
+    [(6, 6, 3, 5), (64, 64, 4, 4), (1024, 1024, 2, 3), (40, 7, 3, 4), (64, 31, 2, 3)],
 )
-def test_store_draft_trees_is_indexed_copies_and_a_clamp(budget, num_reqs, max_reqs):
-    """One launch equals the four indexed copies into request-state rows and
-    the clamp of the draft tokens it replaces; other state rows and batch rows
-    past num_reqs stay untouched (budget 1024: the mask copy loops)."""
+def test_store_draft_trees_is_indexed_copies_and_a_clamp(
+    budget, width, num_reqs, max_reqs
+):
+    """One launch equals the indexed copies into request-state rows and the
+    clamp of the draft tokens it replaces; other state rows and batch rows past
+    num_reqs stay untouched (budget 1024: the mask copy loops). A tree narrower
+    than the state rows pads them: token -1, log-prob -inf, draft token 0, and
+    its mask rows' extra words zeroed; padding rows' parents, depths and masks
+    keep what they held (nothing reads them)."""
     from vllm.v1.spec_decode.dflash_tree_builder import num_mask_words
 
-    gen = torch.Generator().manual_seed(budget)
-    words = num_mask_words(budget)
+    gen = torch.Generator().manual_seed(budget + width)
+    words, src_words = num_mask_words(budget), num_mask_words(width)
     rows = max_reqs + 1  # the drafter's buffers hold more rows than run
 
     def rand(shape, dtype, low=-1, high=1000):
+        if dtype == torch.float32:
+            return -torch.rand(shape, generator=gen) * 20
         return torch.randint(low, high, shape, generator=gen, dtype=dtype)
 
     src = [
-        rand((rows, budget), torch.int64),
-        rand((rows, budget), torch.int32, 0, budget),
-        rand((rows, budget), torch.int32, 0, 16),
-        rand((rows, budget + 1, words), torch.int32, -(2**31), 2**31 - 1),
+        rand((rows, width), torch.int64),
+        rand((rows, width), torch.int32, 0, width),
+        rand((rows, width), torch.int32, 0, 16),
+        rand((rows, width), torch.float32),
+        rand((rows, width + 1, src_words), torch.int32, -(2**31), 2**31 - 1),
     ]
     state = [
         rand((max_reqs, budget), torch.int64),
         rand((max_reqs, budget), torch.int32),
         rand((max_reqs, budget), torch.int32),
+        rand((max_reqs, budget), torch.float32),
         rand((max_reqs, budget + 1, words), torch.int32),
     ]
-    src[0][:, budget // 2 :] = -1  # padding nodes
+    src[0][:, width // 2 :] = -1  # padding nodes
+    src[3][:, width // 2 :] = -torch.inf
     draft = rand((max_reqs, budget), torch.int64)
     idx = torch.randperm(max_reqs, generator=gen)[:num_reqs].to(torch.int32)
     want_state = [t.clone() for t in state]
-    for w, t in zip(want_state, src):
-        w[idx.long()] = t[:num_reqs]
+    rows_of = idx.long()
+    for field in range(4):
+        want_state[field][rows_of, :width] = src[field][:num_reqs]
+    want_state[0][rows_of, width:] = -1
+    want_state[3][rows_of, width:] = -torch.inf
+    want_mask = want_state[4][rows_of]
+    want_mask[:, : width + 1, :src_words] = src[4][:num_reqs]
+    want_mask[:, : width + 1, src_words:] = 0
+    want_state[4][rows_of] = want_mask
     want_draft = draft.clone()
-    want_draft[:num_reqs] = src[0][:num_reqs].clamp(min=0)
+    want_draft[:num_reqs] = want_state[0][rows_of].clamp(min=0)
     assert (src[0][:num_reqs] == -1).any()  # padding nodes are exercised
 
     dev = [t.to(DEVICE) for t in state]
@@ -429,4 +447,4 @@ def test_store_draft_trees_is_indexed_copies_and_a_clamp(budget, num_reqs, max_r
     assert torch.equal(d_draft.cpu(), want_draft)
     compared += want_draft.numel()
     print(f"{compared} elements compared")
-    assert compared >= max_reqs * budget * 4
+    assert compared >= max_reqs * budget * 5

@@ -54,7 +54,8 @@ def _random_logits(num_reqs, depth, vocab, seed, device=DEVICE, dtype=torch.floa
 
 
 def _assert_same_tree(tree: DDTree, ref: DDTree) -> None:
-    for field in ("num_nodes", "token_ids", "parent_ids", "depths", "attn_mask"):
+    fields = ("num_nodes", "token_ids", "parent_ids", "depths", "attn_mask")
+    for field in (*fields, "log_probs"):
         got, want = getattr(tree, field).cpu(), getattr(ref, field)
         assert torch.equal(got, want), f"{field} differs:\n{got}\n{want}"
 

@@ -40,7 +40,12 @@ from vllm.v1.spec_decode.ddtree_inputs import (
     prepare_draft_inputs,
     store_draft_trees,
 )
-from vllm.v1.spec_decode.dflash_tree_builder import DDTree, build_ddtree
+from vllm.v1.spec_decode.ddtree_adaptive import AdaptiveTreeBudget
+from vllm.v1.spec_decode.dflash_tree_builder import (
+    DDTree,
+    build_ddtree,
+    num_mask_words,
+)
 from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
 from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -71,10 +76,13 @@ class DraftTrees:
         self.depths = trees.depths.zero_()
         # [max_num_reqs, budget + 1, num_words] int32 ancestor-or-self masks.
         self.attn_mask = trees.attn_mask.zero_()
+        # [max_num_reqs, budget] float32 node log-probs; -inf on padding nodes.
+        self.log_probs = trees.log_probs.fill_(float("-inf"))
 
     def reset_(self, req_index: int) -> None:
         """No tree drafted for the request in slot ``req_index`` yet."""
         self.token_ids[req_index].fill_(-1)
+        self.log_probs[req_index].fill_(float("-inf"))
 
     def scatter_(
         self,
@@ -86,16 +94,19 @@ class DraftTrees:
         draft_tokens: torch.Tensor,
     ) -> None:
         """``self[idx_mapping[r]] <- src[r]`` for r < num_reqs, and the draft
-        tokens MRv2 schedules (:func:`store_draft_trees`, one launch)."""
+        tokens MRv2 schedules (:func:`store_draft_trees`, one launch); a tree of
+        fewer nodes than the rows hold is padded."""
         store_draft_trees(
             self.token_ids,
             self.parent_ids,
             self.depths,
+            self.log_probs,
             self.attn_mask,
             draft_tokens,
             src.token_ids,
             src.parent_ids,
             src.depths,
+            src.log_probs,
             src.attn_mask,
             idx_mapping,
             num_reqs,
@@ -160,6 +171,8 @@ class DDTreeState:
         self.cfg = cfg
         self.trees = DraftTrees(max_num_reqs, cfg.tree_budget, device)
         self.verified: VerifiedPaths | None = None
+        # The speculator's adaptive budget (set_attn), which learns from walks.
+        self.adaptive: AdaptiveTreeBudget | None = None
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -196,8 +209,17 @@ class DDTreeSpeculator(DFlashSpeculator):
         )
         self.context_positions = torch.zeros_like(self.context_rows)
         self.hidden_states = None
-        # Trees of the drafter's last run, batch order (CUDA graph outputs).
-        self.batch_trees = DDTree.empty(self.max_num_reqs, self.tree_budget, device)
+        # Trees of the drafter's last run, batch order (CUDA graph outputs):
+        # flat storage, viewed as [num_reqs, width] trees of the width built
+        # for the batch (_build_width).
+        self._tree_storage = DDTree.empty(self.max_num_reqs, self.tree_budget, device)
+        # Adaptive budgets: the batch-wide budget of every step (None: every
+        # step verifies the scheduler's draft slots).
+        self.adaptive = (
+            AdaptiveTreeBudget(cfg, vllm_config, self.max_num_reqs, device)
+            if cfg.adaptive
+            else None
+        )
         # Walk result for steps that verified no tree: k = 0 everywhere.
         self._no_accepted_nodes = torch.zeros(
             self.max_num_reqs, self.draft_depth, dtype=torch.int32, device=device
@@ -246,6 +268,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                 f"{type(model_state).__name__}"
             )
         self.state = state
+        state.adaptive = self.adaptive
         model_state.set_draft_attn_layers(self.draft_attn_layer_names)
 
     def _generate_draft(
@@ -269,11 +292,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         logits = self.model.compute_logits(
             last_hidden_states[self.sample_indices[:num_sample]]
         )
+        width = self._build_width(num_tokens_padded)
         # [num_reqs, depth, vocab_size] (rows may be strided: vocab padding cut)
         build_ddtree(
             logits.unflatten(0, (num_reqs, self.draft_depth)),
-            self.tree_budget,
-            out=self.batch_trees.prefix(num_reqs),
+            width,
+            out=self._batch_trees(num_reqs, width),
         )
 
     @torch.inference_mode()
@@ -314,6 +338,11 @@ class DDTreeSpeculator(DFlashSpeculator):
             max_seq_len + self.num_query_per_req, self.max_model_len
         )
 
+        # Adaptive budgets: the drafter runs only when the next step is
+        # expected to verify a tree (its context is kept up to date anyway).
+        draft = (
+            dummy_run or self.adaptive is None or self.adaptive.should_draft(num_reqs)
+        )
         if dummy_run and skip_attn_for_dummy_run:
             # Memory profiling: block tables and KV caches do not exist yet.
             num_tokens = input_batch.num_tokens
@@ -327,7 +356,9 @@ class DDTreeSpeculator(DFlashSpeculator):
             self._generate_draft(
                 num_reqs, num_query_tokens, None, None, num_tokens_across_dp
             )
-            return self._draft_tokens(num_reqs)
+            return self._draft_tokens(
+                self._batch_trees(num_reqs, self._build_width(num_query_tokens))
+            )
 
         num_context = draft_context_size(
             input_batch.num_tokens,
@@ -347,6 +378,9 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.context_positions[:num_context],
             None if dummy_run else self._context_slots(num_context),
         )
+        if not draft:
+            # The next step verifies no tree (the budget's choice).
+            return self.draft_tokens[:num_reqs]
 
         batch_desc, num_tokens_across_dp = dispatch_cg_and_sync_dp(
             self.query_cudagraph_manager,
@@ -383,13 +417,48 @@ class DDTreeSpeculator(DFlashSpeculator):
                 num_tokens_across_dp,
                 batch_desc.cg_mode,
             )
+        trees = self._batch_trees(num_reqs, self._build_width(num_tokens_padded))
         if dummy_run:
-            return self._draft_tokens(num_reqs)
+            return self._draft_tokens(trees)
         assert self.state is not None
         self.state.trees.scatter_(
-            input_batch.idx_mapping, self.batch_trees, num_reqs, self.draft_tokens
+            input_batch.idx_mapping, trees, num_reqs, self.draft_tokens
         )
+        if self.adaptive is not None:
+            self.adaptive.observe_trees(
+                trees.log_probs, temperature, input_batch.idx_mapping
+            )
         return self.draft_tokens[:num_reqs]
+
+    def _build_width(self, num_query_tokens: int) -> int:
+        """Nodes the drafter builds per request for a drafter batch of
+        ``num_query_tokens`` (its CUDA graph's size): with adaptive budgets,
+        the most the scheduler lets a request of such a batch verify."""
+        if self.adaptive is None:
+            return self.tree_budget
+        num_reqs = min(num_query_tokens // self.num_query_per_req, self.max_num_reqs)
+        return max(1, self.adaptive.slots[max(num_reqs, 1)])
+
+    def _batch_trees(self, num_reqs: int, width: int) -> DDTree:
+        """The first ``num_reqs`` trees of ``width`` nodes in the drafter's
+        flat output storage (contiguous rows, as the builder writes them)."""
+        flat = self._tree_storage
+        words = num_mask_words(width)
+
+        def rows(t: torch.Tensor, *shape: int) -> torch.Tensor:
+            n = num_reqs
+            for d in shape:
+                n *= d
+            return t.view(-1)[:n].view(num_reqs, *shape)
+
+        return DDTree(
+            token_ids=rows(flat.token_ids, width),
+            parent_ids=rows(flat.parent_ids, width),
+            depths=rows(flat.depths, width),
+            attn_mask=rows(flat.attn_mask, width + 1, words),
+            num_nodes=flat.num_nodes[:num_reqs],
+            log_probs=rows(flat.log_probs, width),
+        )
 
     def _prepare_inputs(
         self,
@@ -478,8 +547,10 @@ class DDTreeSpeculator(DFlashSpeculator):
             for gidx in self._layer_group_idx
         ]
 
-    def _draft_tokens(self, num_reqs: int) -> torch.Tensor:
+    def _draft_tokens(self, trees: DDTree) -> torch.Tensor:
         # Padding nodes (-1) still enter the target batch; any valid id will do.
+        num_reqs, width = trees.token_ids.shape
         out = self.draft_tokens[:num_reqs]
-        torch.clamp(self.batch_trees.token_ids[:num_reqs], min=0, out=out)
+        out[:, width:].zero_()
+        torch.clamp(trees.token_ids, min=0, out=out[:, :width])
         return out

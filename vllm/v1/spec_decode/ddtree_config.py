@@ -35,8 +35,9 @@ Every check raises ``ValueError`` with the setting to change.
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from vllm.v1.spec_decode.ddtree_cost import budget_ladder
 from vllm.v1.spec_decode.dflash_tree_builder import MAX_BUDGET, MAX_DEPTH
 
 DDTREE_METHOD = "ddtree"
@@ -59,6 +60,13 @@ AUTO_TREE_BUDGET_PER_BATCH_SIZE: tuple[tuple[int, int, int], ...] = (
     (1, 4, 31),
     (5, 1024, 15),  # vLLM carries the last budget past the end
 )
+# "auto" with an adaptive budget (the default): the cost model alone decides,
+# up to the builder's largest tree per request.
+AUTO_TREE_BUDGET_CAP = MAX_BUDGET
+# Speculative-config key: true (default) sizes each step's trees by measured
+# cost and acceptance, with tree_budget a per-request cap; false verifies
+# tree_budget nodes (or the schedule's) in every step.
+ADAPTIVE_KEY = "adaptive_budget"
 # Keys of a ddtree speculative config passed to the DFlash drafter's config as is.
 DRAFTER_KEYS = frozenset(
     {
@@ -90,9 +98,18 @@ class DDTreeConfig:
     tree_budget: int
     # D: drafter positions per step, the deepest a tree can be.
     draft_depth: int
-    # The smaller budgets a tree_budget_per_batch_size schedule may pick (sorted,
-    # without tree_budget); empty when every step verifies tree_budget nodes.
+    # The smaller budgets a step may verify per request (sorted, without
+    # tree_budget): a tree_budget_per_batch_size schedule's, or with an
+    # adaptive budget every ladder value (ddtree_cost.budget_ladder); empty
+    # when every step verifies tree_budget nodes.
     step_budgets: tuple[int, ...] = ()
+    # Each step's budget is chosen by measured cost and acceptance, and
+    # tree_budget (or the schedule's budget for the batch size) is a
+    # per-request cap.
+    adaptive: bool = False
+    # With adaptive: the user's caps per batch size, inclusive ranges
+    # [(first, last, cap), ...] (empty: tree_budget at every batch size).
+    caps: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def verify_len(self) -> int:
@@ -106,7 +123,11 @@ class DDTreeConfig:
 
     @property
     def tokens_per_request(self) -> int:
-        """Step-buffer tokens one request can need (target or drafter side)."""
+        """Step tokens a decoding request needs: its tree and the drafter's
+        block; with an adaptive budget only the drafter's block, as the
+        scheduler sizes trees to the batch (:func:`scheduled_tree_budgets`)."""
+        if self.adaptive:
+            return self.draft_len
         return max(self.verify_len, self.draft_len)
 
     @property
@@ -114,12 +135,28 @@ class DDTreeConfig:
         """Every number of nodes a decode step may verify per request."""
         return (*self.step_budgets, self.tree_budget)
 
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        """Per-request budgets an adaptive step chooses from, 0 (no drafts)
+        first."""
+        return (0, *self.step_budgets, self.tree_budget)
+
+    def cap_for(self, num_reqs: int) -> int:
+        """The most nodes a request may verify in a batch of ``num_reqs``."""
+        for first, last, cap in self.caps:
+            if first <= num_reqs <= last:
+                return cap
+        # vLLM carries the last range's budget past its end.
+        return self.caps[-1][2] if self.caps else self.tree_budget
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "method": DDTREE_METHOD,
             "tree_budget": self.tree_budget,
             "draft_depth": self.draft_depth,
             "step_budgets": list(self.step_budgets),
+            "adaptive": self.adaptive,
+            "caps": [list(c) for c in self.caps],
         }
 
     @classmethod
@@ -145,6 +182,8 @@ class DDTreeConfig:
             int(raw["tree_budget"]),
             int(raw["draft_depth"]),
             tuple(int(b) for b in raw.get("step_budgets", ())),
+            bool(raw.get("adaptive", False)),
+            tuple(tuple(int(v) for v in c) for c in raw.get("caps", ())),
         )
 
 
@@ -156,20 +195,45 @@ def is_ddtree_method(speculative_config: Any) -> bool:
     )
 
 
-def parse_speculative_config(raw: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
-    """A ``{"method": "ddtree", ...}`` dict -> (tree budget, DFlash config dict).
+class ParsedSpeculativeConfig(NamedTuple):
+    """What :func:`parse_speculative_config` makes of a ``ddtree`` config."""
 
-    The returned dict is what vLLM's ``SpeculativeConfig`` accepts: method
-    ``"dflash"`` with ``tree_budget`` draft slots per request, and with a
-    ``tree_budget_per_batch_size`` schedule vLLM's
-    ``num_speculative_tokens_per_batch_size``.
+    # The largest tree budget (nodes per request and step).
+    tree_budget: int
+    # vLLM's DFlash speculative config (a dict SpeculativeConfig accepts).
+    dflash: dict[str, Any]
+    # Each step's budget is chosen by cost and acceptance (ADAPTIVE_KEY).
+    adaptive: bool
+    # The schedule's ranges (first, last, budget); empty: one budget.
+    schedule: tuple[tuple[int, int, int], ...]
+
+
+def parse_speculative_config(raw: Mapping[str, Any]) -> ParsedSpeculativeConfig:
+    """A ``{"method": "ddtree", ...}`` dict -> DDTree's settings and the DFlash
+    config dict.
+
+    The dict is what vLLM's ``SpeculativeConfig`` accepts: method ``"dflash"``
+    with ``tree_budget`` draft slots per request. With a fixed budget per batch
+    size (``adaptive_budget: false``) a ``tree_budget_per_batch_size`` schedule
+    (or ``auto``'s) becomes vLLM's ``num_speculative_tokens_per_batch_size``.
+    With an adaptive budget (the default) the budget and the schedule are
+    per-request caps; vLLM's schedule then lists every ladder budget, so that
+    vLLM captures a CUDA graph for each (the scheduler's draft slots per batch
+    size are DDTree's own, :func:`scheduled_tree_budgets`).
     """
     cfg = {str(k).replace("-", "_"): v for k, v in raw.items()}
     cfg.pop("method")
+    adaptive = cfg.pop(ADAPTIVE_KEY, True)
+    if not isinstance(adaptive, bool):
+        raise ValueError(
+            f"{ADAPTIVE_KEY} must be true (each step's tree sized by measured cost "
+            f"and acceptance, the default) or false (every step verifies "
+            f"tree_budget), got {adaptive!r}"
+        )
     schedule = cfg.pop("tree_budget_per_batch_size", None)
     if cfg.get("tree_budget") == AUTO_TREE_BUDGET and schedule is not None:
         raise ValueError(
-            "tree_budget='auto' picks a budget per batch size itself; drop "
+            "tree_budget='auto' picks the budget itself; drop "
             "tree_budget_per_batch_size, or drop tree_budget to use your "
             "schedule"
         )
@@ -177,13 +241,17 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> tuple[int, dict[str, Any
         cfg.get("tree_budget", DEFAULT_TREE_BUDGET) == AUTO_TREE_BUDGET
     ):
         cfg.pop("tree_budget", None)
-        schedule = [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
+        if adaptive:
+            cfg["tree_budget"] = AUTO_TREE_BUDGET_CAP
+        else:
+            schedule = [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
     if schedule is None:
         budget = cfg.pop("tree_budget")
         check_tree_budget(budget)
+        ranges: tuple[tuple[int, int, int], ...] = ()
     else:
-        schedule = parse_budget_schedule(schedule)
-        budget = max(b for _, _, b in schedule)
+        ranges = tuple(parse_budget_schedule(schedule))
+        budget = max(b for _, _, b in ranges)
         given = cfg.pop("tree_budget", budget)
         if given != budget:
             raise ValueError(
@@ -211,7 +279,8 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> tuple[int, dict[str, Any
         raise ValueError(
             f"method 'ddtree' does not take {', '.join(map(repr, unknown))} in the "
             "speculative config; it takes 'method', 'tree_budget', "
-            "'tree_budget_per_batch_size' and the drafter settings "
+            f"'tree_budget_per_batch_size', '{ADAPTIVE_KEY}' and the drafter "
+            "settings "
             f"{', '.join(sorted(DRAFTER_KEYS))}"
         )
     backend = cfg.get("attention_backend")
@@ -225,9 +294,17 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> tuple[int, dict[str, Any
             "backend such as FLASH_ATTN"
         )
     dflash = {**cfg, "method": "dflash", "num_speculative_tokens": budget}
-    if schedule is not None:
-        dflash["num_speculative_tokens_per_batch_size"] = schedule
-    return budget, dflash
+    if adaptive:
+        # One range per ladder budget, largest first: vLLM captures uniform
+        # decode graphs for every budget it lists. The scheduler's own lookup
+        # from it is replaced (glue, Scheduler.__init__).
+        ladder = adaptive_ladder(budget, ranges)[::-1]
+        dflash["num_speculative_tokens_per_batch_size"] = [
+            [i + 1, i + 1, b] for i, b in enumerate(ladder)
+        ]
+    elif ranges:
+        dflash["num_speculative_tokens_per_batch_size"] = [list(r) for r in ranges]
+    return ParsedSpeculativeConfig(budget, dflash, adaptive, ranges)
 
 
 def parse_budget_schedule(schedule: Any) -> list[tuple[int, int, int]]:
@@ -460,11 +537,56 @@ def cudagraph_capture_sizes(
     sizes |= set(range(256, ladder_max + 1, 16))
     num_reqs = [n for n in (1, 2, 4) if n < max_num_seqs]
     num_reqs += list(range(8, max_num_seqs, 8)) + [max_num_seqs]
-    sizes |= {n * (b + 1) for n in num_reqs for b in cfg.all_budgets}
+    if not cfg.adaptive:
+        # An adaptive step's uniform batches are vLLM's sizes rounded up to
+        # a multiple of the step's b + 1 (vLLM's graph manager does that for
+        # every budget of the schedule); their count, not full trees, grows.
+        sizes |= {n * (b + 1) for n in num_reqs for b in cfg.all_budgets}
     sizes |= {n * cfg.draft_len for n in num_reqs}
     # vLLM checks that a user's maximum is the largest size.
     sizes.add(max_size)
     return sorted(s for s in sizes if s <= max_size)
+
+
+def adaptive_ladder(
+    tree_budget: int, schedule: tuple[tuple[int, int, int], ...] = ()
+) -> tuple[int, ...]:
+    """Per-request budgets an adaptive step chooses from: 0, ``2**k - 1``
+    below ``tree_budget``, the schedule's caps and ``tree_budget``."""
+    return tuple(sorted(set(budget_ladder(tree_budget)) | {b for *_, b in schedule}))
+
+
+def ladder_floor(ladder: tuple[int, ...], budget: int) -> int:
+    """The largest ladder value at most ``budget`` (ladder[0] is 0)."""
+    best = 0
+    for b in ladder:
+        if b <= budget:
+            best = b
+    return best
+
+
+def scheduled_tree_budgets(
+    cfg: DDTreeConfig,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_capture_size: int,
+) -> list[int]:
+    """Draft slots the scheduler gives each decoding request of an adaptive
+    engine, by the number of scheduled requests (index 0 unused).
+
+    A slot is a node the step may verify; the step's budget (chosen later, by
+    cost) and the batch-wide ranking decide how many it does, so the slots
+    are a cap: the user's (``cap_for``), and what keeps a step's trees within
+    twice the largest CUDA graph (larger steps run eagerly and rarely pay) and
+    within half of ``max_num_batched_tokens`` (the rest is left for prompts).
+    Each slot also reserves a KV slot for the step, which the scheduler takes
+    back from the rejected nodes after it."""
+    span = max(2 * max(max_capture_size, _VLLM_MAX_CAPTURE_SIZE), cfg.draft_len)
+    span = min(span, max_num_batched_tokens // 2)
+    return [0] + [
+        ladder_floor(cfg.ladder, min(cfg.cap_for(r), max(span // r - 1, 0)))
+        for r in range(1, max_num_seqs + 1)
+    ]
 
 
 def first_ungraphed_batch(
@@ -478,7 +600,7 @@ def first_ungraphed_batch(
     would still run in one, or None. Only for one budget at every batch size:
     such steps run eagerly, on top of verifying B + 1 rows per request."""
     if cfg.step_budgets or cfg.verify_len <= cfg.draft_len or max_capture_size < 1:
-        return None
+        return None  # adaptive budgets have step_budgets: they fit the batch
     if max_num_batched_tokens <= max_capture_size:
         return None  # no step is larger than the largest graph
     first = max_capture_size // cfg.verify_len + 1

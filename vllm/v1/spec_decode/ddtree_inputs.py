@@ -171,18 +171,21 @@ def _write_tree_verify_inputs_kernel(
 
 
 def store_draft_trees(
-    # [max_num_reqs, budget] int64 / int32 / int32, request-state order
+    # [max_num_reqs, budget] int64 / int32 / int32 / float32, request-state order
     state_token_ids: torch.Tensor,
     state_parent_ids: torch.Tensor,
     state_depths: torch.Tensor,
-    # [max_num_reqs, budget + 1, num_words] int32, request-state order
+    state_log_probs: torch.Tensor,
+    # [max_num_reqs, budget + 1, num_words(budget)] int32, request-state order
     state_attn_mask: torch.Tensor,
     # [>= num_reqs, budget] int64: the draft tokens MRv2 reads (batch order)
     draft_tokens: torch.Tensor,
-    # the drafter's trees, batch order: same shapes with >= num_reqs rows
+    # the drafter's trees, batch order: [>= num_reqs, width] with width <= budget
+    # (masks [>= num_reqs, width + 1, num_words(width)])
     token_ids: torch.Tensor,
     parent_ids: torch.Tensor,
     depths: torch.Tensor,
+    log_probs: torch.Tensor,
     attn_mask: torch.Tensor,
     # [num_reqs] request-state row of each batch row
     idx_mapping: torch.Tensor,
@@ -191,25 +194,39 @@ def store_draft_trees(
     """One launch for what a drafted step keeps: each batch row's tree into its
     request's state row, and the draft tokens MRv2 schedules (padding nodes,
     token -1, as token 0: any valid id enters the target batch, none is
-    accepted). In place of four indexed copies and a clamp."""
-    budget = token_ids.shape[1]
-    mask_row = attn_mask.shape[1] * attn_mask.shape[2]
-    # The kernel trusts the shapes: a wider or narrower row would write into
-    # its neighbour.
+    accepted). In place of five indexed copies and a clamp.
+
+    A tree narrower than the state rows (the drafter builds fewer nodes for
+    larger batches) fills the rest with padding nodes (token -1, log-prob
+    -inf); its mask words past its own width are zeroed, so a verified row
+    never reads another tree's bits. Padding rows' parents, depths and masks
+    are left as they are: the verify writer and the walk read only their
+    token."""
+    budget, width = state_token_ids.shape[1], token_ids.shape[1]
+    state_words, words = state_attn_mask.shape[2], attn_mask.shape[2]
+    # The kernel trusts the shapes: a wider row would write into its neighbour.
+    if width > budget or draft_tokens.shape[1] != budget:
+        raise ValueError(
+            f"trees of {width} nodes do not fit state rows of {budget} nodes "
+            f"(draft tokens {tuple(draft_tokens.shape)})"
+        )
     for state, src in (
         (state_token_ids, token_ids),
         (state_parent_ids, parent_ids),
         (state_depths, depths),
+        (state_log_probs, log_probs),
         (state_attn_mask, attn_mask),
         (draft_tokens, token_ids),
     ):
-        if state.shape[1:] != src.shape[1:] or state.dtype != src.dtype:
+        if state.dtype != src.dtype or src.shape[1] != width + (src is attn_mask):
             raise ValueError(
                 f"tree rows differ: {tuple(state.shape)} {state.dtype} vs "
                 f"{tuple(src.shape)} {src.dtype}"
             )
-    for t in (state_attn_mask, attn_mask):
-        if t.stride(2) != 1 or t.stride(1) != attn_mask.shape[2]:
+        if state.shape[1] != budget + (state is state_attn_mask):
+            raise ValueError(f"state rows of {tuple(state.shape)}, budget {budget}")
+    for t, num_words in ((state_attn_mask, state_words), (attn_mask, words)):
+        if t.stride(2) != 1 or t.stride(1) != num_words:
             raise ValueError("tree masks must be contiguous per request")
     if num_reqs == 0:
         return
@@ -220,6 +237,8 @@ def store_draft_trees(
         state_parent_ids.stride(0),
         state_depths,
         state_depths.stride(0),
+        state_log_probs,
+        state_log_probs.stride(0),
         state_attn_mask,
         state_attn_mask.stride(0),
         draft_tokens,
@@ -230,13 +249,22 @@ def store_draft_trees(
         parent_ids.stride(0),
         depths,
         depths.stride(0),
+        log_probs,
+        log_probs.stride(0),
         attn_mask,
         attn_mask.stride(0),
         idx_mapping,
         budget,
-        mask_row,
+        width,
+        STATE_WORDS=state_words,
+        WORDS=words,
         NODE_BLOCK=next_power_of_2(budget),
-        MASK_BLOCK=min(1024, next_power_of_2(mask_row)),
+        WORD_BLOCK=next_power_of_2(state_words),
+        # Tiles of at most 1024 words, whole rows of a power-of-2 count.
+        ROW_BLOCK=min(
+            next_power_of_2(width + 1),
+            1 << ((1024 // next_power_of_2(state_words)).bit_length() - 1),
+        ),
     )
 
 
@@ -248,6 +276,8 @@ def _store_draft_trees_kernel(
     state_parent_ids_stride,
     state_depths_ptr,
     state_depths_stride,
+    state_log_probs_ptr,
+    state_log_probs_stride,
     state_attn_mask_ptr,
     state_attn_mask_stride,
     draft_tokens_ptr,
@@ -258,36 +288,56 @@ def _store_draft_trees_kernel(
     parent_ids_stride,
     depths_ptr,
     depths_stride,
+    log_probs_ptr,
+    log_probs_stride,
     attn_mask_ptr,
     attn_mask_stride,
     idx_mapping_ptr,
     budget,
-    mask_row,
+    width,
+    STATE_WORDS: tl.constexpr,
+    WORDS: tl.constexpr,
     NODE_BLOCK: tl.constexpr,
-    MASK_BLOCK: tl.constexpr,
+    WORD_BLOCK: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
 ):
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)
     slot = tl.load(idx_mapping_ptr + r).to(tl.int64)
     nodes = tl.arange(0, NODE_BLOCK)
     valid = nodes < budget
-    tokens = tl.load(token_ids_ptr + r * token_ids_stride + nodes, mask=valid)
+    built = nodes < width
+    tokens = tl.load(token_ids_ptr + r * token_ids_stride + nodes, mask=built, other=-1)
     tl.store(state_token_ids_ptr + slot * state_token_ids_stride + nodes, tokens, valid)
     tl.store(
         draft_tokens_ptr + r * draft_tokens_stride + nodes,
         tl.maximum(tokens, 0),
         valid,
     )
-    parents = tl.load(parent_ids_ptr + r * parent_ids_stride + nodes, mask=valid)
-    tl.store(
-        state_parent_ids_ptr + slot * state_parent_ids_stride + nodes, parents, valid
+    lp = tl.load(
+        log_probs_ptr + r * log_probs_stride + nodes, mask=built, other=float("-inf")
     )
-    depth = tl.load(depths_ptr + r * depths_stride + nodes, mask=valid)
-    tl.store(state_depths_ptr + slot * state_depths_stride + nodes, depth, valid)
-    for start in range(0, mask_row, MASK_BLOCK):
-        words = start + tl.arange(0, MASK_BLOCK)
-        in_row = words < mask_row
-        w = tl.load(attn_mask_ptr + r * attn_mask_stride + words, mask=in_row)
-        tl.store(state_attn_mask_ptr + slot * state_attn_mask_stride + words, w, in_row)
+    tl.store(state_log_probs_ptr + slot * state_log_probs_stride + nodes, lp, valid)
+    parents = tl.load(parent_ids_ptr + r * parent_ids_stride + nodes, mask=built)
+    tl.store(
+        state_parent_ids_ptr + slot * state_parent_ids_stride + nodes, parents, built
+    )
+    depth = tl.load(depths_ptr + r * depths_stride + nodes, mask=built)
+    tl.store(state_depths_ptr + slot * state_depths_stride + nodes, depth, built)
+    # Mask rows of the root and the built nodes; words past the tree's own are 0.
+    word = tl.arange(0, WORD_BLOCK)
+    for start in range(0, width + 1, ROW_BLOCK):
+        row = start + tl.arange(0, ROW_BLOCK)
+        in_rows = (row <= width)[:, None]
+        src = attn_mask_ptr + r * attn_mask_stride + row[:, None] * WORDS
+        w = tl.load(
+            src + word[None, :], mask=in_rows & (word < WORDS)[None, :], other=0
+        )
+        dst = state_attn_mask_ptr + slot * state_attn_mask_stride
+        tl.store(
+            dst + row[:, None] * STATE_WORDS + word[None, :],
+            w,
+            mask=in_rows & (word < STATE_WORDS)[None, :],
+        )
 
 
 def draft_context_size(

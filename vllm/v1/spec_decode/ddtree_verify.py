@@ -87,6 +87,15 @@ class DDTreeRejectionSampler:
             trees.parent_ids,
             tree_rows=idx_mapping,
         )
+        adaptive = self.state.adaptive
+        if adaptive is not None:
+            adaptive.observe_walk(
+                trees.log_probs,
+                input_batch,
+                self.tree_sampler.sampler.sampling_states.temperature.gpu,
+                out.accepted_nodes,
+                out.num_accepted,
+            )
         num_reqs = input_batch.num_reqs
         self.state.verified = VerifiedPaths(
             query_start_loc=input_batch.query_start_loc[: num_reqs + 1],

@@ -53,6 +53,11 @@ class DDTree:
     attn_mask: torch.Tensor
     # [num_reqs] int32; number of real (non-padding) nodes.
     num_nodes: torch.Tensor
+    # [num_reqs, budget] float32: each node's surrogate log-probability (the sum
+    # of its path's per-position log-probs), non-increasing along the nodes; -inf
+    # on padding nodes. The batch-wide budget ranks nodes by it. None on trees
+    # made by hand (tests).
+    log_probs: torch.Tensor | None = None
 
     @property
     def budget(self) -> int:
@@ -73,11 +78,14 @@ class DDTree:
                 device=device,
             ),
             num_nodes=torch.empty(num_reqs, dtype=torch.int32, device=device),
+            log_probs=torch.empty(num_reqs, budget, dtype=torch.float32, device=device),
         )
 
     def prefix(self, num_reqs: int) -> "DDTree":
         """The first ``num_reqs`` requests' trees (views)."""
-        return DDTree(*(t[:num_reqs] for t in vars(self).values()))
+        return DDTree(
+            *(None if t is None else t[:num_reqs] for t in vars(self).values())
+        )
 
 
 MAX_BUDGET = 1024
@@ -183,6 +191,7 @@ def build_ddtree_with_lse(
         tree.depths,
         tree.attn_mask,
         tree.num_nodes,
+        tree.log_probs,
         depth,
         num_top,
         RANK_BITS=_RANK_BITS,
@@ -216,10 +225,11 @@ def _check_out(out: DDTree, num_reqs: int, budget: int) -> None:
     cached per size.)"""
     for name, shape, dtype in _out_layout(num_reqs, budget):
         t = getattr(out, name)
-        if t.shape != shape or t.dtype != dtype or not t.is_contiguous():
+        if t is None or t.shape != shape or t.dtype != dtype or not t.is_contiguous():
+            got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
             raise ValueError(
                 f"out.{name} must be a contiguous {dtype} tensor of shape "
-                f"{tuple(shape)}, got {t.dtype} {tuple(t.shape)}"
+                f"{tuple(shape)}, got {got}"
             )
 
 
@@ -763,6 +773,7 @@ def _ddtree_select_kernel(
     depths_ptr,
     mask_ptr,
     num_nodes_ptr,
+    log_probs_ptr,
     depth,
     num_top,
     RANK_BITS: tl.constexpr,
@@ -872,6 +883,11 @@ def _ddtree_select_kernel(
     tl.store(token_ids_ptr + out, token, mask=in_budget)
     tl.store(parent_ids_ptr + out, parent, mask=in_budget)
     tl.store(depths_ptr + out, node_depth, mask=in_budget)
+    tl.store(
+        log_probs_ptr + out,
+        tl.where(real, _score(kept), float("-inf")),
+        mask=in_budget,
+    )
     tl.store(num_nodes_ptr + req, tl.sum(real.to(tl.int32), axis=0))
     # Node n's first jump is its parent; the root jumps to itself.
     tl.store(jump_ptr + req * (BUDGET + 1) + kept_offs + 1, parent, mask=in_budget)

@@ -1,0 +1,308 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The adaptive budget's step on the worker: the host plan that trims the
+scheduler's output, and the GPU split that hands the step's nodes to the
+requests, against MRv2's own input writers run on the split a brute-force
+ranking gives (CPU: Triton interpreter)."""
+
+import copy
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.spec_decode.ddtree_adaptive import AdaptiveTreeBudget
+from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CFG = DDTreeConfig(7, 3, (1, 3), adaptive=True)
+
+
+def _vllm_config(max_num_seqs=8, tokens=256):
+    return types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens
+        ),
+        compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=64),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
+    )
+
+
+def _budget(choice):
+    """An AdaptiveTreeBudget whose controller picks ``choice(num_reqs, cap)``."""
+    budget = AdaptiveTreeBudget(CFG, _vllm_config(), 8, DEVICE)
+    controller = budget._controller()
+    calls = []
+
+    def choose(num_reqs, max_budget, has_trees, timed):
+        calls.append((num_reqs, max_budget, has_trees, timed))
+        return choice(num_reqs, max_budget)
+
+    controller.choose = choose
+    budget.drafted_last = True
+    return budget, calls
+
+
+def _output(tokens, spec):
+    out = SchedulerOutput.make_empty()
+    out.num_scheduled_tokens = dict(tokens)
+    out.scheduled_spec_decode_tokens = {r: [-1] * n for r, n in spec.items()}
+    out.total_num_scheduled_tokens = sum(tokens.values())
+    return out
+
+
+def test_plan_trims_a_uniform_decode_step():
+    budget, calls = _budget(lambda r, cap: 3)
+    out = _output({"a": 8, "b": 8, "c": 8}, {"a": 7, "b": 7, "c": 7})
+    before = copy.deepcopy(out)
+    trimmed = budget.plan(out)
+    assert trimmed is not out
+    assert trimmed.num_scheduled_tokens == {"a": 4, "b": 4, "c": 4}
+    assert trimmed.scheduled_spec_decode_tokens == {r: [-1] * 3 for r in "abc"}
+    assert trimmed.total_num_scheduled_tokens == 12
+    # The scheduler's own output is left as it gave it (it counts rejections
+    # against the slots it scheduled).
+    assert out == before
+    assert calls == [(3, 7, True, True)]
+    plan = budget._plan
+    assert (plan.num_reqs, plan.budget, plan.cap, plan.uniform) == (3, 3, 7, True)
+
+
+def test_plan_keeps_a_full_step_and_drops_every_draft_at_zero():
+    budget, _ = _budget(lambda r, cap: cap)
+    out = _output({"a": 8, "b": 8}, {"a": 7, "b": 7})
+    assert budget.plan(out) is out
+    budget, _ = _budget(lambda r, cap: 0)
+    trimmed = budget.plan(out)
+    assert trimmed.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert trimmed.scheduled_spec_decode_tokens == {}
+    assert trimmed.total_num_scheduled_tokens == 2
+
+
+def test_plan_leaves_prompts_and_trimmed_trees_their_tokens():
+    """A prompt chunk keeps its tokens; a request the scheduler gave fewer
+    slots caps the step's budget; neither step is timed nor re-split."""
+    budget, calls = _budget(lambda r, cap: min(3, cap))
+    out = _output({"a": 8, "p": 5, "b": 3}, {"a": 7, "b": 2})
+    trimmed = budget.plan(out)
+    assert trimmed.num_scheduled_tokens == {"a": 3, "p": 5, "b": 3}
+    assert trimmed.scheduled_spec_decode_tokens == {"a": [-1] * 2, "b": [-1] * 2}
+    assert trimmed.total_num_scheduled_tokens == 11
+    assert calls == [(2, 2, True, False)]
+    assert not budget._plan.uniform
+
+
+def test_plan_without_drafts_or_trees():
+    budget, calls = _budget(lambda r, cap: cap)
+    out = _output({"p": 9}, {})
+    assert budget.plan(out) is out and calls == []
+    # No tree was drafted for this step: the controller is told so.
+    budget.drafted_last = False
+    budget.plan(_output({"a": 8}, {"a": 7}))
+    assert calls == [(1, 7, False, True)]
+
+
+# ---------------------------------------------------------------------------
+# The GPU split
+# ---------------------------------------------------------------------------
+
+MAX_REQS, CAP = 8, 7
+
+
+def _runner(gen, num_reqs, log_probs, temperature, logprobs=False):
+    from vllm.v1.worker.gpu.input_batch import InputBuffers
+    from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+    def tensor(x):
+        return x.to(DEVICE)
+
+    return types.SimpleNamespace(
+        input_buffers=InputBuffers(MAX_REQS, 256, DEVICE),
+        req_states=types.SimpleNamespace(
+            num_computed_tokens=types.SimpleNamespace(
+                gpu=tensor(torch.randint(5, 50, (MAX_REQS,), generator=gen).int())
+            ),
+            last_sampled_tokens=tensor(
+                torch.randint(0, 99, (MAX_REQS,), generator=gen)
+            ),
+            prefill_len=types.SimpleNamespace(gpu=tensor(torch.ones(MAX_REQS).int())),
+            draft_tokens=tensor(torch.randint(0, 99, (MAX_REQS, CAP), generator=gen)),
+        ),
+        sampler=types.SimpleNamespace(
+            sampling_states=types.SimpleNamespace(
+                temperature=types.SimpleNamespace(gpu=tensor(temperature)),
+                max_num_logprobs=lambda idx: 5 if logprobs else NO_LOGPROBS,
+            )
+        ),
+        speculator=types.SimpleNamespace(
+            state=types.SimpleNamespace(
+                trees=types.SimpleNamespace(log_probs=tensor(log_probs))
+            )
+        ),
+        model_state=types.SimpleNamespace(num_new_sampled_tokens_per_step=1),
+        decode_query_len=1 + CAP,
+    )
+
+
+def _prepared_batch(runner, idx_mapping, counts):
+    """What MRv2's prepare_inputs writes for a decode batch whose request r
+    verifies counts[r] drafts (its positions, seq_lens, input ids, logit rows
+    and sampler row mapping)."""
+    from vllm.v1.worker.gpu.input_batch import (
+        InputBatch,
+        combine_sampled_and_draft_tokens,
+        expand_idx_mapping,
+        prepare_pos_seq_lens,
+    )
+
+    buffers, req_states = runner.input_buffers, runner.req_states
+    num_reqs = len(counts)
+    qsl_np = np.concatenate([[0], np.cumsum(1 + np.asarray(counts))]).astype(np.int32)
+    num_tokens = int(qsl_np[-1])
+    buffers.query_start_loc.fill_(num_tokens)
+    buffers.query_start_loc[: num_reqs + 1] = torch.from_numpy(qsl_np)
+    qsl = buffers.query_start_loc[: num_reqs + 1]
+    cu = torch.from_numpy(qsl_np.copy()).to(DEVICE)
+    idx = torch.tensor(idx_mapping, dtype=torch.int32, device=DEVICE)
+    prepare_pos_seq_lens(
+        idx,
+        qsl,
+        req_states.num_computed_tokens.gpu,
+        buffers.positions,
+        buffers.seq_lens,
+    )
+    logits_indices = combine_sampled_and_draft_tokens(
+        buffers.input_ids,
+        idx,
+        req_states.last_sampled_tokens,
+        qsl,
+        buffers.seq_lens[:num_reqs],
+        req_states.prefill_len.gpu,
+        req_states.draft_tokens,
+        cu,
+        num_tokens,
+        1,
+    )
+    expanded, local = expand_idx_mapping(idx, num_tokens, cu, runner.decode_query_len)
+    computed = req_states.num_computed_tokens.gpu[idx.long()].cpu().numpy()
+    return InputBatch(
+        req_ids=[f"r{i}" for i in range(num_reqs)],
+        num_reqs=num_reqs,
+        num_reqs_after_padding=num_reqs,
+        idx_mapping=idx,
+        idx_mapping_np=np.asarray(idx_mapping, dtype=np.int32),
+        expanded_idx_mapping=expanded,
+        expanded_local_pos=local,
+        num_scheduled_tokens=np.diff(qsl_np),
+        num_tokens=num_tokens,
+        num_tokens_after_padding=num_tokens,
+        num_draft_tokens=int(sum(counts)),
+        num_draft_tokens_per_req=np.asarray(counts, dtype=np.int32),
+        query_start_loc=qsl,
+        query_start_loc_np=qsl_np,
+        seq_lens=buffers.seq_lens[:num_reqs],
+        seq_lens_cpu_upper_bound=torch.from_numpy(computed + np.diff(qsl_np)),
+        dcp_local_seq_lens=None,
+        num_computed_tokens_np=computed,
+        prefill_len_np=np.ones(num_reqs, dtype=np.int32),
+        num_computed_prefill_tokens_np=np.ones(num_reqs, dtype=np.int32),
+        is_prefilling_np=np.zeros(num_reqs, dtype=bool),
+        max_seq_len_np=None,
+        input_ids=buffers.input_ids[:num_tokens],
+        positions=buffers.positions[:num_tokens],
+        is_padding=buffers.is_padding[:num_tokens],
+        logits_indices=logits_indices,
+        cu_num_logits=cu,
+        cu_num_logits_np=qsl_np.copy(),
+        has_structured_output_reqs=False,
+        prompt_lens=None,
+    )
+
+
+def _snapshot(batch):
+    n = batch.num_tokens
+    return {
+        "query_start_loc": batch.query_start_loc.cpu(),
+        "cu_num_logits": batch.cu_num_logits.cpu(),
+        "positions": batch.positions[:n].cpu(),
+        "seq_lens": batch.seq_lens.cpu(),
+        "input_ids": batch.input_ids[:n].cpu(),
+        "logits_indices": batch.logits_indices.cpu(),
+        "expanded_idx_mapping": batch.expanded_idx_mapping.cpu(),
+        "expanded_local_pos": batch.expanded_local_pos.cpu(),
+    }
+
+
+@pytest.mark.parametrize("num_reqs,b", [(2, 3), (3, 3), (5, 1), (6, 3), (8, 1)])
+def test_reallocate_equals_mrv2_inputs_of_the_ranked_split(num_reqs, b):
+    """After the trimmed step's inputs (b drafts each), reallocate leaves the
+    batch MRv2 would have prepared for the brute-force ranking's split: every
+    input the target and the sampler read, and the host's sequence bound."""
+    from tests.v1.spec_decode.test_ddtree_budget import assign_tree_nodes_reference
+
+    compared = moved = 0
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(100 * num_reqs + 10 * b + seed)
+        log_probs = -torch.rand(MAX_REQS, CAP, generator=gen).cumsum(1) * 3
+        log_probs[0, 2:] = -torch.inf  # a short tree
+        log_probs[1] = -torch.inf  # a slot with no tree (a join)
+        temperature = (torch.rand(MAX_REQS, generator=gen) > 0.5).float()
+        idx_mapping = torch.randperm(MAX_REQS, generator=gen)[:num_reqs].tolist()
+        runner = _runner(gen, num_reqs, log_probs, temperature)
+        budget = AdaptiveTreeBudget(CFG, _vllm_config(), MAX_REQS, DEVICE)
+        budget._plan = types.SimpleNamespace(
+            num_reqs=num_reqs, budget=b, cap=CAP, uniform=True
+        )
+        batch = _prepared_batch(runner, idx_mapping, [b] * num_reqs)
+        even_bound = batch.seq_lens_cpu_upper_bound.clone()
+        out = budget.reallocate(runner, batch)
+        got = _snapshot(out)
+        counts, _ = assign_tree_nodes_reference(
+            log_probs.numpy(),
+            np.asarray(idx_mapping),
+            temperature.numpy(),
+            budget.calibration.rate.cpu().numpy(),
+            CAP,
+            num_reqs * b,
+        )
+        assert counts.sum() == num_reqs * b
+        moved += int((counts != b).any())
+        assert torch.equal(
+            budget.counts[:num_reqs].cpu(), torch.from_numpy(counts).int()
+        )
+        want = _snapshot(_prepared_batch(runner, idx_mapping, counts.tolist()))
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name
+            compared += value.numel()
+        assert torch.equal(out.seq_lens_cpu_upper_bound, even_bound + CAP - b)
+    print(f"{compared} input values compared, {moved} of 3 splits uneven")
+    assert moved >= 2  # the split really moves nodes between requests
+    assert compared >= 3 * 5 * num_reqs * (1 + b)
+
+
+def test_reallocate_keeps_the_even_split_where_mrv2_reads_it_on_the_host():
+    """Requests with logprobs (read through the host's logit offsets), one
+    request, a full or empty budget, a non-uniform step: no split."""
+    gen = torch.Generator().manual_seed(0)
+    log_probs = -torch.rand(MAX_REQS, CAP, generator=gen).cumsum(1)
+    temperature = torch.zeros(MAX_REQS)
+    cases = [
+        (dict(num_reqs=3, budget=3, cap=CAP, uniform=True), True),
+        (dict(num_reqs=1, budget=3, cap=CAP, uniform=True), False),
+        (dict(num_reqs=3, budget=CAP, cap=CAP, uniform=True), False),
+        (dict(num_reqs=3, budget=0, cap=CAP, uniform=True), False),
+        (dict(num_reqs=3, budget=3, cap=CAP, uniform=False), False),
+    ]
+    for plan, logprobs in cases:
+        runner = _runner(gen, plan["num_reqs"], log_probs, temperature, logprobs)
+        budget = AdaptiveTreeBudget(CFG, _vllm_config(), MAX_REQS, DEVICE)
+        budget._plan = types.SimpleNamespace(**plan)
+        n = plan["num_reqs"]
+        batch = _prepared_batch(runner, list(range(n)), [plan["budget"]] * n)
+        before = _snapshot(batch)
+        out = budget.reallocate(runner, batch)
+        assert out is batch and budget._plan is None
+        after = _snapshot(out)
+        assert all(torch.equal(before[k], after[k]) for k in before)

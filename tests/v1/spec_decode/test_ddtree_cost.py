@@ -1,0 +1,281 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""DDTree's per-step budget on the host: the cost model and the controller.
+
+The controller is checked against a brute-force argmax over the ladder, and in a
+closed loop against a simulated engine whose true step periods and acceptance
+it does not know: it must settle on the best budget (speculating or not) and
+deliver at least 0.97x the tokens per second of the best fixed choice.
+"""
+
+import logging
+import math
+
+import pytest
+
+from vllm.v1.spec_decode.ddtree_cost import (
+    AcceptanceCurve,
+    StepCostModel,
+    TreeBudgetController,
+    budget_ladder,
+    prior_acceptance,
+    request_bucket,
+)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_budget_ladder():
+    assert budget_ladder(1) == (0, 1)
+    assert budget_ladder(15) == (0, 1, 3, 7, 15)
+    assert budget_ladder(128) == (0, 1, 3, 7, 15, 31, 63, 127, 128)
+    assert budget_ladder(1024)[-3:] == (511, 1023, 1024)
+    with pytest.raises(ValueError, match="cap"):
+        budget_ladder(0)
+
+
+def test_request_buckets_are_monotone_and_cover_every_size():
+    buckets = [request_bucket(n) for n in range(1, 1025)]
+    assert buckets[:4] == [1, 2, 3, 4]
+    assert all(b >= n for n, b in zip(range(1, 1025), buckets))
+    assert buckets == sorted(buckets)
+    # About 1.5x apart: few distinct periods to learn.
+    assert len(set(buckets)) <= 22
+    assert all(b <= 1.5 * n + 1 for n, b in zip(range(1, 1025), buckets))
+
+
+def test_prior_interpolates_and_extrapolates():
+    cost = StepCostModel({16: 1.0, 32: 2.0, 64: 3.0}, {1: 0.5, 4: 1.1})
+    assert cost.prior(1, 0, False) == 1.0  # 1 token: flat below 16
+    assert cost.prior(3, 7, False) == pytest.approx(1.5)  # 24 tokens
+    assert cost.prior(16, 7, False) == pytest.approx(5.0)  # 128: past the last
+    assert cost.prior(2, 15, True) == pytest.approx(2.0 + 0.7)  # drafter at 2 reqs
+    assert cost.prior(8, 3, True) == pytest.approx(2.0 + 1.1 + 0.2 * 4)
+
+
+def test_observed_periods_replace_the_prior_and_bound_larger_trees():
+    cost = StepCostModel({1: 1.0, 1024: 2.0}, {1: 0.1, 64: 0.1})
+    for _ in range(2):
+        assert cost.observe(4, 7, True, 5.0)
+    # Two observations: still the prior.
+    assert cost.predict(4, 7, True) == pytest.approx(cost.prior(4, 7, True))
+    assert cost.observe(4, 7, True, 5.0)
+    assert cost.predict(4, 7, True) == pytest.approx(5.0)
+    assert cost.num_observed(4, 7, True) == 3
+    # A larger tree of the same kind never runs faster; a smaller one may.
+    assert cost.predict(4, 15, True) == pytest.approx(5.0)
+    assert cost.predict(4, 3, True) == pytest.approx(cost.prior(4, 3, True))
+    # Its GPU time alone can rule a shape out.
+    assert cost.predict(4, 1023, True) == pytest.approx(cost.prior(4, 1023, True))
+    assert cost.prior(4, 1023, True) > 5.0
+    # Plain steps and other batch sizes are their own shapes.
+    assert cost.predict(4, 0, False) == pytest.approx(cost.prior(4, 0, False))
+    assert cost.predict(64, 15, True) == pytest.approx(cost.prior(64, 15, True))
+    # An idle gap is not a step's cost.
+    assert not cost.observe(4, 7, True, 100.0)
+    assert cost.predict(4, 7, True) == pytest.approx(5.0)
+    assert not cost.observe(4, 7, True, 0.0)
+
+
+def test_best_budget_is_the_argmax_over_the_ladder():
+    ladder = budget_ladder(127)
+    cost = StepCostModel({n: 1e-3 + 2e-6 * n for n in (1, 64, 512, 4096)}, {1: 5e-4})
+    controller = TreeBudgetController(ladder, 15, cost)
+    compared = 0
+    for num_reqs in (1, 2, 5, 16, 33, 64):
+        for shape in (0.3, 1.0, 2.0):
+            per_req = tuple(
+                0.0 if b == 0 else min(15.0, shape * math.log2(1 + b)) for b in ladder
+            )
+            controller.set_curve(AcceptanceCurve(num_reqs, per_req))
+            for max_budget in (0, 3, 40, 127):
+                rates = {
+                    b: (1 + per_req[i]) / cost.predict(num_reqs, b, b > 0)
+                    for i, b in enumerate(ladder)
+                    if b <= max_budget
+                }
+                want = max(rates, key=lambda b: (rates[b], -b))
+                assert controller.best_budget(num_reqs, max_budget) == want
+                compared += 1
+    assert compared == 6 * 3 * 4
+
+
+def test_no_trees_no_speculation_and_the_drafter_probes():
+    cost = StepCostModel({1: 1.0}, {1: 10.0})  # the drafter costs 10 steps
+    controller = TreeBudgetController(budget_ladder(15), 15, cost, probe_interval=5)
+    controller.set_curve(AcceptanceCurve(1, (0.0, 0.5, 1.0, 1.5, 2.0)))
+    assert controller.best_budget(1, 15) == 0
+    assert controller.choose(1, 15, has_trees=True, timed=True) == 0
+    drafted = [controller.should_draft(1, 15) for _ in range(12)]
+    assert drafted == [False] * 4 + [True] + [False] * 4 + [True] + [False] * 2
+    # Speculation pays: draft every step, and without trees verify none.
+    controller.set_curve(AcceptanceCurve(1, (0.0, 5.0, 9.0, 12.0, 14.0)))
+    cheap = StepCostModel({1: 1.0}, {1: 0.1})
+    controller.cost = cheap
+    assert all(controller.should_draft(1, 15) for _ in range(3))
+    assert controller.choose(1, 15, has_trees=False, timed=True) == 0
+    assert controller.choose(1, 15, has_trees=True, timed=True) > 0
+
+
+def test_the_prior_acceptance_is_used_until_a_curve_arrives():
+    controller = TreeBudgetController(
+        budget_ladder(31), 15, StepCostModel({1: 1.0}, {1: 0.0})
+    )
+    assert controller.expected_accepted(31) == pytest.approx(prior_acceptance(31, 15))
+    assert prior_acceptance(1023, 3) == 3.0
+    with pytest.raises(ValueError, match="ladder"):
+        controller.set_curve(AcceptanceCurve(1, (0.0, 1.0)))
+
+
+class SimulatedEngine:
+    """True step periods and acceptance the controller must discover.
+
+    Period of a step: host work (per request, more when the drafter runs) or
+    GPU work (per verified token, plus the drafter's), whichever is larger, as
+    with async scheduling. Acceptance: ``strength * log2(1 + b)`` per request,
+    at most ``depth``.
+    """
+
+    def __init__(self, num_reqs, strength, host, drafter, per_token, depth=15):
+        self.num_reqs = num_reqs
+        self.strength = strength
+        self.host = host
+        self.drafter = drafter
+        self.per_token = per_token
+        self.depth = depth
+
+    def accepted(self, b):
+        return 0.0 if b == 0 else min(self.depth, self.strength * math.log2(1 + b))
+
+    def period(self, b, drafted):
+        tokens = self.num_reqs * (1 + b)
+        gpu = 1e-3 + self.per_token * tokens + (self.drafter if drafted else 0.0)
+        host = self.host * (1.5 if drafted else 1.0)
+        return max(gpu, host)
+
+    def rate(self, b):
+        return self.num_reqs * (1 + self.accepted(b)) / self.period(b, b > 0)
+
+
+def _run(controller, engine, clock, ladder, steps):
+    tokens = 0.0
+    elapsed = 0.0
+    drafted = True
+    for _ in range(steps):
+        controller.step_started()
+        b = controller.choose(engine.num_reqs, ladder[-1], drafted, timed=True)
+        next_drafted = controller.should_draft(engine.num_reqs, ladder[-1])
+        controller.drafted(next_drafted)
+        if next_drafted:
+            curve = tuple(engine.accepted(x) for x in ladder)
+            controller.set_curve(AcceptanceCurve(engine.num_reqs, curve))
+        period = engine.period(b, next_drafted)
+        clock.now += period
+        elapsed += period
+        tokens += engine.num_reqs * (1 + engine.accepted(b))
+        drafted = next_drafted
+    return tokens / elapsed
+
+
+@pytest.mark.parametrize(
+    "num_reqs,strength,host,drafter,per_token",
+    [
+        (1, 2.0, 2e-3, 5e-4, 1e-6),  # batch 1, strong drafter: big trees
+        (64, 2.0, 4e-3, 8e-4, 2e-6),  # large batch: GPU-bound, small trees
+        (32, 0.2, 6e-3, 3e-3, 1e-6),  # weak drafter (T=1), host-bound: trees free
+        (32, 0.05, 6e-3, 3e-3, 1e-6),  # weaker still: no speculation wins
+        (8, 1.0, 1e-3, 1e-4, 4e-5),  # GEMM-heavy target
+    ],
+)
+def test_closed_loop_beats_097_of_the_best_fixed_budget(
+    num_reqs, strength, host, drafter, per_token
+):
+    """The controller starts from a GPU-only prior (no host work, drafter at
+    a tenth of its cost) and learns the rest from timed steps."""
+    ladder = budget_ladder(255)
+    engine = SimulatedEngine(num_reqs, strength, host, drafter, per_token)
+    clock = FakeClock()
+    target = {n: 1e-3 + per_token * n for n in (1, 16, 256, 4096, 65536)}
+    cost = StepCostModel(target, {1: drafter / 10, 1024: drafter / 10})
+    controller = TreeBudgetController(
+        ladder, 15, cost, clock=clock, log_interval=math.inf
+    )
+    _run(controller, engine, clock, ladder, 400)  # learning
+    achieved = _run(controller, engine, clock, ladder, 400)
+    best = max(engine.rate(b) for b in ladder)
+    print(f"achieved {achieved:.1f} tokens/s, best fixed {best:.1f}")
+    assert achieved >= 0.97 * best
+    chosen = controller.best_budget(num_reqs, ladder[-1])
+    assert engine.rate(chosen) >= 0.97 * best
+    assert (chosen == 0) == (max(ladder, key=engine.rate) == 0)
+
+
+def test_step_periods_are_attributed_to_the_step_that_ran():
+    clock = FakeClock()
+    cost = StepCostModel({1: 1e-3}, {1: 1e-4})
+    controller = TreeBudgetController(budget_ladder(7), 7, cost, clock=clock)
+    controller.set_curve(AcceptanceCurve(4, (0.0, 0.5, 1.0, 2.0)))
+    controller.step_started()
+    b = controller.choose(4, 7, True, timed=True)
+    controller.drafted(True)
+    clock.now += 0.25
+    controller.step_started()  # closes the step above
+    assert cost.num_observed(4, b, True) == 1
+    # An untimed step (prompts in it) teaches nothing.
+    controller.choose(4, 7, True, timed=False)
+    controller.drafted(True)
+    clock.now += 9.0
+    controller.step_started()
+    assert cost.num_observed(4, b, True) == 1
+    # Nor a step whose drafter decision never came (e.g. a dummy run).
+    controller.choose(4, 7, True, timed=True)
+    clock.now += 9.0
+    controller.step_started()
+    assert cost.num_observed(4, b, True) == 1
+    # With learning off (tensor parallelism), nothing is learned.
+    controller.learn = False
+    controller.choose(4, 7, True, timed=True)
+    controller.drafted(True)
+    clock.now += 0.25
+    controller.step_started()
+    assert cost.num_observed(4, b, True) == 1
+
+
+def test_log_reports_budgets_and_calibration():
+    clock = FakeClock()
+    controller = TreeBudgetController(
+        budget_ladder(7),
+        7,
+        StepCostModel({1: 1e-3}, {1: 1e-4}),
+        clock=clock,
+        log_interval=1.0,
+    )
+    controller.set_curve(
+        AcceptanceCurve(2, (0.0, 0.5, 1.0, 2.0), (10.0, 12.0, 4.0, 20.0))
+    )
+    controller.step_started()
+    controller.choose(2, 7, True, timed=True)
+    controller.drafted(True)
+    controller.set_curve(
+        AcceptanceCurve(2, (0.0, 0.5, 1.0, 2.0), (19.0, 22.0, 8.0, 40.0))
+    )
+    clock.now += 2.0
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("vllm.v1.spec_decode.ddtree_cost")
+    log.addHandler(handler)
+    try:
+        controller.step_started()
+    finally:
+        log.removeHandler(handler)
+    text = "\n".join(r.getMessage() for r in records)
+    assert "1 decode steps" in text and "drafter ran in 100%" in text
+    # Since start-up: 19 predicted vs 22 accepted nodes over 8 trees.
+    assert "accepted 2.75 per tree, predicted 2.38 (-13.6%)" in text

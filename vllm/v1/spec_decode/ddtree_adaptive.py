@@ -1,0 +1,471 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""One tree budget per step for the whole batch, sized by cost and acceptance.
+
+The scheduler gives each decoding request a cap of draft slots
+(:func:`~vllm.v1.spec_decode.ddtree_config.scheduled_tree_budgets`); each step
+the model runner then verifies fewer, in three parts:
+
+1. :meth:`AdaptiveTreeBudget.plan` (host, before the step's inputs are
+   prepared): the controller (``ddtree_cost.py``) picks a per-request budget
+   ``b`` from the ladder, and the step is trimmed to ``b`` drafts per request,
+   so that vLLM prepares, pads and dispatches a batch of ``num_reqs * (1 + b)``
+   tokens (a uniform decode batch, replayed from its CUDA graph).
+2. :meth:`AdaptiveTreeBudget.reallocate` (GPU, after MRv2 prepared the
+   trimmed batch): the ``num_reqs * b`` nodes are handed to the requests by
+   one batch-wide ranking of every tree's nodes by estimated acceptance
+   (:func:`~vllm.v1.spec_decode.ddtree_budget.assign_tree_nodes`), at most the
+   scheduler's cap each; query offsets, positions, input ids, logit rows and
+   the sampler's row mapping are rewritten for that split. Skipped where MRv2
+   reads a host copy of the split (requests with logprobs, prompts in the
+   step) or where there is nothing to move (one request).
+3. After the walk, :meth:`AdaptiveTreeBudget.observe_walk` teaches the
+   calibration what was accepted; after the next trees are built,
+   :meth:`AdaptiveTreeBudget.observe_trees` estimates what each ladder budget
+   would accept and starts copying it to the host, where a later step's plan
+   reads it (two steps late, so the host never waits for the GPU).
+
+``b = 0`` is a plain decode step; when the controller expects the next step
+not to speculate either, the speculator skips the drafter's forward and keeps
+only its context up to date (:meth:`AdaptiveTreeBudget.should_draft`).
+"""
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.spec_decode.ddtree_budget import (
+    TreeAcceptanceCalibration,
+    assign_tree_nodes,
+    expected_accepted_nodes,
+)
+from vllm.v1.spec_decode.ddtree_config import DDTreeConfig, scheduled_tree_budgets
+from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree
+from vllm.v1.spec_decode.ddtree_cost import (
+    AcceptanceCurve,
+    StepCostModel,
+    TreeBudgetController,
+)
+from vllm.v1.worker.gpu.input_batch import (
+    InputBatch,
+    combine_sampled_and_draft_tokens,
+    expand_idx_mapping,
+    prepare_pos_seq_lens,
+)
+from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+logger = init_logger(__name__)
+
+# CUDA-graph replays timed per captured shape at start-up (after one warm one).
+_PROFILE_REPLAYS = 3
+
+
+@dataclass
+class StepPlan:
+    """The host's choice for one step, handed from ``plan`` to ``reallocate``."""
+
+    num_reqs: int  # decoding requests with draft slots
+    budget: int  # b: nodes per request on average
+    cap: int  # the fewest draft slots the scheduler gave a request
+    # Every scheduled request decodes with the same number of slots: the
+    # batch-wide split may move nodes between requests.
+    uniform: bool
+
+
+class AdaptiveTreeBudget:
+    """The worker's side of an adaptive DDTree engine (one per speculator)."""
+
+    def __init__(
+        self,
+        cfg: DDTreeConfig,
+        vllm_config: VllmConfig,
+        max_num_reqs: int,
+        device: torch.device,
+    ):
+        self.cfg = cfg
+        sched = vllm_config.scheduler_config
+        cc = vllm_config.compilation_config
+        # Draft slots per request by batch size, as the scheduler gives them.
+        self.slots = scheduled_tree_budgets(
+            cfg,
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            cc.max_cudagraph_capture_size or 0,
+        )
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.calibration = TreeAcceptanceCalibration(device)
+        self.controller: TreeBudgetController | None = None
+        self.device = device
+        ladder = cfg.ladder
+        # [max_num_reqs] nodes each request of the step verifies.
+        self.counts = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self._ladder = torch.tensor(ladder, dtype=torch.int32, device=device)
+        # Expected accepted nodes per ladder budget, then the calibration's
+        # running totals; two pinned host copies, read two steps late.
+        self._estimate = torch.zeros(len(ladder) + 4, device=device)
+        on_gpu = device.type == "cuda"
+        self._host = [torch.zeros(len(ladder) + 4, pin_memory=on_gpu) for _ in range(2)]
+        self._host_reqs = [0, 0]
+        # CPU runs (tests) copy synchronously and need no events.
+        self._host_ready = (
+            [torch.cuda.Event(), torch.cuda.Event()] if on_gpu else [None, None]
+        )
+        self._host_pending = [False, False]
+        self._slot = 0
+        self._plan: StepPlan | None = None
+        # Whether the drafter ran at the end of the last step: the trees the
+        # next step can verify.
+        self.drafted_last = False
+
+    # -- start-up -------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile(self, runner) -> None:
+        """Seed the cost model with GPU times of every captured step shape:
+        the target's uniform decode graphs and the drafter's graphs, replayed
+        a few times each once the engine has captured them."""
+
+        def dummy_inputs(desc) -> None:
+            # A graph reads what its capture left in the buffers: make them a
+            # batch of this graph's own shape (causal rows, padded slots).
+            InputBatch.make_dummy(desc.num_reqs, desc.num_tokens, runner.input_buffers)
+            runner.block_tables.get_dummy_slot_mappings(desc.num_tokens)
+            runner.model_state.tree_inputs.is_tree.zero_()
+
+        start = time.perf_counter()
+        target = _time_graphs(runner.cudagraph_manager, dummy_inputs)
+        drafter = _time_graphs(
+            getattr(runner.speculator, "query_cudagraph_manager", None)
+        )
+        drafter = {n // self.cfg.draft_len: t for n, t in drafter.items()}
+        if self.tp_size > 1:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            # Every rank must choose the same budgets: rank 0's times.
+            target, drafter = get_tp_group().broadcast_object((target, drafter), src=0)
+        if not target:
+            # No graphs (eager): the online periods teach everything.
+            target = {1: 1e-4}
+        if not drafter:
+            drafter = {1: 0.0}
+        self.controller = TreeBudgetController(
+            self.cfg.ladder,
+            self.cfg.draft_depth,
+            StepCostModel(target, drafter),
+            learn=self.tp_size == 1,
+        )
+        logger.info(
+            "DDTree: adaptive tree budget over %s nodes per request; step-cost "
+            "prior from %d target and %d drafter graph shapes, timed in %.1f s",
+            list(self.cfg.ladder),
+            len(target),
+            len(drafter),
+            time.perf_counter() - start,
+        )
+
+    @torch.inference_mode()
+    def warm_up(self, runner) -> int:
+        """Compile every kernel variant an adaptive step can meet, with the
+        engine's own buffers: a variant first met by a user's request would
+        compile inside that step. The variants follow the tree widths the
+        drafter builds (the scheduler's slots by batch size, also where the
+        drafter runs without a graph) and the step caps; returns the launches.
+        """
+        spec = runner.speculator
+        state = spec.state
+        temperature = runner.sampler.sampling_states.temperature.gpu
+        device = self.device
+        idx = torch.zeros(1, dtype=torch.int32, device=device)
+        scratch = TreeAcceptanceCalibration(device)
+        qsl = torch.zeros(2, dtype=torch.int32, device=device)
+        cu = torch.zeros(2, dtype=torch.int32, device=device)
+        hidden = torch.zeros(
+            self.cfg.draft_depth, spec.hidden_size, dtype=spec.dtype, device=device
+        )
+        launches = 0
+        for width in sorted({max(1, k) for k in self.slots[1:]}):
+            # The drafter's logits as _generate_draft computes them (layout
+            # and strides included), built into the flat output's views.
+            logits = spec.model.compute_logits(hidden)
+            trees = spec._batch_trees(1, width)
+            build_ddtree(
+                logits.unflatten(0, (1, self.cfg.draft_depth)), width, out=trees
+            )
+            state.trees.scatter_(idx, trees, 1, spec.draft_tokens)
+            expected_accepted_nodes(
+                trees.log_probs,
+                temperature,
+                idx,
+                scratch,
+                width,
+                self._ladder,
+                self._estimate,
+            )
+            launches += 3
+        for cap in sorted({k for k in self.slots[1:] if k > 0}):
+            assign_tree_nodes(
+                state.trees.log_probs,
+                idx,
+                temperature,
+                scratch,
+                cap,
+                1,
+                self.counts,
+                qsl,
+                cu,
+            )
+            launches += 1
+        accepted = torch.zeros(
+            1, self.cfg.draft_depth, dtype=torch.int32, device=device
+        )
+        scratch.update(
+            state.trees.log_probs, idx, temperature, cu, accepted, accepted[:, 0]
+        )
+        # Slot 0's tree is not a request's: a request added there is reset.
+        state.trees.reset_(0)
+        return launches + 2
+
+    # -- before the step ------------------------------------------------------
+
+    def plan(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """This step's budget; returns the scheduler output trimmed to it (the
+        scheduler's own object is left as it is: it counts rejections against
+        the slots it gave)."""
+        controller = self._controller()
+        self._read_estimate(controller)
+        controller.step_started()
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not spec:
+            return scheduler_output
+        num_tokens = scheduler_output.num_scheduled_tokens
+        slots = [len(v) for v in spec.values()]
+        cap, most = min(slots), max(slots)
+        num_reqs = len(spec)
+        pure = len(num_tokens) == num_reqs and (
+            scheduler_output.total_num_scheduled_tokens == num_reqs + sum(slots)
+        )
+        b = controller.choose(
+            num_reqs, cap, has_trees=self.drafted_last, timed=pure and cap == most
+        )
+        self._plan = StepPlan(num_reqs, b, cap, pure and cap == most)
+        if b == most:
+            return scheduler_output
+        trimmed = copy.copy(scheduler_output)
+        trimmed.num_scheduled_tokens = {
+            r: n - len(spec[r]) + min(b, len(spec[r])) if r in spec else n
+            for r, n in num_tokens.items()
+        }
+        trimmed.scheduled_spec_decode_tokens = (
+            {r: v[:b] for r, v in spec.items()} if b else {}
+        )
+        trimmed.total_num_scheduled_tokens = (
+            scheduler_output.total_num_scheduled_tokens - sum(slots) + num_reqs * b
+        )
+        return trimmed
+
+    def reallocate(self, runner, input_batch: InputBatch) -> InputBatch:
+        """The batch-wide split of the trimmed step's nodes (GPU, no sync)."""
+        plan, self._plan = self._plan, None
+        if (
+            plan is None
+            or not plan.uniform
+            or plan.budget == 0
+            or plan.budget == plan.cap
+            or plan.num_reqs < 2
+            or input_batch.num_reqs != plan.num_reqs
+            or runner.sampler.sampling_states.max_num_logprobs(
+                input_batch.idx_mapping_np
+            )
+            != NO_LOGPROBS
+        ):
+            return input_batch
+        num_reqs = plan.num_reqs
+        buffers = runner.input_buffers
+        req_states = runner.req_states
+        state = runner.speculator.state
+        assign_tree_nodes(
+            state.trees.log_probs,
+            input_batch.idx_mapping,
+            runner.sampler.sampling_states.temperature.gpu,
+            self.calibration,
+            plan.cap,
+            num_reqs * plan.budget,
+            self.counts,
+            buffers.query_start_loc,
+            input_batch.cu_num_logits,
+        )
+        # MRv2's own writers again, over the new split.
+        prepare_pos_seq_lens(
+            input_batch.idx_mapping,
+            input_batch.query_start_loc,
+            req_states.num_computed_tokens.gpu,
+            buffers.positions,
+            buffers.seq_lens,
+        )
+        num_logits = num_reqs * (1 + plan.budget)
+        input_batch.logits_indices = combine_sampled_and_draft_tokens(
+            buffers.input_ids,
+            input_batch.idx_mapping,
+            req_states.last_sampled_tokens,
+            input_batch.query_start_loc,
+            input_batch.seq_lens,
+            req_states.prefill_len.gpu,
+            req_states.draft_tokens,
+            input_batch.cu_num_logits,
+            num_logits,
+            runner.model_state.num_new_sampled_tokens_per_step,
+        )
+        input_batch.expanded_idx_mapping, input_batch.expanded_local_pos = (
+            expand_idx_mapping(
+                input_batch.idx_mapping,
+                num_logits,
+                input_batch.cu_num_logits,
+                runner.decode_query_len,
+            )
+        )
+        # A request may now verify up to the cap: the host's sequence-length
+        # bound (the drafter's attention reads it) grows with it.
+        input_batch.seq_lens_cpu_upper_bound[:num_reqs] += plan.cap - plan.budget
+        return input_batch
+
+    # -- after the step ----------------------------------------------------------
+
+    def observe_walk(
+        self,
+        # [max_num_reqs, budget] float32, request-state order: the trees verified
+        tree_log_probs: torch.Tensor,
+        input_batch: InputBatch,
+        # [max_num_reqs]
+        temperature: torch.Tensor,
+        # [num_reqs, depth] int32
+        accepted_nodes: torch.Tensor,
+        # [num_reqs] int32
+        num_accepted: torch.Tensor,
+    ) -> None:
+        self.calibration.update(
+            tree_log_probs,
+            input_batch.idx_mapping,
+            temperature,
+            input_batch.cu_num_logits,
+            accepted_nodes,
+            num_accepted,
+        )
+
+    def should_draft(self, num_reqs: int) -> bool:
+        """Whether the drafter runs for the next step (the controller's call,
+        for a batch of the same size)."""
+        controller = self._controller()
+        did = controller.should_draft(
+            num_reqs, self.slots[min(num_reqs, len(self.slots) - 1)]
+        )
+        controller.drafted(did)
+        self.drafted_last = did
+        return did
+
+    def observe_trees(
+        self,
+        # [num_reqs, width] float32, batch order: the trees just built
+        log_probs: torch.Tensor,
+        # [max_num_reqs]
+        temperature: torch.Tensor,
+        # [num_reqs]
+        idx_mapping: torch.Tensor,
+    ) -> None:
+        """Estimate what each ladder budget accepts for these trees and start
+        the copy to the host."""
+        num_reqs, width = log_probs.shape
+        num_ladder = self._ladder.shape[0]
+        expected_accepted_nodes(
+            log_probs,
+            temperature,
+            idx_mapping,
+            self.calibration,
+            width,
+            self._ladder * num_reqs,
+            self._estimate[:num_ladder],
+        )
+        self._estimate[num_ladder:].copy_(self.calibration.totals)
+        slot = self._slot
+        ready = self._host_ready[slot]
+        self._host[slot].copy_(self._estimate, non_blocking=ready is not None)
+        if ready is not None:
+            ready.record()
+        self._host_reqs[slot] = num_reqs
+        self._host_pending[slot] = True
+        self._slot ^= 1
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _controller(self) -> TreeBudgetController:
+        if self.controller is None:
+            # Engines that never captured (eager) learn every period online.
+            self.controller = TreeBudgetController(
+                self.cfg.ladder,
+                self.cfg.draft_depth,
+                StepCostModel({1: 1e-4}, {1: 0.0}),
+                learn=self.tp_size == 1,
+            )
+        return self.controller
+
+    def _read_estimate(self, controller: TreeBudgetController) -> None:
+        """The newest estimate whose copy has landed. With tensor parallelism
+        every rank must choose alike: there, the one copied two trees ago
+        (its step is done, so the wait returns at once)."""
+        newest, older = self._slot ^ 1, self._slot
+        if self.tp_size == 1:
+            for slot in (newest, older):
+                ready = self._host_ready[slot]
+                if self._host_pending[slot] and (ready is None or ready.query()):
+                    break
+            else:
+                return
+        else:
+            slot = older
+            if not self._host_pending[slot]:
+                return
+            if self._host_ready[slot] is not None:
+                self._host_ready[slot].synchronize()
+        self._host_pending[slot] = False
+        if slot == newest:
+            self._host_pending[older] = False  # superseded
+        values = self._host[slot].tolist()
+        num_reqs = self._host_reqs[slot]
+        num_ladder = len(self.cfg.ladder)
+        controller.set_curve(
+            AcceptanceCurve(
+                num_reqs,
+                tuple(v / num_reqs for v in values[:num_ladder]),
+                tuple(values[num_ladder:]),
+            )
+        )
+
+
+def _time_graphs(manager, prepare=None) -> dict[int, float]:
+    """Seconds per replay of every FULL graph of a MRv2 graph manager, by
+    token count (the fastest graph of each count). ``prepare(desc)`` fills the
+    graph's input buffers first."""
+    if manager is None:
+        return {}
+    times: dict[int, float] = {}
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    for desc in list(manager.graphs):
+        if desc.cg_mode != CUDAGraphMode.FULL:
+            continue
+        if prepare is not None:
+            prepare(desc)
+        manager.run_fullgraph(desc)  # warm
+        start.record()
+        for _ in range(_PROFILE_REPLAYS):
+            manager.run_fullgraph(desc)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1000 / _PROFILE_REPLAYS
+        times[desc.num_tokens] = min(times.get(desc.num_tokens, seconds), seconds)
+    return times

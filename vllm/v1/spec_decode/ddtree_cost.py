@@ -1,0 +1,365 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""How many tree nodes a DDTree step verifies: the host side of the budget.
+
+Each decode step verifies ``N = num_reqs * b`` tree nodes in total, ``b`` from a
+ladder of per-request budgets (0 and ``2**k - 1`` up to the request cap
+``tree_budget``), and the GPU hands the N nodes to the requests by one
+batch-wide ranking (``vllm/v1/spec_decode/ddtree_budget.py``). This module
+picks ``b``: the one that maximises expected tokens per second,
+
+    num_reqs * (1 + e(b)) / cost(num_reqs, b),
+
+where ``e(b)`` is the expected number of accepted nodes per request when the
+batch verifies ``num_reqs * b`` nodes (summed calibrated acceptance
+probabilities of the best nodes, read from the GPU one or two steps late) and
+``cost`` is the step's period: what one decode step of that shape takes, as
+the user sees it (host and GPU together). ``b = 0`` is a plain decode step
+that also skips the drafter when the next step is not expected to speculate
+either (:meth:`TreeBudgetController.should_draft`).
+
+:class:`StepCostModel` starts from GPU times measured at start-up (the CUDA
+graphs of every step shape, replayed once the engine has captured them), which
+are lower bounds of a step's period, and learns the real periods from timed
+steps. Shapes it has not timed are predicted optimistically, so that any that
+could pay gets tried and corrected; none is ruled out by a pessimistic guess.
+
+Everything here is host arithmetic on a few dozen numbers per step: no tensor,
+no device sync, no loop over requests.
+"""
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Observations of a step shape before its own mean replaces the prior.
+_MIN_OBSERVATIONS = 3
+# Running mean over this many observations, then an exponential average with
+# weight 1 / _WINDOW: a shape's period follows changes in context length and
+# host load over a few hundred steps.
+_WINDOW = 64
+# A period this many times the current estimate is an idle gap (no request
+# was waiting for the step), not the step's cost.
+_OUTLIER = 4.0
+# Steps without drafting before one drafted step re-measures what the drafter
+# would gain (the acceptance estimate does not move while nothing is drafted).
+_PROBE_INTERVAL = 32
+
+
+def budget_ladder(cap: int) -> tuple[int, ...]:
+    """Per-request budgets a step may verify: 0, 1, 3, 7, ..., below ``cap``,
+    and ``cap``. ``2**k - 1`` nodes verify ``2**k`` tokens per request, which
+    fill the tree kernel's query tiles and the GEMMs' row tiles."""
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    ladder = [0]
+    b = 1
+    while b < cap:
+        ladder.append(b)
+        b = 2 * b + 1
+    ladder.append(cap)
+    return tuple(ladder)
+
+
+def request_bucket(num_reqs: int) -> int:
+    """Batch sizes that share a learned step period: exact up to 4, then
+    about 1.5x apart (8, 12, 16, 24, 32, 48, ...)."""
+    if num_reqs <= 4:
+        return max(num_reqs, 1)
+    top = 1 << (num_reqs - 1).bit_length()
+    return top * 3 // 4 if num_reqs <= top * 3 // 4 else top
+
+
+@dataclass
+class _Average:
+    """Running mean of the first ``_WINDOW`` values, then an exponential one."""
+
+    n: int = 0
+    value: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.value += (x - self.value) / min(self.n, _WINDOW)
+
+
+class StepCostModel:
+    """Step periods by shape: a start-up lower bound corrected by timed steps.
+
+    ``target_seconds`` maps a token count of the target's forward to its GPU
+    time (the captured graphs, or eager steps beyond them), ``drafter_seconds``
+    a request count to the drafter's (its forward, logits and tree build); both
+    are interpolated between the measured points and extrapolated linearly
+    past the last one. Their sum is a shape's GPU time with short contexts: a
+    lower bound of its period, which adds host work (launches, scheduling,
+    sampling) and longer contexts. A shape seen a few times is predicted by
+    its own mean period; an unseen one by the largest of its GPU time and the
+    periods of the seen shapes of the same kind with fewer nodes (a larger
+    tree never runs faster). That bound is optimistic, so an unseen shape that
+    could pay is tried, and one whose GPU time alone rules it out is not.
+    """
+
+    def __init__(
+        self,
+        target_seconds: Mapping[int, float],
+        drafter_seconds: Mapping[int, float],
+    ):
+        if not target_seconds or not drafter_seconds:
+            raise ValueError("the cost model needs measured target and drafter times")
+        self._target = sorted(target_seconds.items())
+        self._drafter = sorted(drafter_seconds.items())
+        # (bucket, drafted) -> {budget: mean period}
+        self._shapes: dict[tuple[int, bool], dict[int, _Average]] = {}
+
+    def prior(self, num_reqs: int, budget: int, drafted: bool) -> float:
+        seconds = _interpolate(self._target, num_reqs * (1 + budget))
+        if drafted:
+            seconds += _interpolate(self._drafter, num_reqs)
+        return seconds
+
+    def predict(self, num_reqs: int, budget: int, drafted: bool) -> float:
+        seen = self._shapes.get((request_bucket(num_reqs), drafted), {})
+        own = seen.get(budget)
+        if own is not None and own.n >= _MIN_OBSERVATIONS:
+            return own.value
+        bound = self.prior(num_reqs, budget, drafted)
+        for b, avg in seen.items():
+            if b < budget and avg.n >= _MIN_OBSERVATIONS:
+                bound = max(bound, avg.value)
+        return max(bound, 1e-9)
+
+    def observe(
+        self, num_reqs: int, budget: int, drafted: bool, seconds: float
+    ) -> bool:
+        """Learn from one timed step; False if the time was dropped as an
+        idle gap."""
+        if not seconds > 0:
+            return False
+        seen = self._shapes.setdefault((request_bucket(num_reqs), drafted), {})
+        avg = seen.setdefault(budget, _Average())
+        if avg.n >= _MIN_OBSERVATIONS and seconds > _OUTLIER * avg.value:
+            return False
+        avg.add(seconds)
+        return True
+
+    def num_observed(self, num_reqs: int, budget: int, drafted: bool) -> int:
+        seen = self._shapes.get((request_bucket(num_reqs), drafted), {})
+        avg = seen.get(budget)
+        return 0 if avg is None else avg.n
+
+
+def _interpolate(points: Sequence[tuple[int, float]], x: int) -> float:
+    """Piecewise-linear through ``points`` (sorted by x): flat below the first,
+    the last segment extended past the last (one point: proportional to x)."""
+    x0, y0 = points[0]
+    if x <= x0:
+        return y0
+    if len(points) == 1:
+        return y0 * x / x0
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            break
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class AcceptanceCurve:
+    """Expected accepted nodes per request at each ladder budget, as read from
+    the GPU for one batch: ``per_request[i]`` for ``ladder[i]``."""
+
+    num_reqs: int
+    per_request: tuple[float, ...]
+    # The calibration's running totals when the curve was read: predicted
+    # accepted nodes, observed accepted nodes, verified trees, verified nodes.
+    calibration: tuple[float, ...] = ()
+
+
+def prior_acceptance(budget: int, draft_depth: int) -> float:
+    """Accepted nodes per request assumed before any tree was measured: about
+    half a token per doubling of the tree, at most the drafter's depth. Used
+    for the first steps of an engine only."""
+    return min(0.5 * math.log2(1 + budget), float(draft_depth))
+
+
+@dataclass
+class _StepLog:
+    steps: int = 0
+    drafted: int = 0
+    reqs: int = 0
+    nodes: int = 0
+    by_budget: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Step:
+    num_reqs: int
+    budget: int
+    timed: bool  # a pure decode step: its period may teach the cost model
+    drafted: bool | None = None
+
+
+class TreeBudgetController:
+    """Chooses each step's per-request budget and whether the drafter runs.
+
+    Per-step calls, in a step's order: :meth:`step_started` (closes the
+    previous step's period), :meth:`choose` (host preparation of the target's
+    batch), then at the end of the step :meth:`should_draft`,
+    :meth:`drafted` and, when the GPU's estimate for an earlier batch has
+    arrived, :meth:`set_curve`.
+    """
+
+    def __init__(
+        self,
+        ladder: Sequence[int],
+        draft_depth: int,
+        cost: StepCostModel,
+        probe_interval: int = _PROBE_INTERVAL,
+        clock: Callable[[], float] = time.perf_counter,
+        log_interval: float = 10.0,
+        learn: bool = True,
+    ):
+        if list(ladder) != sorted(set(ladder)) or ladder[0] != 0:
+            raise ValueError(f"ladder must rise from 0, got {list(ladder)}")
+        self.ladder = tuple(ladder)
+        self.draft_depth = draft_depth
+        self.cost = cost
+        self.probe_interval = probe_interval
+        self._clock = clock
+        self._log_interval = log_interval
+        self._curve: AcceptanceCurve | None = None
+        self._undrafted_steps = 0
+        self._step: _Step | None = None
+        self._step_start = clock()
+        self._log = _StepLog()
+        self._log_start = self._step_start
+        # Timed periods refine the cost model (off where every tensor-parallel
+        # rank must choose alike: host clocks differ between them).
+        self.learn = learn
+        self._logged_totals: tuple[float, ...] = ()
+
+    # -- acceptance -----------------------------------------------------------
+
+    def set_curve(self, curve: AcceptanceCurve) -> None:
+        if len(curve.per_request) != len(self.ladder):
+            raise ValueError(
+                f"curve of {len(curve.per_request)} values for a ladder of "
+                f"{len(self.ladder)}"
+            )
+        self._curve = curve
+
+    def expected_accepted(self, budget: int) -> float:
+        """Accepted nodes per request at ``budget`` (a ladder value)."""
+        if budget == 0:
+            return 0.0
+        if self._curve is None:
+            return prior_acceptance(budget, self.draft_depth)
+        return self._curve.per_request[self.ladder.index(budget)]
+
+    # -- decisions ------------------------------------------------------------
+
+    def best_budget(self, num_reqs: int, max_budget: int) -> int:
+        """The ladder budget <= ``max_budget`` with the most expected tokens per
+        second for ``num_reqs`` requests (ties: the smaller budget)."""
+        best, best_rate = 0, 1.0 / self.cost.predict(num_reqs, 0, False)
+        for b in self.ladder[1:]:
+            if b > max_budget:
+                break
+            rate = (1.0 + self.expected_accepted(b)) / self.cost.predict(
+                num_reqs, b, True
+            )
+            if rate > best_rate:
+                best, best_rate = b, rate
+        return best
+
+    def choose(
+        self, num_reqs: int, max_budget: int, has_trees: bool, timed: bool
+    ) -> int:
+        """This step's per-request budget (0 without trees to verify).
+        ``timed``: a pure decode step, whose period may teach the cost model."""
+        b = self.best_budget(num_reqs, max_budget) if has_trees else 0
+        self._step = _Step(num_reqs, b, timed)
+        log = self._log
+        log.steps += 1
+        log.reqs += num_reqs
+        log.nodes += num_reqs * b
+        log.by_budget[b] = log.by_budget.get(b, 0) + 1
+        return b
+
+    def should_draft(self, num_reqs: int, max_budget: int) -> bool:
+        """At the end of a step: whether the drafter runs for the next one.
+        False while speculation would not pay, except for one probe every
+        ``probe_interval`` steps, which refreshes the acceptance estimate."""
+        if self.best_budget(num_reqs, max_budget) > 0:
+            self._undrafted_steps = 0
+            return True
+        self._undrafted_steps += 1
+        if self._undrafted_steps >= self.probe_interval:
+            self._undrafted_steps = 0
+            return True
+        return False
+
+    def drafted(self, did: bool) -> None:
+        """Whether the drafter ran at the end of the current step."""
+        if self._step is not None:
+            self._step.drafted = did
+            self._log.drafted += did
+
+    # -- timing ---------------------------------------------------------------
+
+    def step_started(self) -> None:
+        """A step's host preparation starts: the previous step's period ends."""
+        now = self._clock()
+        step = self._step
+        if self.learn and step is not None and step.timed and step.drafted is not None:
+            self.cost.observe(
+                step.num_reqs, step.budget, step.drafted, now - self._step_start
+            )
+        self._step = None
+        self._step_start = now
+        self._maybe_log(now)
+
+    # -- logging --------------------------------------------------------------
+
+    def _maybe_log(self, now: float) -> None:
+        if now - self._log_start < self._log_interval or self._log.steps == 0:
+            return
+        log = self._log
+        shares = ", ".join(
+            f"{b}: {100 * n / log.steps:.0f}%" for b, n in sorted(log.by_budget.items())
+        )
+        logger.info(
+            "DDTree budget over %.0f s: %d decode steps, %.1f requests and %.1f "
+            "tree nodes per step, drafter ran in %.0f%% of steps; nodes per "
+            "request (share of steps) %s%s",
+            now - self._log_start,
+            log.steps,
+            log.reqs / log.steps,
+            log.nodes / log.steps,
+            100 * log.drafted / log.steps,
+            shares,
+            self._calibration_report(),
+        )
+        self._log = _StepLog()
+        self._log_start = now
+
+    def _calibration_report(self) -> str:
+        """Predicted vs observed accepted nodes since the last report."""
+        totals = self._curve.calibration if self._curve is not None else ()
+        last, self._logged_totals = self._logged_totals, totals
+        if len(totals) < 4:
+            return ""
+        if len(last) < 4:
+            last = (0.0,) * 4
+        predicted, observed, trees, nodes = (t - u for t, u in zip(totals, last))
+        if trees <= 0:
+            return ""
+        return (
+            f"; verified {nodes / trees:.1f} nodes per tree, accepted "
+            f"{observed / trees:.2f} per tree, predicted {predicted / trees:.2f} "
+            f"({100 * (predicted - observed) / max(observed, 1e-9):+.1f}%)"
+        )
