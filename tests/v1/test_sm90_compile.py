@@ -85,6 +85,17 @@ PROBE = textwrap.dedent("""
                          i64(256), i64(256), i64(60), i64(258), i32(3), i32(3),
                          i32(2), i32(2), i64(4, 1), i32(4), i32(2, 15), i32(2),
                          i32(2, 64), 16, 259, 15, 4, 256, 1024)
+    # The adaptive budget's kernels at the widest trees and the narrowest.
+    from vllm.v1.spec_decode.ddtree_budget import (
+        TreeAcceptanceCalibration, assign_tree_nodes, expected_accepted_nodes)
+    calib = TreeAcceptanceCalibration(torch.device("cpu"))
+    lp = torch.zeros(4, 1024)
+    for cap in (1024, 16, 1):
+        assign_tree_nodes(lp, i32(2), torch.zeros(4), calib, cap, 2, i32(4), i32(5),
+                          i32(5))
+        expected_accepted_nodes(lp, torch.zeros(4), i32(2), calib, cap, i32(12),
+                                torch.zeros(16))
+    calib.update(lp, i32(2), torch.zeros(4), i32(3), i32(2, 15), i32(2))
 
     TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
              torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
@@ -145,4 +156,8 @@ def test_ddtree_kernels_compile_for_sm90():
         "_store_draft_trees_kernel",
         "_tree_attention_kernel",
         "_merge_splits_kernel",
+        "_assign_tree_nodes_kernel",
+        "_expected_accepted_nodes_kernel",
+        "_update_calibration_kernel",
+        "_finalize_calibration_kernel",
     }

@@ -67,7 +67,7 @@ def test_plan_trims_a_uniform_decode_step():
     assert out == before
     assert calls == [(3, 7, True, True)]
     plan = budget._plan
-    assert (plan.num_reqs, plan.budget, plan.cap, plan.uniform) == (3, 3, 7, True)
+    assert (plan.num_reqs, plan.budget, plan.cap, plan.decode_only) == (3, 3, 7, True)
 
 
 def test_plan_keeps_a_full_step_and_drops_every_draft_at_zero():
@@ -91,7 +91,7 @@ def test_plan_leaves_prompts_and_trimmed_trees_their_tokens():
     assert trimmed.scheduled_spec_decode_tokens == {"a": [-1] * 2, "b": [-1] * 2}
     assert trimmed.total_num_scheduled_tokens == 11
     assert calls == [(2, 2, True, False)]
-    assert not budget._plan.uniform
+    assert not budget._plan.decode_only
 
 
 def test_plan_without_drafts_or_trees():
@@ -250,10 +250,10 @@ def test_reallocate_equals_mrv2_inputs_of_the_ranked_split(num_reqs, b):
         log_probs[1] = -torch.inf  # a slot with no tree (a join)
         temperature = (torch.rand(MAX_REQS, generator=gen) > 0.5).float()
         idx_mapping = torch.randperm(MAX_REQS, generator=gen)[:num_reqs].tolist()
-        runner = _runner(gen, num_reqs, log_probs, temperature)
+        runner = _runner(gen, num_reqs, log_probs, temperature, logprobs=seed == 1)
         budget = AdaptiveTreeBudget(CFG, _vllm_config(), MAX_REQS, DEVICE)
         budget._plan = types.SimpleNamespace(
-            num_reqs=num_reqs, budget=b, cap=CAP, uniform=True
+            num_reqs=num_reqs, budget=b, cap=CAP, decode_only=True
         )
         batch = _prepared_batch(runner, idx_mapping, [b] * num_reqs)
         even_bound = batch.seq_lens_cpu_upper_bound.clone()
@@ -282,18 +282,18 @@ def test_reallocate_equals_mrv2_inputs_of_the_ranked_split(num_reqs, b):
     assert compared >= 3 * 5 * num_reqs * (1 + b)
 
 
-def test_reallocate_keeps_the_even_split_where_mrv2_reads_it_on_the_host():
-    """Requests with logprobs (read through the host's logit offsets), one
-    request, a full or empty budget, a non-uniform step: no split."""
+def test_reallocate_keeps_the_even_split_where_there_is_none_to_make():
+    """One request, a full or empty budget, a step with a prompt in it: no
+    split. Requests with logprobs are split (the tree
+    sampler lays their entries out at offsets the host knows)."""
     gen = torch.Generator().manual_seed(0)
     log_probs = -torch.rand(MAX_REQS, CAP, generator=gen).cumsum(1)
     temperature = torch.zeros(MAX_REQS)
     cases = [
-        (dict(num_reqs=3, budget=3, cap=CAP, uniform=True), True),
-        (dict(num_reqs=1, budget=3, cap=CAP, uniform=True), False),
-        (dict(num_reqs=3, budget=CAP, cap=CAP, uniform=True), False),
-        (dict(num_reqs=3, budget=0, cap=CAP, uniform=True), False),
-        (dict(num_reqs=3, budget=3, cap=CAP, uniform=False), False),
+        (dict(num_reqs=1, budget=3, cap=CAP, decode_only=True), False),
+        (dict(num_reqs=3, budget=CAP, cap=CAP, decode_only=True), False),
+        (dict(num_reqs=3, budget=0, cap=CAP, decode_only=True), False),
+        (dict(num_reqs=3, budget=3, cap=CAP, decode_only=False), False),
     ]
     for plan, logprobs in cases:
         runner = _runner(gen, plan["num_reqs"], log_probs, temperature, logprobs)

@@ -183,31 +183,28 @@ class TreeRejectionSampler:
         )
         if max_num_logprobs == NO_LOGPROBS:
             return None
-        # vLLM reads the first num_sampled logprob rows of each request, so the
-        # results of the accepted path's rows are gathered to the front of its
-        # rows. The scores are computed in place over all rows, as vLLM's own
-        # rejection sampler does: gathering the logits first would copy a
-        # [num_logits, vocab] tensor.
-        rows, row_tokens = _path_logit_rows(
-            out, input_batch.cu_num_logits, input_batch.expanded_local_pos
+        # vLLM reads the first num_sampled logprob entries of each request from
+        # where the host says its entries start; the accepted path's rows are
+        # gathered there, a fixed number per request, as the batch-wide budget
+        # splits the step's rows on the GPU. The scores are computed in place
+        # over all rows, as vLLM's own rejection sampler does: gathering the
+        # logits first would copy a [num_logits, vocab] tensor.
+        rows, row_tokens, stride = _path_logit_rows(
+            out, input_batch.cu_num_logits, logits.shape[0]
         )
-        assert logits.shape[0] == rows.shape[0]
-        expanded_logits = logits.shape[0] != input_batch.idx_mapping.shape[0]
-        cu_np = input_batch.cu_num_logits_np
         scores = compute_topk_scores(
             logits,
             max_num_logprobs,
             row_tokens,
-            # A host NumPy array, as in vLLM's own rejection sampler: no sync.
-            cu_np.tolist() if expanded_logits else None,  # sync-ok
             logits_mode=self.sampler.logprobs_mode
             in ("raw_logits", "processed_logits"),
         )
+        num_reqs = input_batch.idx_mapping.shape[0]
         return LogprobsTensors(
             logprob_token_ids=scores.logprob_token_ids[rows],
             logprobs=scores.logprobs[rows],
             selected_token_ranks=scores.selected_token_ranks[rows],
-            cu_num_generated_tokens=scores.cu_num_generated_tokens,
+            cu_num_generated_tokens=list(range(0, num_reqs * stride, stride)),
         )
 
 
@@ -363,40 +360,34 @@ def _path_logit_rows(
     out: TreeSampleOutput,
     # [num_reqs + 1]
     cu_num_logits: torch.Tensor,
-    # [num_logits]
-    expanded_local_pos: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logit rows in emission order, flattened like vLLM's chain layout (entry
-    cu[r] + j is the row of request r's j-th emitted token, j < num_sampled;
-    later entries name rows of their own), and the token each logit row emitted
-    (0 on rows off the accepted path). Only for logprobs."""
+    num_logits: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The accepted paths' logit rows in emission order, ``stride`` entries per
+    request (entry ``r * stride + j`` is the row of request r's j-th emitted
+    token for j < num_sampled; later entries name the request's root row),
+    the token each of the ``num_logits`` rows emitted (0 on rows off the
+    accepted path), and ``stride``, the most tokens a request can emit. Only
+    for logprobs."""
     num_reqs = cu_num_logits.shape[0] - 1
-    num_logits = expanded_local_pos.shape[0]
-    device = expanded_local_pos.device
-    counts = (cu_num_logits[1:] - cu_num_logits[:-1]).long()
-    # [num_logits]
-    req = torch.repeat_interleave(
-        torch.arange(num_reqs, device=device), counts, output_size=num_logits
-    )
-    local = expanded_local_pos.long()
-    max_depth = out.accepted_nodes.shape[1]
-    # [num_reqs, max_depth + 1]: the root (0) then the accepted nodes.
+    stride = min(out.accepted_nodes.shape[1] + 1, out.sampled_token_ids.shape[1])
+    # [num_reqs, stride]: the root (0) then the accepted nodes.
     path = torch.cat(
         [out.accepted_nodes.new_zeros(num_reqs, 1), out.accepted_nodes.clamp(min=0)],
         dim=1,
+    )[:, :stride].long()
+    start = cu_num_logits[:-1].long()[:, None]
+    on_path = (
+        torch.arange(stride, device=start.device)[None, :]
+        < out.num_sampled.long()[:, None]
     )
-    start = cu_num_logits.long()[req]
-    node = path[req, local.clamp(max=max_depth)].long()
-    on_path = local < out.num_sampled.long()[req]
-    rows = torch.where(on_path, start + node, start + local)
-    flat_sampled = out.sampled_token_ids[req, local].clamp(min=0)
-    # A path's rows are distinct; off-path entries may repeat a path row, so
-    # they write to a spare slot past the end instead (a boolean-mask index
-    # would sync with the host).
+    rows = torch.where(on_path, start + path, start)
+    tokens = out.sampled_token_ids[:, :stride].clamp(min=0)
+    # Off-path entries name a path row (the root): they write to a spare slot
+    # past the end instead (a boolean-mask index would sync with the host).
     target = torch.where(on_path, rows, num_logits)
-    row_tokens = flat_sampled.new_zeros(num_logits + 1)
-    row_tokens.index_put_((target,), flat_sampled)
-    return rows, row_tokens[:num_logits]
+    row_tokens = tokens.new_zeros(num_logits + 1)
+    row_tokens.index_put_((target.flatten(),), tokens.flatten())
+    return rows.flatten(), row_tokens[:num_logits], stride
 
 
 @triton.jit

@@ -16,9 +16,10 @@ the model runner then verifies fewer, in three parts:
    one batch-wide ranking of every tree's nodes by estimated acceptance
    (:func:`~vllm.v1.spec_decode.ddtree_budget.assign_tree_nodes`), at most the
    scheduler's cap each; query offsets, positions, input ids, logit rows and
-   the sampler's row mapping are rewritten for that split. Skipped where MRv2
-   reads a host copy of the split (requests with logprobs, prompts in the
-   step) or where there is nothing to move (one request).
+   the sampler's row mapping are rewritten for that split (the tree sampler
+   lays out logprobs at offsets the host knows). Skipped where MRv2 reads a
+   host copy of the split (prompts in the step, whose offsets it keeps) or
+   where there is nothing to move (one request).
 3. After the walk, :meth:`AdaptiveTreeBudget.observe_walk` teaches the
    calibration what was accepted; after the next trees are built,
    :meth:`AdaptiveTreeBudget.observe_trees` estimates what each ladder budget
@@ -58,7 +59,6 @@ from vllm.v1.worker.gpu.input_batch import (
     expand_idx_mapping,
     prepare_pos_seq_lens,
 )
-from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
 logger = init_logger(__name__)
 
@@ -73,9 +73,10 @@ class StepPlan:
     num_reqs: int  # decoding requests with draft slots
     budget: int  # b: nodes per request on average
     cap: int  # the fewest draft slots the scheduler gave a request
-    # Every scheduled request decodes with the same number of slots: the
-    # batch-wide split may move nodes between requests.
-    uniform: bool
+    # Every scheduled request decodes with draft slots (no prompt in the
+    # step): the batch-wide split may move nodes between requests, each up
+    # to ``cap``.
+    decode_only: bool
 
 
 class AdaptiveTreeBudget:
@@ -251,9 +252,9 @@ class AdaptiveTreeBudget:
             scheduler_output.total_num_scheduled_tokens == num_reqs + sum(slots)
         )
         b = controller.choose(
-            num_reqs, cap, has_trees=self.drafted_last, timed=pure and cap == most
+            num_reqs, cap, has_trees=self.drafted_last, timed=pure
         )
-        self._plan = StepPlan(num_reqs, b, cap, pure and cap == most)
+        self._plan = StepPlan(num_reqs, b, cap, pure)
         if b == most:
             return scheduler_output
         trimmed = copy.copy(scheduler_output)
@@ -274,15 +275,11 @@ class AdaptiveTreeBudget:
         plan, self._plan = self._plan, None
         if (
             plan is None
-            or not plan.uniform
+            or not plan.decode_only
             or plan.budget == 0
             or plan.budget == plan.cap
             or plan.num_reqs < 2
             or input_batch.num_reqs != plan.num_reqs
-            or runner.sampler.sampling_states.max_num_logprobs(
-                input_batch.idx_mapping_np
-            )
-            != NO_LOGPROBS
         ):
             return input_batch
         num_reqs = plan.num_reqs
