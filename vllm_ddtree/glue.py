@@ -25,15 +25,20 @@ Engine side (the process that parses arguments and builds the ``VllmConfig``):
 
 Engine-core and worker side:
 
-5. ``Scheduler.__init__``: lookahead KV slots = the drafter's block, and
+5. ``Scheduler.__init__``: lookahead KV slots = the drafter's block,
    spec-decode stats with per-position counts sized by the drafter's depth
-   (the scheduler's own ``make_spec_decoding_stats``, per instance).
+   (the scheduler's own ``make_spec_decoding_stats``, per instance), and with
+   an adaptive budget the draft slots per batch size (``dynamic_sd_lookup``).
 6. ``GPUModelRunner.__init__`` (MRv2): registers TREE_ATTN in the worker before
    the model is built; ``GPUModelRunner.initialize_kv_cache``: then compiles every
    TREE_ATTN kernel variant a step can pick
    (``DDTreeModelState.warm_up_tree_attention``); ``init_speculator`` (as the
    runner imported it): ``DDTreeSpeculator``.
 7. ``init_model_state`` (as the runner imported it): ``DDTreeModelState``.
+9. ``GPUModelRunner.execute_model`` / ``prepare_inputs`` (adaptive budgets: the
+   step's budget, and the batch-wide split of its nodes), ``load_model`` (the
+   structured-output bitmask sized by the step's token limit) and
+   ``capture_model`` (the budget's step-cost prior from the captured graphs).
 
 Front end:
 
