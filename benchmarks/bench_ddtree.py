@@ -670,7 +670,19 @@ def parse_schedule(text: str | None) -> list[list[int]] | None:
 # ---------------------------------------------------------------------------
 
 
-def speculative_config(config: str, drafter: Path, schedule=None) -> dict | None:
+def speculative_config(
+    config: str, drafter: Path, schedule=None, fixed: bool = False
+) -> dict | None:
+    """A config's speculative config; ``fixed``: every DDTree step verifies its
+    budget (``adaptive_budget`` false), as the cost mode measures one tree size;
+    else DDTree's default, the adaptive budget with the config's cap."""
+    spec = _speculative_config(config, drafter, schedule)
+    if fixed and spec is not None and spec["method"] == "ddtree":
+        spec["adaptive_budget"] = False
+    return spec
+
+
+def _speculative_config(config: str, drafter: Path, schedule=None) -> dict | None:
     if config == "none":
         return None
     if config == "dflash":
@@ -775,7 +787,9 @@ def engine_kwargs(args, config: str, max_batch: int) -> dict:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.mode == "cost":
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
-    spec = speculative_config(config, args.drafter, args.schedule)
+    spec = speculative_config(
+        config, args.drafter, args.schedule, fixed=args.mode == "cost"
+    )
     if spec is not None:
         kwargs["speculative_config"] = spec
     if settings_of(args) == "defaults":

@@ -594,11 +594,14 @@ def test_8b_configs_pass_vllms_checks(tmp_path, cuda_platform, config):
     assert draft.hf_config.num_hidden_layers == 5
     assert vllm_config.model_config.get_vocab_size() == 151936
     if config == "ddtree-128":
+        # The cost mode measures one tree size: a fixed budget.
         assert vllm_config.additional_config["vllm_ddtree"] == {
             "method": "ddtree",
             "tree_budget": 128,
             "draft_depth": 15,
             "step_budgets": [],
+            "adaptive": False,
+            "caps": [],
         }
         # vLLM's default step budget (the platform's), with max_num_seqs fitted
         # to hold full trees.
