@@ -1083,6 +1083,19 @@ def test_scheduled_tree_budgets_follow_the_users_caps():
     assert DDTreeConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_slot_counts_are_few():
+    """The scheduler's slot counts (the drafter's tree widths and the budget's
+    compiled kernel variants follow them): 0, 4**k - 1, the caps."""
+    cfg = DDTreeConfig(1024, 15, ddt.adaptive_ladder(1024)[1:-1], adaptive=True)
+    assert ddt.slot_ladder(cfg) == (0, 3, 15, 63, 255, 1023, 1024)
+    lookup = ddt.scheduled_tree_budgets(cfg, 512, 8192, 512)
+    assert sorted(set(lookup)) == [0, 3, 15, 63, 255, 1023]
+    capped = DDTreeConfig(
+        64, 15, (1, 3, 7, 15, 16, 31, 63), adaptive=True, caps=((1, 1, 64), (2, 8, 16))
+    )
+    assert ddt.slot_ladder(capped) == (0, 3, 15, 16, 63, 64)
+
+
 def test_auto_is_adaptive_up_to_the_largest_tree(models, cuda_platform):
     from vllm.config import SchedulerConfig
     from vllm.engine.arg_utils import EngineArgs

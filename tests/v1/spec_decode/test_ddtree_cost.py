@@ -279,3 +279,10 @@ def test_log_reports_budgets_and_calibration():
     assert "1 decode steps" in text and "drafter ran in 100%" in text
     # Since start-up: 19 predicted vs 22 accepted nodes over 8 trees.
     assert "accepted 2.75 per tree, predicted 2.38 (-13.6%)" in text
+
+
+def test_no_probe_where_the_scheduler_gives_no_slots():
+    controller = TreeBudgetController(
+        budget_ladder(15), 15, StepCostModel({1: 1.0}, {1: 10.0}), probe_interval=2
+    )
+    assert not any(controller.should_draft(600, 0) for _ in range(6))

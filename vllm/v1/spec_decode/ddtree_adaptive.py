@@ -63,7 +63,7 @@ from vllm.v1.worker.gpu.input_batch import (
 logger = init_logger(__name__)
 
 # CUDA-graph replays timed per captured shape at start-up (after one warm one).
-_PROFILE_REPLAYS = 3
+_PROFILE_REPLAYS = 2
 
 
 @dataclass
@@ -190,6 +190,7 @@ class AdaptiveTreeBudget:
             self.cfg.draft_depth, spec.hidden_size, dtype=spec.dtype, device=device
         )
         launches = 0
+        start = time.perf_counter()
         for width in sorted({max(1, k) for k in self.slots[1:]}):
             # The drafter's logits as _generate_draft computes them (layout
             # and strides included), built into the flat output's views.
@@ -230,6 +231,11 @@ class AdaptiveTreeBudget:
         )
         # Slot 0's tree is not a request's: a request added there is reset.
         state.trees.reset_(0)
+        logger.info(
+            "DDTree: adaptive budget kernels warmed up for tree widths %s in %.1f s",
+            sorted({max(1, k) for k in self.slots[1:]}),
+            time.perf_counter() - start,
+        )
         return launches + 2
 
     # -- before the step ------------------------------------------------------
@@ -251,9 +257,7 @@ class AdaptiveTreeBudget:
         pure = len(num_tokens) == num_reqs and (
             scheduler_output.total_num_scheduled_tokens == num_reqs + sum(slots)
         )
-        b = controller.choose(
-            num_reqs, cap, has_trees=self.drafted_last, timed=pure
-        )
+        b = controller.choose(num_reqs, cap, has_trees=self.drafted_last, timed=pure)
         self._plan = StepPlan(num_reqs, b, cap, pure)
         if b == most:
             return scheduler_output

@@ -309,7 +309,6 @@ def expected_accepted_nodes(
             f"out must be float32 with >= {num_budgets} entries, got "
             f"{out.dtype} {tuple(out.shape)}"
         )
-    cap_block = next_power_of_2(cap)
     _expected_accepted_nodes_kernel[(1,)](
         log_probs,
         log_probs.stride(0),
@@ -321,8 +320,7 @@ def expected_accepted_nodes(
         num_reqs,
         cap,
         num_budgets,
-        REQ_BLOCK=max(1, _TILE // cap_block),
-        CAP_BLOCK=cap_block,
+        TILE=_TILE,
         NUM_BINS=NUM_BINS,
         LOGQ_MIN=LOGQ_MIN,
         BIN_SCALE=_BIN_SCALE,
@@ -700,41 +698,35 @@ def _expected_accepted_nodes_kernel(
     num_reqs,
     cap,
     num_budgets,
-    REQ_BLOCK: tl.constexpr,
-    CAP_BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
     NUM_BINS: tl.constexpr,
     LOGQ_MIN: tl.constexpr,
     BIN_SCALE: tl.constexpr,
     VALUE_BINS: tl.constexpr,
     LOG_VALUE_MIN: tl.constexpr,
 ):
-    TILE: tl.constexpr = REQ_BLOCK * CAP_BLOCK
     VALUE_SCALE: tl.constexpr = VALUE_BINS / -LOG_VALUE_MIN
-    nodes = tl.arange(0, CAP_BLOCK)
+    num_cand = num_reqs * cap
     hist = tl.zeros([VALUE_BINS], dtype=tl.int32)
-    for start in range(0, num_reqs, REQ_BLOCK):
-        reqs = start + tl.arange(0, REQ_BLOCK)
-        in_batch = reqs < num_reqs
-        valid = in_batch[:, None] & (nodes < cap)[None, :]
-        req_state_idx = tl.load(idx_mapping_ptr + reqs, mask=in_batch, other=0)
-        cls = _request_class(temperature_ptr, req_state_idx.to(tl.int64), in_batch)
+    # Candidates in flat (request, node) order: no block padding of cap.
+    for start in range(0, num_cand, TILE):
+        cand = start + tl.arange(0, TILE)
+        valid = cand < num_cand
+        req = cand // cap
+        node = cand - req * cap
+        req_state_idx = tl.load(idx_mapping_ptr + req, mask=valid, other=0)
+        cls = _request_class(temperature_ptr, req_state_idx.to(tl.int64), valid)
         log_q = tl.load(
-            log_probs_ptr
-            + reqs.to(tl.int64)[:, None] * log_probs_stride
-            + nodes[None, :],
+            log_probs_ptr + req.to(tl.int64) * log_probs_stride + node,
             mask=valid,
             other=float("-inf"),
         )
         real = valid & (log_q > float("-inf"))
-        value = _node_value(
-            log_q, cls[:, None], rate_ptr, real, NUM_BINS, LOGQ_MIN, BIN_SCALE
-        )
+        value = _node_value(log_q, cls, rate_ptr, real, NUM_BINS, LOGQ_MIN, BIN_SCALE)
         # Values below exp(LOG_VALUE_MIN), 0 included, share the lowest bin.
         pos = (tl.log(tl.maximum(value, 1e-30)) - LOG_VALUE_MIN) * VALUE_SCALE
         b = tl.minimum(tl.maximum(pos, 0.0), VALUE_BINS - 1.0).to(tl.int32)
-        hist += tl.histogram(
-            tl.reshape(b, [TILE]), VALUE_BINS, mask=tl.reshape(real, [TILE])
-        )
+        hist += tl.histogram(b, VALUE_BINS, mask=real)
     bins = tl.arange(0, VALUE_BINS)
     midpoint = tl.exp(LOG_VALUE_MIN + (bins + 0.5) / VALUE_SCALE)
     better = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # nodes in higher bins

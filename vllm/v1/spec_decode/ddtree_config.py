@@ -583,10 +583,26 @@ def scheduled_tree_budgets(
     back from the rejected nodes after it."""
     span = max(2 * max(max_capture_size, _VLLM_MAX_CAPTURE_SIZE), cfg.draft_len)
     span = min(span, max_num_batched_tokens // 2)
+    slots = slot_ladder(cfg)
     return [0] + [
-        ladder_floor(cfg.ladder, min(cfg.cap_for(r), max(span // r - 1, 0)))
+        ladder_floor(slots, min(cfg.cap_for(r), max(span // r - 1, 0)))
         for r in range(1, max_num_seqs + 1)
     ]
+
+
+def slot_ladder(cfg: DDTreeConfig) -> tuple[int, ...]:
+    """The draft-slot counts the scheduler gives: 0, ``4**k - 1`` below the cap,
+    the caps. Coarser than the step budgets' ladder: the drafter builds trees
+    as wide as a batch's slots and the budget's kernels are compiled per width
+    and per cap at start-up, and slots a few times the chosen budget leave the
+    batch-wide split its room."""
+    caps = {cap for *_, cap in cfg.caps} | {cfg.tree_budget}
+    quarters = {b for b in cfg.ladder if _is_power_of_4(b + 1)}
+    return tuple(sorted(quarters | caps))
+
+
+def _is_power_of_4(n: int) -> bool:
+    return n & (n - 1) == 0 and (n.bit_length() - 1) % 2 == 0
 
 
 def first_ungraphed_batch(

@@ -293,7 +293,10 @@ class TreeBudgetController:
     def should_draft(self, num_reqs: int, max_budget: int) -> bool:
         """At the end of a step: whether the drafter runs for the next one.
         False while speculation would not pay, except for one probe every
-        ``probe_interval`` steps, which refreshes the acceptance estimate."""
+        ``probe_interval`` steps, which refreshes the acceptance estimate
+        (none where the scheduler gives no draft slots)."""
+        if max_budget == 0:
+            return False
         if self.best_budget(num_reqs, max_budget) > 0:
             self._undrafted_steps = 0
             return True
