@@ -450,23 +450,27 @@ class AdaptiveTreeBudget:
 def _time_graphs(manager, prepare=None) -> dict[int, float]:
     """Seconds per replay of every FULL graph of a MRv2 graph manager, by
     token count (the fastest graph of each count). ``prepare(desc)`` fills the
-    graph's input buffers first."""
+    graph's input buffers first. The replays are queued with an event pair
+    each and read after one sync at the end."""
     if manager is None:
         return {}
-    times: dict[int, float] = {}
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
+    timed = []
     for desc in list(manager.graphs):
         if desc.cg_mode != CUDAGraphMode.FULL:
             continue
         if prepare is not None:
             prepare(desc)
         manager.run_fullgraph(desc)  # warm
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(_PROFILE_REPLAYS):
             manager.run_fullgraph(desc)
         end.record()
-        end.synchronize()
+        timed.append((desc.num_tokens, start, end))
+    torch.cuda.synchronize()
+    times: dict[int, float] = {}
+    for num_tokens, start, end in timed:
         seconds = start.elapsed_time(end) / 1000 / _PROFILE_REPLAYS
-        times[desc.num_tokens] = min(times.get(desc.num_tokens, seconds), seconds)
+        times[num_tokens] = min(times.get(num_tokens, seconds), seconds)
     return times

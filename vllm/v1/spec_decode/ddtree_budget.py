@@ -277,10 +277,11 @@ def expected_accepted_nodes(
     ``N = budgets[l]`` nodes of the batch (the first ``cap`` of each request,
     ranked as in :func:`assign_tree_nodes`; padding nodes count 0).
 
-    One pass over the nodes builds a histogram of the real nodes' values in
-    1024 bins uniform in log(value) over ``[-24, 0]``; E(N) takes the bins from
-    the top, each node at its bin's geometric midpoint, and the last bin in
-    part. The error has three sources:
+    One program makes one pass over the nodes and counts the real nodes'
+    values in 1024 bins uniform in log(value) over ``[-24, 0]`` (integer
+    atomics into a private scratch, so the counts are exact); E(N) takes the
+    bins from the top, each node at its bin's geometric midpoint, and the last
+    bin in part. The error has three sources:
 
     * a node counted at its bin's midpoint is off by a factor of at most
       ``exp(±12 / 1024)``: 1.18 % of the value;
@@ -291,8 +292,9 @@ def expected_accepted_nodes(
       values lie within 1e-4 of each other: at most 1e-4 per exchanged node.
 
     So ``|out[l] - E(N)| <= 0.0118 * E(N) + 1.02e-4 * n_x + 4e-11 * N``, with
-    ``n_x`` the number of nodes the two orders exchange (usually none: it
-    takes nodes of two requests with values within 1e-4 at the cut). Read on
+    ``n_x`` the number of nodes the two orders exchange. Those lie at the cut
+    within 1e-4 of each other (ties of equal value cost nothing), so the term
+    matters only when N falls in a crowd of nearly equal small values. Read on
     the host a step or two late, no sync on the step itself.
     """
     num_reqs = idx_mapping.shape[0]
@@ -309,6 +311,8 @@ def expected_accepted_nodes(
             f"out must be float32 with >= {num_budgets} entries, got "
             f"{out.dtype} {tuple(out.shape)}"
         )
+    # The kernel's private histogram (it zeroes it first).
+    hist = torch.empty(_VALUE_BINS, dtype=torch.int32, device=log_probs.device)
     _expected_accepted_nodes_kernel[(1,)](
         log_probs,
         log_probs.stride(0),
@@ -317,6 +321,7 @@ def expected_accepted_nodes(
         calibration.rate,
         budgets,
         out,
+        hist,
         num_reqs,
         cap,
         num_budgets,
@@ -695,6 +700,8 @@ def _expected_accepted_nodes_kernel(
     budgets_ptr,
     # [num_budgets]
     out_ptr,
+    # [VALUE_BINS] int32 scratch
+    hist_ptr,
     num_reqs,
     cap,
     num_budgets,
@@ -707,7 +714,12 @@ def _expected_accepted_nodes_kernel(
 ):
     VALUE_SCALE: tl.constexpr = VALUE_BINS / -LOG_VALUE_MIN
     num_cand = num_reqs * cap
-    hist = tl.zeros([VALUE_BINS], dtype=tl.int32)
+    # The histogram is counted with atomics in memory rather than with
+    # tl.histogram, whose 1024-bin counts came out wrong on an H200 (Triton
+    # 3.6, not root-caused; the 128- and 256-bin ones here match exactly).
+    bins = tl.arange(0, VALUE_BINS)
+    tl.store(hist_ptr + bins, tl.zeros([VALUE_BINS], dtype=tl.int32))
+    tl.debug_barrier()
     # Candidates in flat (request, node) order: no block padding of cap.
     for start in range(0, num_cand, TILE):
         cand = start + tl.arange(0, TILE)
@@ -726,8 +738,10 @@ def _expected_accepted_nodes_kernel(
         # Values below exp(LOG_VALUE_MIN), 0 included, share the lowest bin.
         pos = (tl.log(tl.maximum(value, 1e-30)) - LOG_VALUE_MIN) * VALUE_SCALE
         b = tl.minimum(tl.maximum(pos, 0.0), VALUE_BINS - 1.0).to(tl.int32)
-        hist += tl.histogram(b, VALUE_BINS, mask=real)
-    bins = tl.arange(0, VALUE_BINS)
+        tl.atomic_add(hist_ptr + b, real.to(tl.int32), mask=real, sem="relaxed")
+    tl.debug_barrier()
+    # Past L1: the counts were added in L2.
+    hist = tl.load(hist_ptr + bins, cache_modifier=".cg")
     midpoint = tl.exp(LOG_VALUE_MIN + (bins + 0.5) / VALUE_SCALE)
     better = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # nodes in higher bins
     for i in range(num_budgets):
