@@ -346,7 +346,7 @@ def test_assign_ranks_by_calibrated_value():
 
 def test_assign_is_deterministic():
     rng = np.random.default_rng(5)
-    log_probs, idx_mapping, temperature, rate = _batch(rng, 33, 31)
+    log_probs, idx_mapping, temperature, _ = _batch(rng, 33, 31)
     calib = _calibration(_random_rate(rng))
     runs = [
         _run_assign(log_probs, idx_mapping, temperature, calib, 31, 500, torch.int32)

@@ -714,9 +714,9 @@ def _expected_accepted_nodes_kernel(
 ):
     VALUE_SCALE: tl.constexpr = VALUE_BINS / -LOG_VALUE_MIN
     num_cand = num_reqs * cap
-    # The histogram is counted with atomics in memory rather than with
-    # tl.histogram, whose 1024-bin counts came out wrong on an H200 (Triton
-    # 3.6, not root-caused; the 128- and 256-bin ones here match exactly).
+    # Counted with integer atomics in memory: a version with tl.histogram
+    # (1024 bins) gave wrong sums on an H200 under Triton 3.6 (not
+    # root-caused).
     bins = tl.arange(0, VALUE_BINS)
     tl.store(hist_ptr + bins, tl.zeros([VALUE_BINS], dtype=tl.int32))
     tl.debug_barrier()
