@@ -15,7 +15,10 @@ mean acceptance length (1 + accepted / drafts) is tokens per step.
 import copy
 
 from vllm.config import SpeculativeConfig
+from vllm.logger import init_logger
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+logger = init_logger(__name__)
 
 
 def observe_tree(
@@ -29,15 +32,23 @@ def observe_tree(
 
     ``num_draft_tokens_per_pos[i]`` counts trees that could reach depth
     ``i + 1`` (more than ``i`` nodes): the scheduler knows a tree's size, not
-    its shape."""
+    its shape. Called inside the scheduler's step: an impossible count is
+    logged (once) and clamped, never raised, as a metric must not stop the
+    engine."""
     if stats is None:
         stats = SpecDecodingStats.new(draft_depth)
+    num_nodes = max(num_nodes, 0)
     reachable = min(num_nodes, draft_depth)
     if not 0 <= num_accepted <= reachable:
-        raise ValueError(
-            f"a tree of {num_nodes} nodes from a drafter of depth {draft_depth} "
-            f"cannot accept {num_accepted} tokens"
+        logger.warning_once(
+            "DDTree spec-decode stats: a tree of %d nodes from a drafter of depth "
+            "%d cannot accept %d tokens; counted as %d",
+            num_nodes,
+            draft_depth,
+            num_accepted,
+            min(max(num_accepted, 0), reachable),
         )
+        num_accepted = min(max(num_accepted, 0), reachable)
     # vLLM's own per-position counting, over the depths a tree can reach; the
     # nodes past them still count as draft tokens.
     stats.observe_draft(reachable, num_accepted)
