@@ -62,7 +62,8 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-logger = init_logger(__name__)
+# Under vLLM's logger tree ("vllm."), so that its format and level apply.
+logger = init_logger("vllm.ddtree.glue")
 
 _PATCHED = "__ddtree_patched__"
 TREE_ATTN_BACKEND_PATH = "vllm.v1.attention.backends.tree_attn.TreeAttentionBackend"
@@ -446,6 +447,22 @@ def _warn_ungraphed_trees(vllm_config, cfg) -> None:
 
 
 def _create_engine_config(original, self, *args, **kwargs):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    custom = AttentionBackendEnum.CUSTOM
+    was_registered = custom.is_overridden()
+    try:
+        return _finish_engine_config(original, self, *args, **kwargs)
+    except BaseException:
+        # A DDTree engine that fails to build leaves no TREE_ATTN registration
+        # behind in this process (point 1 registered it for this engine only).
+        if not was_registered and custom.is_overridden():
+            if custom.get_path() == TREE_ATTN_BACKEND_PATH:
+                custom.clear_override()
+        raise
+
+
+def _finish_engine_config(original, self, *args, **kwargs):
     vllm_config = original(self, *args, **kwargs)
     cfg = _ddtree_of(vllm_config)
     if cfg is not None and not vllm_config.use_v2_model_runner:

@@ -287,3 +287,98 @@ def test_worker_registers_tree_attn_for_ddtree_only(models, tmp_path):
     seen = json.loads(out)
     assert seen["dflash"] is None
     assert seen["ddtree"].endswith("tree_attn.TreeAttentionBackend")
+
+
+def test_an_installed_copy_is_never_taken_for_a_checkout(tmp_path):
+    """Installed next to vLLM, the folder above ``vllm_ddtree/`` is
+    site-packages, whose ``vllm/`` is vLLM's own package: a stray ``setup.py``
+    left there by some other package must not make ``register()`` treat it as
+    a source checkout (that imported every vLLM subpackage and failed)."""
+    import importlib.util
+    import shutil
+
+    site = tmp_path / "site-packages"
+    shutil.copytree(ROOT / "vllm_ddtree", site / "vllm_ddtree")
+    (site / "setup.py").write_text("# another package's leftover\n")
+    (site / "vllm" / "v1" / "spec_decode").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    spec = importlib.util.spec_from_file_location(
+        "installed_vllm_ddtree", site / "vllm_ddtree" / "__init__.py"
+    )
+    installed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(installed)
+    before = set(sys.modules)
+    import vllm.v1
+
+    paths = list(vllm.v1.__path__)
+    installed._use_source_checkout()
+    assert set(sys.modules) - before <= {"vllm.v1"}
+    assert list(vllm.v1.__path__) == paths
+    # This checkout is one: its vllm/ holds only the overlay's modules.
+    assert not (ROOT / "vllm" / "__init__.py").exists()
+
+
+def test_register_never_raises(monkeypatch):
+    """vLLM calls plugins without a try: a failing load is logged, not raised."""
+    import logging
+
+    import vllm_ddtree
+    from vllm_ddtree import glue
+
+    def broken():
+        raise RuntimeError("simulated")
+
+    monkeypatch.setattr(glue, "apply", broken)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("vllm.ddtree")
+    log.addHandler(handler)
+    try:
+        vllm_ddtree.register()
+    finally:
+        log.removeHandler(handler)
+    assert any("failed to load" in r.getMessage() for r in records)
+    assert records[0].exc_info is not None
+
+
+def test_a_failed_ddtree_engine_leaves_no_registration():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_ddtree import glue
+
+    from vllm.v1.attention.backends.registry import register_backend
+
+    custom = AttentionBackendEnum.CUSTOM
+    # Engines built earlier in this process may have registered TREE_ATTN.
+    earlier = custom.get_path() if custom.is_overridden() else None
+    custom.clear_override()
+
+    def fails_after_registering(self):
+        glue.register_tree_attn_backend()
+        raise ValueError("simulated failure after the speculative config")
+
+    try:
+        with pytest.raises(ValueError, match="simulated"):
+            glue._create_engine_config(fails_after_registering, object())
+        assert not custom.is_overridden()
+        # Registered before the engine (another DDTree engine): kept.
+        glue.register_tree_attn_backend()
+        with pytest.raises(ValueError, match="simulated"):
+            glue._create_engine_config(fails_after_registering, object())
+        assert custom.get_path() == glue.TREE_ATTN_BACKEND_PATH
+    finally:
+        custom.clear_override()
+        if earlier is not None:
+            register_backend(custom, earlier)
+
+
+def test_ddtree_logs_under_vllms_logger():
+    """vLLM configures the ``vllm`` logger tree: DDTree's lines must be in it
+    to appear, in vLLM's format and at its level."""
+    import vllm_ddtree
+    from vllm.v1.spec_decode import ddtree_adaptive, ddtree_cost
+    from vllm_ddtree import glue
+
+    for module in (glue, ddtree_cost, ddtree_adaptive, vllm_ddtree):
+        assert module.logger.name.startswith("vllm."), module.__name__
