@@ -321,6 +321,19 @@ def _fold_spec_flags(args) -> None:
     args.spec_method = args.spec_model = None
 
 
+def _check_cuda_platform() -> None:
+    """DDTree's kernels and its MRv2 wiring need a CUDA GPU; without one vLLM
+    would fail later with a message that does not say so."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cuda":
+        raise ValueError(
+            "method 'ddtree' needs a CUDA GPU (tested on NVIDIA Hopper, H200); "
+            f"this machine has {current_platform.device_type or 'none'}. Its CPU "
+            "tests run without one: pip install '.[test]' && python -m pytest"
+        )
+
+
 def _check_model_runner_env() -> None:
     import vllm.envs as envs
 
@@ -449,6 +462,13 @@ def _warn_ungraphed_trees(vllm_config, cfg) -> None:
 def _create_engine_config(original, self, *args, **kwargs):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    from vllm.v1.spec_decode.ddtree_config import DDTREE_METHOD, is_ddtree_method
+
+    if is_ddtree_method(getattr(self, "speculative_config", None)) or (
+        getattr(self, "spec_method", None) == DDTREE_METHOD
+    ):
+        # Before vLLM infers the device, which fails without a word of DDTree.
+        _check_cuda_platform()
     custom = AttentionBackendEnum.CUSTOM
     was_registered = custom.is_overridden()
     try:

@@ -1083,6 +1083,23 @@ def test_scheduled_tree_budgets_follow_the_users_caps():
     assert DDTreeConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_no_cuda_gpu_fails_at_once_with_one_line(models, monkeypatch):
+    """Without a CUDA GPU a DDTree engine stops at its config with a message
+    that says so, not later in vLLM's device inference."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "device_type", "", raising=False)
+    target, drafter = models
+    args = EngineArgs(
+        model=target,
+        speculative_config={"method": "ddtree", "model": drafter},
+        max_model_len=2048,
+    )
+    with pytest.raises(ValueError, match=r"needs a CUDA GPU .*H200.*python -m pytest"):
+        args.create_engine_config()
+
+
 def test_slot_counts_are_few():
     """The scheduler's slot counts (the drafter's tree widths and the budget's
     compiled kernel variants follow them): 0, 4**k - 1, the caps."""
