@@ -410,6 +410,11 @@ def _target(**overrides):
             "KV connectors .* drop --kv-transfer-config",
         ),
         (
+            _args(kv_offloading_size=4.0),
+            _target(),
+            "KV offloading .* drop --kv-offloading-size",
+        ),
+        (
             _args(data_parallel_size=2),
             _target(),
             "data parallelism .* drop --data-parallel-size",
@@ -1184,6 +1189,8 @@ def test_plain_dflash_is_untouched(models, cuda_platform):
             "drop --kv-transfer-config",
         ),
         (dict(data_parallel_size=2), "drop --data-parallel-size"),
+        # vLLM builds the offloading connector after --kv-transfer-config's check.
+        (dict(kv_offloading_size=2.0), "drop --kv-offloading-size"),
     ],
 )
 def test_engine_config_errors(models, cuda_platform, kwargs, match):

@@ -397,6 +397,10 @@ def check_engine_args(args: Any, target_model_config: Any) -> None:
         "accepted path is compacted); drop --kv-transfer-config": (
             args.kv_transfer_config is not None
         ),
+        "KV offloading (vLLM builds it as a KV connector, untested with tree "
+        "KV); drop --kv-offloading-size": (
+            getattr(args, "kv_offloading_size", None) is not None
+        ),
         "data parallelism (not tested with DDTree); drop --data-parallel-size": (
             args.data_parallel_size > 1
         ),
