@@ -551,18 +551,12 @@ def _scheduler_init(original, self, *args, **kwargs):
         make_tree_spec_decoding_stats, self, cfg.draft_depth
     )
     if cfg.adaptive:
-        from vllm.v1.spec_decode.ddtree_config import scheduled_tree_budgets
+        from vllm.v1.spec_decode.ddtree_config import engine_tree_slots
 
         # Draft slots per request by batch size: a cap that keeps the step's
         # tokens and KV within the trees the budget can choose; vLLM's lookup
         # would read the ladder listed in the speculative config.
-        sched = self.vllm_config.scheduler_config
-        self.dynamic_sd_lookup = scheduled_tree_budgets(
-            cfg,
-            sched.max_num_seqs,
-            sched.max_num_batched_tokens,
-            self.vllm_config.compilation_config.max_cudagraph_capture_size or 0,
-        )
+        self.dynamic_sd_lookup = engine_tree_slots(cfg, self.vllm_config)
 
 
 def _model_runner_init(original, self, vllm_config, *args, **kwargs):

@@ -46,7 +46,7 @@ from vllm.v1.spec_decode.ddtree_budget import (
     assign_tree_nodes,
     expected_accepted_nodes,
 )
-from vllm.v1.spec_decode.ddtree_config import DDTreeConfig, scheduled_tree_budgets
+from vllm.v1.spec_decode.ddtree_config import DDTreeConfig, engine_tree_slots
 from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree
 from vllm.v1.spec_decode.ddtree_cost import (
     AcceptanceCurve,
@@ -90,15 +90,8 @@ class AdaptiveTreeBudget:
         device: torch.device,
     ):
         self.cfg = cfg
-        sched = vllm_config.scheduler_config
-        cc = vllm_config.compilation_config
         # Draft slots per request by batch size, as the scheduler gives them.
-        self.slots = scheduled_tree_budgets(
-            cfg,
-            sched.max_num_seqs,
-            sched.max_num_batched_tokens,
-            cc.max_cudagraph_capture_size or 0,
-        )
+        self.slots = engine_tree_slots(cfg, vllm_config)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.calibration = TreeAcceptanceCalibration(device)
         self.controller: TreeBudgetController | None = None
@@ -106,7 +99,16 @@ class AdaptiveTreeBudget:
         ladder = cfg.ladder
         # [max_num_reqs] nodes each request of the step verifies.
         self.counts = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
-        self._ladder = torch.tensor(ladder, dtype=torch.int32, device=device)
+        # Row r, first len(ladder) entries: the ladder's node totals for r
+        # requests, so that a step reads a view instead of launching a
+        # multiply. Rows are padded to 16 bytes: every row's address has the
+        # alignment Triton specialises on, whatever r.
+        num_ladder = len(ladder)
+        padded = torch.zeros(-(-num_ladder // 4) * 4, dtype=torch.int32)
+        padded[:num_ladder] = torch.tensor(ladder, dtype=torch.int32)
+        self._ladder_nodes = (
+            torch.arange(max_num_reqs + 1, dtype=torch.int32)[:, None] * padded
+        ).to(device)[:, :num_ladder]
         # Expected accepted nodes per ladder budget, then the calibration's
         # running totals; two pinned host copies, read two steps late.
         self._estimate = torch.zeros(len(ladder) + 4, device=device)
@@ -150,17 +152,7 @@ class AdaptiveTreeBudget:
 
             # Every rank must choose the same budgets: rank 0's times.
             target, drafter = get_tp_group().broadcast_object((target, drafter), src=0)
-        if not target:
-            # No graphs (eager): the online periods teach everything.
-            target = {1: 1e-4}
-        if not drafter:
-            drafter = {1: 0.0}
-        self.controller = TreeBudgetController(
-            self.cfg.ladder,
-            self.cfg.draft_depth,
-            StepCostModel(target, drafter),
-            learn=self.tp_size == 1,
-        )
+        self.controller = self._new_controller(target, drafter)
         logger.info(
             "DDTree: adaptive tree budget over %s nodes per request; step-cost "
             "prior from %d target and %d drafter graph shapes, timed in %.1f s",
@@ -191,7 +183,8 @@ class AdaptiveTreeBudget:
         )
         launches = 0
         start = time.perf_counter()
-        for width in sorted({max(1, k) for k in self.slots[1:]}):
+        widths = sorted({max(1, k) for k in self.slots[1:]})
+        for width in widths:
             # The drafter's logits as _generate_draft computes them (layout
             # and strides included), built into the flat output's views.
             logits = spec.model.compute_logits(hidden)
@@ -206,7 +199,7 @@ class AdaptiveTreeBudget:
                 idx,
                 scratch,
                 width,
-                self._ladder,
+                self._ladder_nodes[1],
                 self._estimate,
             )
             launches += 3
@@ -233,7 +226,7 @@ class AdaptiveTreeBudget:
         state.trees.reset_(0)
         logger.info(
             "DDTree: adaptive budget kernels warmed up for tree widths %s in %.1f s",
-            sorted({max(1, k) for k in self.slots[1:]}),
+            widths,
             time.perf_counter() - start,
         )
         return launches + 2
@@ -252,10 +245,10 @@ class AdaptiveTreeBudget:
             return scheduler_output
         num_tokens = scheduler_output.num_scheduled_tokens
         slots = [len(v) for v in spec.values()]
-        cap, most = min(slots), max(slots)
+        cap, most, num_slots = min(slots), max(slots), sum(slots)
         num_reqs = len(spec)
         pure = len(num_tokens) == num_reqs and (
-            scheduler_output.total_num_scheduled_tokens == num_reqs + sum(slots)
+            scheduler_output.total_num_scheduled_tokens == num_reqs + num_slots
         )
         b = controller.choose(num_reqs, cap, has_trees=self.drafted_last, timed=pure)
         self._plan = StepPlan(num_reqs, b, cap, pure)
@@ -270,7 +263,7 @@ class AdaptiveTreeBudget:
             {r: v[:b] for r, v in spec.items()} if b else {}
         )
         trimmed.total_num_scheduled_tokens = (
-            scheduler_output.total_num_scheduled_tokens - sum(slots) + num_reqs * b
+            scheduler_output.total_num_scheduled_tokens - num_slots + num_reqs * b
         )
         return trimmed
 
@@ -381,14 +374,14 @@ class AdaptiveTreeBudget:
         """Estimate what each ladder budget accepts for these trees and start
         the copy to the host."""
         num_reqs, width = log_probs.shape
-        num_ladder = self._ladder.shape[0]
+        num_ladder = self._ladder_nodes.shape[1]
         expected_accepted_nodes(
             log_probs,
             temperature,
             idx_mapping,
             self.calibration,
             width,
-            self._ladder * num_reqs,
+            self._ladder_nodes[num_reqs],
             self._estimate[:num_ladder],
         )
         self._estimate[num_ladder:].copy_(self.calibration.totals)
@@ -406,13 +399,20 @@ class AdaptiveTreeBudget:
     def _controller(self) -> TreeBudgetController:
         if self.controller is None:
             # Engines that never captured (eager) learn every period online.
-            self.controller = TreeBudgetController(
-                self.cfg.ladder,
-                self.cfg.draft_depth,
-                StepCostModel({1: 1e-4}, {1: 0.0}),
-                learn=self.tp_size == 1,
-            )
+            self.controller = self._new_controller({}, {})
         return self.controller
+
+    def _new_controller(
+        self, target: dict[int, float], drafter: dict[int, float]
+    ) -> TreeBudgetController:
+        """A controller over these start-up times; without any (no graphs),
+        a near-zero prior that the timed periods replace."""
+        return TreeBudgetController(
+            self.cfg.ladder,
+            self.cfg.draft_depth,
+            StepCostModel(target or {1: 1e-4}, drafter or {1: 0.0}),
+            learn=self.tp_size == 1,
+        )
 
     def _read_estimate(self, controller: TreeBudgetController) -> None:
         """The newest estimate whose copy has landed. With tensor parallelism

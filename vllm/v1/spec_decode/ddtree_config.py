@@ -583,8 +583,8 @@ def scheduled_tree_budgets(
     are a cap: the user's (``cap_for``), and what keeps a step's trees within
     twice the largest CUDA graph (larger steps run eagerly and rarely pay) and
     within half of ``max_num_batched_tokens`` (the rest is left for prompts).
-    Each slot also reserves a KV slot for the step, which the scheduler takes
-    back from the rejected nodes after it."""
+    Each slot also reserves a KV slot, which the request's next step rewrites
+    where this one's nodes were rejected."""
     span = max(2 * max(max_capture_size, _VLLM_MAX_CAPTURE_SIZE), cfg.draft_len)
     span = min(span, max_num_batched_tokens // 2)
     slots = slot_ladder(cfg)
@@ -592,6 +592,19 @@ def scheduled_tree_budgets(
         ladder_floor(slots, min(cfg.cap_for(r), max(span // r - 1, 0)))
         for r in range(1, max_num_seqs + 1)
     ]
+
+
+def engine_tree_slots(cfg: DDTreeConfig, vllm_config: Any) -> list[int]:
+    """:func:`scheduled_tree_budgets` for a finished engine config: what the
+    scheduler gives and what the worker's drafter and budget size for, from
+    the same settings."""
+    sched = vllm_config.scheduler_config
+    return scheduled_tree_budgets(
+        cfg,
+        sched.max_num_seqs,
+        sched.max_num_batched_tokens,
+        vllm_config.compilation_config.max_cudagraph_capture_size or 0,
+    )
 
 
 def slot_ladder(cfg: DDTreeConfig) -> tuple[int, ...]:
