@@ -2027,12 +2027,27 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(clients_off_pinned_cpus(args))
         stack.callback(stop_all)
-        # One after another: a server sizes its KV cache from the memory free
-        # while it starts, which another one starting would change.
+        # A server sizes its KV cache from the memory free while it starts,
+        # which another one starting would change: one after another, unless
+        # the KV cache has a fixed size (kv_cache_memory_bytes), then all at once.
+        at_once = "kv_cache_memory_bytes" in parse_engine_args(
+            getattr(args, "engine_arg", [])
+        )
+        server_logs = {
+            config: stack.enter_context((logs / f"{config}.log").open("a"))
+            for config, _ in configs
+        }
+        for config, max_batch in configs if at_once else ():
+            log = server_logs[config]
+            servers[config] = (*start_server(share, config, max_batch, log, env), None)
         for config, max_batch in configs:
-            log = stack.enter_context((logs / f"{config}.log").open("a"))
-            server, base = start_server(share, config, max_batch, log, env)
-            servers[config] = (server, base, None)
+            log = server_logs[config]
+            if config not in servers:
+                servers[config] = (
+                    *start_server(share, config, max_batch, log, env),
+                    None,
+                )
+            server, base, _ = servers[config]
             if not _wait_healthy(base, server, deadline):
                 if time.monotonic() >= deadline:
                     print(f"    {config}: --limit-seconds ran out while it started")

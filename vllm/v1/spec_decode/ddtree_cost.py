@@ -28,9 +28,11 @@ Everything here is host arithmetic on a few dozen numbers per step: no tensor,
 no device sync, no loop over requests.
 """
 
+import bisect
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -38,14 +40,14 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# Observations of a step shape before its own mean replaces the prior.
+# Observations of a step shape before its own estimate replaces the prior.
 _MIN_OBSERVATIONS = 3
-# Running mean over this many observations, then an exponential average with
-# weight 1 / _WINDOW: a shape's period follows changes in context length and
-# host load over a few hundred steps.
-_WINDOW = 64
-# A period this many times the current estimate is an idle gap (no request
-# was waiting for the step), not the step's cost.
+# A shape's estimate is the median of its last _WINDOW periods: it follows
+# changes in context length and host load within tens of steps, and a period
+# that is not the step's cost (the engine idle until the next request came, a
+# pause of the host) moves it only while such periods are half the window.
+_WINDOW = 15
+# A period this many times the current estimate is an idle gap, not kept.
 _OUTLIER = 4.0
 # Steps without drafting before one drafted step re-measures what the drafter
 # would gain (the acceptance estimate does not move while nothing is drafted).
@@ -76,16 +78,24 @@ def request_bucket(num_reqs: int) -> int:
     return top * 3 // 4 if num_reqs <= top * 3 // 4 else top
 
 
-@dataclass
-class _Average:
-    """Running mean of the first ``_WINDOW`` values, then an exponential one."""
+class _Median:
+    """Median of the last ``_WINDOW`` values; ``n`` counts every value."""
 
-    n: int = 0
-    value: float = 0.0
+    def __init__(self) -> None:
+        self.n = 0
+        self.value = 0.0
+        self._recent: deque[float] = deque(maxlen=_WINDOW)
+        self._sorted: list[float] = []
 
     def add(self, x: float) -> None:
+        if len(self._recent) == _WINDOW:
+            del self._sorted[bisect.bisect_left(self._sorted, self._recent[0])]
+        self._recent.append(x)
+        bisect.insort(self._sorted, x)
         self.n += 1
-        self.value += (x - self.value) / min(self.n, _WINDOW)
+        k = len(self._sorted)
+        mid = self._sorted[k // 2]
+        self.value = mid if k % 2 else 0.5 * (self._sorted[k // 2 - 1] + mid)
 
 
 class StepCostModel:
@@ -98,7 +108,7 @@ class StepCostModel:
     past the last one. Their sum is a shape's GPU time with short contexts: a
     lower bound of its period, which adds host work (launches, scheduling,
     sampling) and longer contexts. A shape seen a few times is predicted by
-    its own mean period; an unseen one by the largest of its GPU time and the
+    the median of its recent periods; an unseen one by the largest of its GPU time and the
     periods of the seen shapes of the same kind with fewer nodes (a larger
     tree never runs faster). That bound is optimistic, so an unseen shape that
     could pay is tried, and one whose GPU time alone rules it out is not.
@@ -113,8 +123,8 @@ class StepCostModel:
             raise ValueError("the cost model needs measured target and drafter times")
         self._target = sorted(target_seconds.items())
         self._drafter = sorted(drafter_seconds.items())
-        # (bucket, drafted) -> {budget: mean period}
-        self._shapes: dict[tuple[int, bool], dict[int, _Average]] = {}
+        # (bucket, drafted) -> {budget: recent periods}
+        self._shapes: dict[tuple[int, bool], dict[int, _Median]] = {}
 
     def prior(self, num_reqs: int, budget: int, drafted: bool) -> float:
         seconds = _interpolate(self._target, num_reqs * (1 + budget))
@@ -141,7 +151,7 @@ class StepCostModel:
         if not seconds > 0:
             return False
         seen = self._shapes.setdefault((request_bucket(num_reqs), drafted), {})
-        avg = seen.setdefault(budget, _Average())
+        avg = seen.setdefault(budget, _Median())
         if avg.n >= _MIN_OBSERVATIONS and seconds > _OUTLIER * avg.value:
             return False
         avg.add(seconds)
@@ -202,6 +212,12 @@ class _Step:
     timed: bool  # a pure decode step: its period may teach the cost model
     drafted: bool | None = None
 
+    def shape(self) -> tuple[int, int, bool] | None:
+        """What the cost model keys a timed step's period by (None: untimed)."""
+        if not self.timed or self.drafted is None:
+            return None
+        return (request_bucket(self.num_reqs), self.budget, self.drafted)
+
 
 class TreeBudgetController:
     """Chooses each step's per-request budget and whether the drafter runs.
@@ -234,6 +250,8 @@ class TreeBudgetController:
         self._curve: AcceptanceCurve | None = None
         self._undrafted_steps = 0
         self._step: _Step | None = None
+        # The shape of the step before ``_step`` (None: untimed or none).
+        self._last_shape: tuple[int, int, bool] | None = None
         self._step_start = clock()
         self._log = _StepLog()
         self._log_start = self._step_start
@@ -315,13 +333,20 @@ class TreeBudgetController:
     # -- timing ---------------------------------------------------------------
 
     def step_started(self) -> None:
-        """A step's host preparation starts: the previous step's period ends."""
+        """A step's host preparation starts: the previous step's period ends.
+
+        With async scheduling the host prepares a step while the GPU runs the
+        one before, and waits for that one's output before the next: the
+        period between two step starts mixes the work of two consecutive
+        steps. So it is learned only when both had the same shape."""
         now = self._clock()
         step = self._step
-        if self.learn and step is not None and step.timed and step.drafted is not None:
+        shape = step.shape() if step is not None else None
+        if self.learn and shape is not None and shape == self._last_shape:
             self.cost.observe(
                 step.num_reqs, step.budget, step.drafted, now - self._step_start
             )
+        self._last_shape = shape
         self._step = None
         self._step_start = now
         self._maybe_log(now)
