@@ -344,6 +344,14 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
         "ladder for every method, max_num_seqs = batch, warm-up and prefill "
         "over the timed prompts (results are labelled with the setting)",
     )
+    if paired:
+        p.add_argument(
+            "--adaptive-budget",
+            action="store_true",
+            help="DDTree configs with adaptive_budget true: each step's trees "
+            "sized by the cost model, the config's budget a per-request cap "
+            "(recorded in the setup)",
+        )
     p.add_argument(
         "--engine-arg",
         action="append",
@@ -671,14 +679,22 @@ def parse_schedule(text: str | None) -> list[list[int]] | None:
 
 
 def speculative_config(
-    config: str, drafter: Path, schedule=None, fixed: bool = False
+    config: str,
+    drafter: Path,
+    schedule=None,
+    fixed: bool = False,
+    adaptive: bool = False,
 ) -> dict | None:
     """A config's speculative config; ``fixed``: every DDTree step verifies its
     budget (``adaptive_budget`` false), as the cost mode measures one tree size;
-    else DDTree's default, the adaptive budget with the config's cap."""
+    ``adaptive``: each step's trees sized by DDTree's cost model, the config's
+    budget a per-request cap (``--adaptive-budget``); else DDTree's default."""
     spec = _speculative_config(config, drafter, schedule)
-    if fixed and spec is not None and spec["method"] == "ddtree":
-        spec["adaptive_budget"] = False
+    if spec is not None and spec["method"] == "ddtree":
+        if fixed:
+            spec["adaptive_budget"] = False
+        elif adaptive:
+            spec["adaptive_budget"] = True
     return spec
 
 
@@ -788,7 +804,11 @@ def engine_kwargs(args, config: str, max_batch: int) -> dict:
     if args.mode == "cost":
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     spec = speculative_config(
-        config, args.drafter, args.schedule, fixed=args.mode == "cost"
+        config,
+        args.drafter,
+        args.schedule,
+        fixed=args.mode == "cost",
+        adaptive=getattr(args, "adaptive_budget", False),
     )
     if spec is not None:
         kwargs["speculative_config"] = spec
@@ -931,6 +951,8 @@ def setup_of(args) -> dict:
         setup["engine_process"] = "multiprocess"
     if getattr(args, "engine_arg", []):
         setup["engine_args"] = parse_engine_args(args.engine_arg)
+    if getattr(args, "adaptive_budget", False):
+        setup["adaptive_budget"] = True
     if getattr(args, "request_rate", "inf") != "inf":
         setup["request_rate"] = args.request_rate
     if interleave_of(args):

@@ -256,6 +256,17 @@ def test_speculative_configs():
         "model": "/d",
         "tree_budget": 128,
     }
+    assert bd.speculative_config("ddtree-auto", drafter, adaptive=True) == {
+        "method": "ddtree",
+        "model": "/d",
+        "tree_budget": "auto",
+        "adaptive_budget": True,
+    }
+    assert bd.speculative_config("dflash", drafter, adaptive=True) == {
+        "method": "dflash",
+        "model": "/d",
+        "num_speculative_tokens": 15,
+    }
 
 
 def test_step_tokens_and_skipped_batches():

@@ -22,12 +22,19 @@ CFG = DDTreeConfig(tree_budget=128, draft_depth=15)
 # ---------------------------------------------------------------------------
 
 
+ADAPTIVE = {"adaptive_budget": True}
 FIXED = {"adaptive_budget": False}
 
 
 def test_parse_maps_onto_dflash():
     parsed = ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", "tree-budget": 32, "revision": "main"}
+        {
+            "method": "ddtree",
+            "model": "d",
+            "tree-budget": 32,
+            "revision": "main",
+            **ADAPTIVE,
+        }
     )
     assert parsed.tree_budget == 32 and parsed.adaptive and parsed.schedule == ()
     # Adaptive: vLLM's schedule lists every ladder budget (one CUDA graph set
@@ -52,25 +59,30 @@ def test_parse_maps_onto_dflash():
     )
     assert (budget, adaptive, schedule) == (32, False, ())
     assert dflash == {"model": "d", "method": "dflash", "num_speculative_tokens": 32}
+    # Fixed budgets are the default.
+    assert ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree-budget": 32}
+    ) == (budget, dflash, adaptive, schedule)
 
 
 def test_parse_default_budget_is_auto():
-    """No tree_budget: 'auto'. Adaptive (the default): the cost model alone
-    decides, up to the builder's largest tree; fixed: the measured
-    per-batch-size schedule."""
+    """No tree_budget: 'auto'. Fixed budgets (the default): the measured
+    per-batch-size schedule; adaptive: the cost model alone decides, up to
+    the builder's largest tree."""
     assert ddt.DEFAULT_TREE_BUDGET == ddt.AUTO_TREE_BUDGET == "auto"
     default = ddt.parse_speculative_config({"method": "ddtree", "model": "d"})
     auto = ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", "tree_budget": "auto"}
+        {"method": "ddtree", "model": "d", "tree_budget": "auto", **FIXED}
     )
-    assert default == auto
-    assert default.tree_budget == ddt.AUTO_TREE_BUDGET_CAP == 1024
-    assert default.adaptive and default.schedule == ()
-    listed = [b for *_, b in default.dflash["num_speculative_tokens_per_batch_size"]]
+    assert default == auto and not default.adaptive
+    adaptive = ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", **ADAPTIVE}
+    )
+    assert adaptive.tree_budget == ddt.AUTO_TREE_BUDGET_CAP == 1024
+    assert adaptive.adaptive and adaptive.schedule == ()
+    listed = [b for *_, b in adaptive.dflash["num_speculative_tokens_per_batch_size"]]
     assert listed == [1024, 1023, 511, 255, 127, 63, 31, 15, 7, 3, 1, 0]
-    budget, dflash, _, _ = ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", **FIXED}
-    )
+    budget, dflash, _, _ = default
     schedule = [list(e) for e in ddt.AUTO_TREE_BUDGET_PER_BATCH_SIZE]
     assert dflash["num_speculative_tokens_per_batch_size"] == schedule
     assert budget == dflash["num_speculative_tokens"] == 31
@@ -190,7 +202,12 @@ def test_parse_budget_schedule_maps_onto_dynamic_sd():
     # Adaptive: the schedule's budgets are per-request caps by batch size,
     # and each is a budget a step may choose.
     adaptive = ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", "tree_budget_per_batch_size": SCHEDULE}
+        {
+            "method": "ddtree",
+            "model": "d",
+            "tree_budget_per_batch_size": SCHEDULE,
+            **ADAPTIVE,
+        }
     )
     assert adaptive.adaptive and adaptive.schedule == (
         (1, 1, 64),
@@ -1125,7 +1142,7 @@ def test_auto_is_adaptive_up_to_the_largest_tree(models, cuda_platform):
     target, drafter = models
     config = EngineArgs(
         model=target,
-        speculative_config={"method": "ddtree", "model": drafter},
+        speculative_config={"method": "ddtree", "model": drafter, **ADAPTIVE},
         max_model_len=2048,
     ).create_engine_config()
     cfg = DDTreeConfig.from_vllm_config(config)
@@ -1145,7 +1162,7 @@ def test_engine_config_spec_flags(models, cuda_platform):
         model=target,
         spec_method="ddtree",
         spec_model=drafter,
-        speculative_config={"tree_budget": 8},
+        speculative_config={"tree_budget": 8, **ADAPTIVE},
         max_model_len=2048,
     )
     config = args.create_engine_config()

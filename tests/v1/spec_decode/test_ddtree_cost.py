@@ -296,6 +296,11 @@ def test_median_period_ignores_idle_gaps():
     for _ in range(15):
         cost.observe(4, 7, True, 0.009)
     assert cost.predict(4, 7, True) == pytest.approx(0.009)
+    # What the log shows of it (5 requests share a bucket with 6, not 4).
+    for _ in range(3):
+        cost.observe(4, 0, False, 0.002)
+    assert cost.learned(4) == "b=0 2.00 ms (3), b=7+ 9.00 ms (22)"
+    assert cost.learned(5) == "none yet"
 
 
 def test_log_reports_budgets_and_calibration():
@@ -330,6 +335,7 @@ def test_log_reports_budgets_and_calibration():
     assert "1 decode steps" in text and "drafter ran in 100%" in text
     # Since start-up: 19 predicted vs 22 accepted nodes over 8 trees.
     assert "accepted 2.75 per tree, predicted 2.38 (-13.6%)" in text
+    assert "step periods learned for batches of up to 2: none yet" in text
 
 
 def test_no_probe_where_the_scheduler_gives_no_slots():

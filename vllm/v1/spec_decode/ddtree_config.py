@@ -60,11 +60,11 @@ AUTO_TREE_BUDGET_PER_BATCH_SIZE: tuple[tuple[int, int, int], ...] = (
     (1, 4, 31),
     (5, 1024, 15),  # vLLM carries the last budget past the end
 )
-# "auto" with an adaptive budget (the default): the cost model alone decides,
-# up to the builder's largest tree per request.
+# "auto" with an adaptive budget: the cost model alone decides, up to the
+# builder's largest tree per request.
 AUTO_TREE_BUDGET_CAP = MAX_BUDGET
-# Speculative-config key: true (default) sizes each step's trees by measured
-# cost and acceptance, with tree_budget a per-request cap; false verifies
+# Speculative-config key: true sizes each step's trees by measured cost and
+# acceptance, with tree_budget a per-request cap; false (the default) verifies
 # tree_budget nodes (or the schedule's) in every step.
 ADAPTIVE_KEY = "adaptive_budget"
 # Keys of a ddtree speculative config passed to the DFlash drafter's config as is.
@@ -216,19 +216,22 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> ParsedSpeculativeConfig:
     with ``tree_budget`` draft slots per request. With a fixed budget per batch
     size (``adaptive_budget: false``) a ``tree_budget_per_batch_size`` schedule
     (or ``auto``'s) becomes vLLM's ``num_speculative_tokens_per_batch_size``.
-    With an adaptive budget (the default) the budget and the schedule are
+    With an adaptive budget (``adaptive_budget: true``; not the default, as
+    behind ``vllm serve`` its cost model still chose worse budgets than the
+    fixed schedule: docs/ddtree.md) the budget and the schedule are
     per-request caps; vLLM's schedule then lists every ladder budget, so that
     vLLM captures a CUDA graph for each (the scheduler's draft slots per batch
     size are DDTree's own, :func:`scheduled_tree_budgets`).
     """
     cfg = {str(k).replace("-", "_"): v for k, v in raw.items()}
     cfg.pop("method")
-    adaptive = cfg.pop(ADAPTIVE_KEY, True)
+    adaptive = cfg.pop(ADAPTIVE_KEY, False)
     if not isinstance(adaptive, bool):
         raise ValueError(
             f"{ADAPTIVE_KEY} must be true (each step's tree sized by measured cost "
-            f"and acceptance, the default) or false (every step verifies "
-            f"tree_budget), got {adaptive!r}"
+            f"and acceptance) or false (every step verifies tree_budget, or "
+            f"its schedule's budget for the batch size: the default), got "
+            f"{adaptive!r}"
         )
     schedule = cfg.pop("tree_budget_per_batch_size", None)
     if cfg.get("tree_budget") == AUTO_TREE_BUDGET and schedule is not None:

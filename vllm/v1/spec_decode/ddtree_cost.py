@@ -157,6 +157,20 @@ class StepCostModel:
         avg.add(seconds)
         return True
 
+    def learned(self, num_reqs: int) -> str:
+        """The periods learned for batches of ``num_reqs``'s bucket, for the
+        log: ``b=0 2.31 ms (40), b=15+ 5.02 ms (96)`` (``+``: the drafter ran
+        too; in parentheses how many periods taught it)."""
+        bucket = request_bucket(num_reqs)
+        parts = []
+        for drafted in (False, True):
+            seen = self._shapes.get((bucket, drafted), {})
+            for b, avg in sorted(seen.items()):
+                if avg.n >= _MIN_OBSERVATIONS:
+                    mark = "+" if drafted else ""
+                    parts.append(f"b={b}{mark} {1e3 * avg.value:.2f} ms ({avg.n})")
+        return ", ".join(parts) or "none yet"
+
     def num_observed(self, num_reqs: int, budget: int, drafted: bool) -> int:
         seen = self._shapes.get((request_bucket(num_reqs), drafted), {})
         avg = seen.get(budget)
@@ -203,6 +217,7 @@ class _StepLog:
     reqs: int = 0
     nodes: int = 0
     by_budget: dict[int, int] = field(default_factory=dict)
+    by_bucket: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -306,6 +321,8 @@ class TreeBudgetController:
         log.reqs += num_reqs
         log.nodes += num_reqs * b
         log.by_budget[b] = log.by_budget.get(b, 0) + 1
+        bucket = request_bucket(num_reqs)
+        log.by_bucket[bucket] = log.by_bucket.get(bucket, 0) + 1
         return b
 
     def should_draft(self, num_reqs: int, max_budget: int) -> bool:
@@ -360,10 +377,14 @@ class TreeBudgetController:
         shares = ", ".join(
             f"{b}: {100 * n / log.steps:.0f}%" for b, n in sorted(log.by_budget.items())
         )
+        # The batch size most steps had, with what the cost model believes of
+        # its step shapes: what a budget chosen there was weighed against.
+        common = max(log.by_bucket, key=log.by_bucket.__getitem__)
         logger.info(
             "DDTree budget over %.0f s: %d decode steps, %.1f requests and %.1f "
             "tree nodes per step, drafter ran in %.0f%% of steps; nodes per "
-            "request (share of steps) %s%s",
+            "request (share of steps) %s%s; step periods learned for batches "
+            "of up to %d: %s",
             now - self._log_start,
             log.steps,
             log.reqs / log.steps,
@@ -371,6 +392,8 @@ class TreeBudgetController:
             100 * log.drafted / log.steps,
             shares,
             self._calibration_report(),
+            common,
+            self.cost.learned(common),
         )
         self._log = _StepLog()
         self._log_start = now
