@@ -281,8 +281,12 @@ def _create_speculative_config(
     }
     _use_tree_attention(self)
     register_tree_attn_backend()
+    # vLLM's own config line prints the DFlash config DDTree runs on
+    # (method='dflash', num_spec_tokens = the draft slots): say so.
     logger.info(
-        "DDTree: %s tree_budget=%d%s, drafter %s drafts %d positions per step",
+        "DDTree: %s tree_budget=%d%s, drafter %s drafts %d positions per step "
+        "(vLLM's engine config line shows it as SpeculativeConfig(method='dflash', "
+        "num_spec_tokens=%d): the draft slots DDTree's trees use)",
         "adaptive (a per-request cap; each step's trees sized by measured cost "
         "and acceptance)"
         if cfg.adaptive
@@ -293,6 +297,7 @@ def _create_speculative_config(
         else "",
         dflash["model"],
         cfg.draft_depth,
+        dflash["num_speculative_tokens"],
     )
     return spec
 

@@ -1154,6 +1154,35 @@ def test_auto_is_adaptive_up_to_the_largest_tree(models, cuda_platform):
     )
 
 
+def test_engine_start_names_ddtree_in_vllms_log(models, cuda_platform):
+    """vLLM's own config line prints the DFlash config DDTree runs on: DDTree's
+    start-up line, in vLLM's logger tree, names the method, the budget mode
+    and what that line will show."""
+    import logging
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = models
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    log = logging.getLogger("vllm.ddtree.glue")
+    log.addHandler(handler)
+    try:
+        EngineArgs(
+            model=target,
+            speculative_config={"method": "ddtree", "model": drafter, "tree_budget": 8},
+            max_model_len=2048,
+        ).create_engine_config()
+    finally:
+        log.removeHandler(handler)
+    lines = [r.getMessage() for r in records if r.getMessage().startswith("DDTree:")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("DDTree: fixed tree_budget=8, drafter ")
+    assert "SpeculativeConfig(method='dflash', num_spec_tokens=8)" in lines[0]
+    assert log.name.startswith("vllm.")
+
+
 def test_engine_config_spec_flags(models, cuda_platform):
     from vllm.engine.arg_utils import EngineArgs
 
