@@ -494,6 +494,14 @@ def test_sampling_params_accepted(params):
             SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
             "does not support structured outputs",
         ),
+        (
+            SamplingParams(logprobs=2, logprob_token_ids=[5, 7]),
+            "does not support logprob_token_ids",
+        ),
+        (
+            SamplingParams(logprob_token_ids=[5]),
+            "does not support logprob_token_ids.*logprobs=N",
+        ),
     ],
 )
 def test_sampling_params_rejected(params, match):

@@ -646,7 +646,8 @@ def first_ungraphed_batch(
 
 
 def check_sampling_params(params: Any) -> None:
-    """Reject per-request settings that read output tokens in chain order."""
+    """Reject per-request settings that read output tokens in chain order, or
+    that the tree sampler would answer wrongly."""
     penalties = {
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
@@ -671,4 +672,12 @@ def check_sampling_params(params: Any) -> None:
             "DDTree does not support structured outputs (json, regex, choice, "
             "grammar); the grammar would have to follow every tree path. Remove "
             "them from the request or serve without DDTree"
+        )
+    if getattr(params, "logprob_token_ids", None):
+        # MRv2's speculative samplers return top-k logprobs only: the ids asked
+        # for would be answered with other tokens' logprobs.
+        raise ValueError(
+            "DDTree does not support logprob_token_ids yet (the tree sampler "
+            "returns the top `logprobs` tokens only); ask for `logprobs=N` "
+            "instead, or serve without speculation"
         )
