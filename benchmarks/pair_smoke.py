@@ -29,8 +29,13 @@ PAIR = ROOT / "benchmarks" / "models" / "pycode"
 DRAFTER = str(PAIR / "drafter")
 CONFIGS = {
     "none": None,
-    "auto": {"method": "ddtree", "model": DRAFTER},
-    "b128": {"method": "ddtree", "model": DRAFTER, "tree_budget": 128},
+    "auto": {"method": "ddtree", "model": DRAFTER, "adaptive_budget": True},
+    "b128": {
+        "method": "ddtree",
+        "model": DRAFTER,
+        "tree_budget": 128,
+        "adaptive_budget": True,
+    },
     "fixed64": {
         "method": "ddtree",
         "model": DRAFTER,
@@ -111,11 +116,23 @@ def main() -> None:
     env = dict(os.environ)
     # The engines' own processes load the plugin from this checkout.
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(plugin_site(args.out / "plugin_site")), str(ROOT), env.get("PYTHONPATH", "")]
+        [
+            str(plugin_site(args.out / "plugin_site")),
+            str(ROOT),
+            env.get("PYTHONPATH", ""),
+        ]
     )
     procs = {
         name: subprocess.Popen(
-            [sys.executable, __file__, args.configs, "--out", str(args.out), "--one", name],
+            [
+                sys.executable,
+                __file__,
+                args.configs,
+                "--out",
+                str(args.out),
+                "--one",
+                name,
+            ],
             env=env,
             stdout=open(args.out / f"{name}.log", "w"),
             stderr=subprocess.STDOUT,

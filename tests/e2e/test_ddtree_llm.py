@@ -17,16 +17,17 @@ several batches:
   seed twice, and reports free KV blocks and the spec-decode metrics;
 * ``ddtree_schedule``: per-request caps by batch size
   (``tree_budget_per_batch_size``): 64 nodes for one request, 16 for 2-8, 4
-  for 9-32, same batches; ``ddtree_auto``: ``tree_budget="auto"`` (the default:
-  the adaptive budget alone decides, up to 1024 nodes per request), same
-  batches; ``ddtree_fixed_64``: 64 nodes in every step (``adaptive_budget``
-  false), same batches.
+  for 9-32, same batches; ``ddtree_auto``: ``tree_budget="auto"`` with the
+  adaptive budget (``adaptive_budget`` true: the cost model alone decides, up
+  to 1024 nodes per request), same batches; ``ddtree_fixed_64``: 64 nodes in
+  every step (the default, said explicitly), same batches.
 
-Budgets are adaptive unless said otherwise: each step's trees are sized by the
-engine's measured step costs and acceptance (tree_budget a per-request cap), so
-these random models, whose drafter the target hardly ever agrees with, soon
-verify no tree at all and skip the drafter but for probes; the first steps, and
-the probes, verify trees of every budget the cost model tries.
+Budgets are fixed unless said otherwise (DDTree's default). With the adaptive
+budget each step's trees are sized by the engine's measured step costs and
+acceptance (tree_budget a per-request cap), so these random models, whose
+drafter the target hardly ever agrees with, soon verify no tree at all and skip
+the drafter but for probes; the first steps, and the probes, verify trees of
+every budget the cost model tries.
 
 Greedy outputs (DDTree's and DFlash's) must equal ``ref`` token for token, up to
 numerical ties (tests/e2e/compare.py: logits of different kernels and batch
@@ -109,12 +110,17 @@ def _configs(target, drafter) -> dict[str, dict]:
         "llm": llm_kwargs(target, spec, disable_log_stats=False),
         "runs": greedy_runs(),
     }
-    spec = {"method": "ddtree", "model": str(drafter), "tree_budget": "auto"}
+    spec = {
+        "method": "ddtree",
+        "model": str(drafter),
+        "tree_budget": "auto",
+        "adaptive_budget": True,
+    }
     configs["ddtree_auto"] = {
         "llm": llm_kwargs(target, spec, disable_log_stats=False),
         "runs": greedy_runs(),
     }
-    # Every step verifies the scheduler's slots (no adaptive budget).
+    # Every step verifies the scheduler's slots (the default, said explicitly).
     spec = {
         "method": "ddtree",
         "model": str(drafter),
