@@ -37,7 +37,8 @@ Engine-core and worker side:
 7. ``init_model_state`` (as the runner imported it): ``DDTreeModelState``.
 9. ``GPUModelRunner.execute_model`` / ``prepare_inputs`` (adaptive budgets: the
    step's budget, and the batch-wide split of its nodes), ``load_model`` (the
-   structured-output bitmask sized by the step's token limit) and
+   structured-output bitmask sized by the step's token limit; prompt logprobs
+   without a padded join's placeholder rows) and
    ``capture_model`` (the budget's step-cost prior from the captured graphs).
 
 Front end:
@@ -587,9 +588,31 @@ def _load_model(original, self, *args, **kwargs):
 
     module.StructuredOutputsWorker = sized
     try:
-        return original(self, *args, **kwargs)
+        out = original(self, *args, **kwargs)
     finally:
         module.StructuredOutputsWorker = worker_cls
+    _trim_prompt_logprobs_of(self)
+    return out
+
+
+def _trim_prompt_logprobs_of(runner) -> None:
+    """This runner's prompt logprobs without the rows of a padded join's
+    placeholder drafts (``ddtree_verify.trim_prompt_logprobs``)."""
+    worker = getattr(runner, "prompt_logprobs_worker", None)
+    if worker is None or getattr(worker.compute_prompt_logprobs, _PATCHED, False):
+        return
+    from vllm.v1.spec_decode.ddtree_verify import trim_prompt_logprobs
+
+    compute = worker.compute_prompt_logprobs
+
+    @functools.wraps(compute)
+    def trimmed(logits_fn, hidden_states, input_batch, *args, **kwargs):
+        out = compute(logits_fn, hidden_states, input_batch, *args, **kwargs)
+        prompt_lens = kwargs.get("prompt_lens", args[-1] if args else None)
+        return trim_prompt_logprobs(out, input_batch, prompt_lens)
+
+    setattr(trimmed, _PATCHED, True)
+    worker.compute_prompt_logprobs = trimmed
 
 
 def _adaptive_of(runner):
