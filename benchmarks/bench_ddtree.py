@@ -951,8 +951,10 @@ def setup_of(args) -> dict:
         setup["engine_process"] = "multiprocess"
     if getattr(args, "engine_arg", []):
         setup["engine_args"] = parse_engine_args(args.engine_arg)
-    if getattr(args, "adaptive_budget", False):
-        setup["adaptive_budget"] = True
+    if args.mode != "cost":
+        # Rows of the two budget modes never merge (result folders from before
+        # the flag lack the key, and resuming from them is refused).
+        setup["adaptive_budget"] = bool(getattr(args, "adaptive_budget", False))
     if getattr(args, "request_rate", "inf") != "inf":
         setup["request_rate"] = args.request_rate
     if interleave_of(args):

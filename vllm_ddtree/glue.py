@@ -287,7 +287,7 @@ def _create_speculative_config(
     logger.info(
         "DDTree: %s tree_budget=%d%s, drafter %s drafts %d positions per step "
         "(vLLM's engine config line shows it as SpeculativeConfig(method='dflash', "
-        "num_spec_tokens=%d): the draft slots DDTree's trees use)",
+        "model=%r, num_spec_tokens=%d): the draft slots DDTree's trees use)",
         "adaptive (a per-request cap; each step's trees sized by measured cost "
         "and acceptance)"
         if cfg.adaptive
@@ -298,7 +298,8 @@ def _create_speculative_config(
         else "",
         dflash["model"],
         cfg.draft_depth,
-        dflash["num_speculative_tokens"],
+        spec.draft_model_config.model,
+        spec.num_speculative_tokens,
     )
     return spec
 
@@ -608,7 +609,9 @@ def _trim_prompt_logprobs_of(runner) -> None:
     @functools.wraps(compute)
     def trimmed(logits_fn, hidden_states, input_batch, *args, **kwargs):
         out = compute(logits_fn, hidden_states, input_batch, *args, **kwargs)
-        prompt_lens = kwargs.get("prompt_lens", args[-1] if args else None)
+        # The prompt lengths from the runner's request state (what MRv2 passes
+        # in), not from the call's argument positions.
+        prompt_lens = runner.req_states.prompt_len.np
         return trim_prompt_logprobs(out, input_batch, prompt_lens)
 
     setattr(trimmed, _PATCHED, True)

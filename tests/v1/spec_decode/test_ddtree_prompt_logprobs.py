@@ -3,12 +3,15 @@
 """Prompt logprobs of a padded join, as without speculation (issue 34, item 3).
 
 vLLM's scheduler pads a one-token prompt that joins running decodes to
-``1 + num_spec_tokens`` tokens (placeholder drafts); MRv2's
-``PromptLogprobsWorker`` then returns the placeholders' rows as prompt logprobs.
-These tests run MRv2's own worker (its Triton kernel interpreted on the CPU)
-on the padded step and on the step without speculation, and require DDTree's
-trim to make the first equal the second, for a one-token prompt and for the
-last token of a chunked one."""
+``1 + num_spec_tokens`` tokens (placeholder drafts; with a fixed integer
+``tree_budget``, where it has no per-batch-size schedule); MRv2's
+``PromptLogprobsWorker`` then returns the placeholders' rows as prompt
+logprobs. These tests run MRv2's own worker (its Triton kernel interpreted on
+the CPU) on the padded step and on the step without speculation, and require
+DDTree's trim to make the first equal the second: for a one-token prompt, for
+a prompt whose tokens but the last were already computed (a KV connector's or
+the prefix cache's hit leaves one), and, beyond what vLLM schedules today, for
+a chunked prompt's last token. Request-state slots differ from batch order."""
 
 from types import SimpleNamespace
 
@@ -97,21 +100,30 @@ def _rows(tensors):
 
 @pytest.mark.parametrize("num_spec_tokens", [3, 15])
 def test_padded_join_has_the_prompt_logprobs_of_no_speculation(num_spec_tokens):
-    prompts = {"running": [5] * 10, "one": [7], "chunked": [3, 9, 4, 11]}
+    # Slots in an order other than the batch's (Engine assigns them in this
+    # dict's order; the batch below lists the requests otherwise).
+    prompts = {
+        "chunked": [3, 9, 4, 11],
+        "cached": [2, 6, 8, 1, 5],
+        "running": [5] * 10,
+        "one": [7],
+    }
     compared = 0
     for trim, padded in ((False, False), (True, True), (False, True)):
         engine = Engine(prompts)
         # Step 1: the chunked prompt's first three tokens alone.
         first = engine.step([("chunked", 0, 3, 4)], trim)
         assert first == {}  # chunked: kept until the prompt is done
-        # Step 2: its last token and the one-token prompt join a running
-        # decode (with speculation: each padded with placeholder drafts).
+        # Step 2: its last token, the one-token prompt and the prompt with four
+        # of five tokens computed join a running decode (with speculation: each
+        # padded with placeholder drafts).
         n = 1 + num_spec_tokens if padded else 1
         out = engine.step(
             [
                 ("running", 9, 1 + num_spec_tokens, 10),
                 ("one", 0, n, 1),
                 ("chunked", 3, n, 4),
+                ("cached", 4, n, 5),
             ],
             trim,
         )
@@ -121,6 +133,7 @@ def test_padded_join_has_the_prompt_logprobs_of_no_speculation(num_spec_tokens):
         if not trim:
             # MRv2 as it is: the placeholders' rows come back.
             assert len(_rows(out.get("one"))) == num_spec_tokens
+            assert len(_rows(out["cached"])) == num_spec_tokens
             assert len(_rows(out["chunked"])) == 3 + num_spec_tokens
             continue
         assert out.keys() == reference.keys() == {"chunked"}
@@ -147,7 +160,10 @@ def test_plugin_trims_the_runners_worker_once():
     from vllm_ddtree import glue
 
     engine = Engine({"running": [5] * 10, "one": [7]})
-    runner = SimpleNamespace(prompt_logprobs_worker=engine.worker)
+    runner = SimpleNamespace(
+        prompt_logprobs_worker=engine.worker,
+        req_states=SimpleNamespace(prompt_len=SimpleNamespace(np=engine.prompt_lens)),
+    )
     glue._trim_prompt_logprobs_of(runner)
     wrapped = engine.worker.compute_prompt_logprobs
     glue._trim_prompt_logprobs_of(runner)

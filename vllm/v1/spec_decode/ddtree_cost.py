@@ -108,9 +108,9 @@ class StepCostModel:
     past the last one. Their sum is a shape's GPU time with short contexts: a
     lower bound of its period, which adds host work (launches, scheduling,
     sampling) and longer contexts. A shape seen a few times is predicted by
-    the median of its recent periods; an unseen one by the largest of its GPU time and the
-    periods of the seen shapes of the same kind with fewer nodes (a larger
-    tree never runs faster). That bound is optimistic, so an unseen shape that
+    the median of its recent periods; an unseen one by the largest of its GPU
+    time and the periods of the seen shapes of the same kind with fewer nodes
+    (a larger tree never runs faster). That bound is optimistic, so an unseen shape that
     could pay is tried, and one whose GPU time alone rules it out is not.
     """
 
@@ -352,10 +352,11 @@ class TreeBudgetController:
     def step_started(self) -> None:
         """A step's host preparation starts: the previous step's period ends.
 
-        With async scheduling the host prepares a step while the GPU runs the
-        one before, and waits for that one's output before the next: the
-        period between two step starts mixes the work of two consecutive
-        steps. So it is learned only when both had the same shape."""
+        With async scheduling the engine core launches a step while the GPU
+        runs the one before, and waits for that one's output before it
+        schedules the next: the period between two step starts mixes the work
+        of two consecutive steps. So it is learned only when both had the
+        same shape."""
         now = self._clock()
         step = self._step
         shape = step.shape() if step is not None else None

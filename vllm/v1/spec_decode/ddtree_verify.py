@@ -392,7 +392,7 @@ def trim_prompt_logprobs(
             continue
         keep = tensors.logprobs.shape[0] - extra
         if keep > 0:
-            out[req_id] = type(tensors)(
+            out[req_id] = tensors._replace(
                 logprob_token_ids=tensors.logprob_token_ids[:keep],
                 logprobs=tensors.logprobs[:keep],
                 selected_token_ranks=tensors.selected_token_ranks[:keep],
