@@ -60,26 +60,26 @@ def test_prior_interpolates_and_extrapolates():
 
 
 def test_observed_periods_replace_the_prior_and_bound_larger_trees():
-    cost = StepCostModel({1: 1.0, 1024: 2.0}, {1: 0.1, 64: 0.1})
+    cost = StepCostModel({1: 1e-3, 1024: 2e-3}, {1: 1e-4, 64: 1e-4})
     for _ in range(2):
-        assert cost.observe(4, 7, True, 5.0)
+        assert cost.observe(4, 7, True, 5e-3)
     # Two observations: still the prior.
     assert cost.predict(4, 7, True) == pytest.approx(cost.prior(4, 7, True))
-    assert cost.observe(4, 7, True, 5.0)
-    assert cost.predict(4, 7, True) == pytest.approx(5.0)
+    assert cost.observe(4, 7, True, 5e-3)
+    assert cost.predict(4, 7, True) == pytest.approx(5e-3)
     assert cost.num_observed(4, 7, True) == 3
     # A larger tree of the same kind never runs faster; a smaller one may.
-    assert cost.predict(4, 15, True) == pytest.approx(5.0)
+    assert cost.predict(4, 15, True) == pytest.approx(5e-3)
     assert cost.predict(4, 3, True) == pytest.approx(cost.prior(4, 3, True))
     # Its GPU time alone can rule a shape out.
     assert cost.predict(4, 1023, True) == pytest.approx(cost.prior(4, 1023, True))
-    assert cost.prior(4, 1023, True) > 5.0
+    assert cost.prior(4, 1023, True) > 5e-3
     # Plain steps and other batch sizes are their own shapes.
     assert cost.predict(4, 0, False) == pytest.approx(cost.prior(4, 0, False))
     assert cost.predict(64, 15, True) == pytest.approx(cost.prior(64, 15, True))
     # An idle gap is not a step's cost.
-    assert not cost.observe(4, 7, True, 100.0)
-    assert cost.predict(4, 7, True) == pytest.approx(5.0)
+    assert not cost.observe(4, 7, True, 0.1)
+    assert cost.predict(4, 7, True) == pytest.approx(5e-3)
     assert not cost.observe(4, 7, True, 0.0)
 
 
@@ -288,8 +288,14 @@ def test_step_periods_are_learned_within_runs_of_one_shape():
 
 def test_median_period_ignores_idle_gaps():
     cost = StepCostModel({1: 1e-3}, {1: 1e-4})
-    # Two idle gaps among the first three periods, before any outlier test.
-    for seconds in (2.0, 0.005, 3.0, 0.005, 0.006, 0.005, 0.004):
+    # Idle gaps among the first periods, before the shape has an estimate: too
+    # long for a decode step, not kept.
+    kept = [cost.observe(4, 7, True, s) for s in (2.0, 0.005, 3.0, 0.005, 0.006)]
+    assert kept == [False, True, False, True, True]
+    assert cost.predict(4, 7, True) == pytest.approx(0.005)
+    # Shorter gaps the median outvotes (the ratio test is off below three).
+    cost = StepCostModel({1: 1e-3}, {1: 1e-4})
+    for seconds in (0.3, 0.005, 0.4, 0.005, 0.006, 0.005, 0.004):
         cost.observe(4, 7, True, seconds)
     assert cost.predict(4, 7, True) == pytest.approx(0.005)
     # The median follows a lasting change within the window.

@@ -49,6 +49,10 @@ _MIN_OBSERVATIONS = 3
 _WINDOW = 15
 # A period this many times the current estimate is an idle gap, not kept.
 _OUTLIER = 4.0
+# Nor is a period this long, before a shape has an estimate of its own (two
+# idle gaps among its first three periods would hold its median up, and a shape
+# believed slow is not chosen again to correct it): no decode step lasts so long.
+_IDLE_SECONDS = 0.5
 # Steps without drafting before one drafted step re-measures what the drafter
 # would gain (the acceptance estimate does not move while nothing is drafted).
 _PROBE_INTERVAL = 32
@@ -152,7 +156,9 @@ class StepCostModel:
             return False
         seen = self._shapes.setdefault((request_bucket(num_reqs), drafted), {})
         avg = seen.setdefault(budget, _Median())
-        if avg.n >= _MIN_OBSERVATIONS and seconds > _OUTLIER * avg.value:
+        if seconds > _IDLE_SECONDS or (
+            avg.n >= _MIN_OBSERVATIONS and seconds > _OUTLIER * avg.value
+        ):
             return False
         avg.add(seconds)
         return True
