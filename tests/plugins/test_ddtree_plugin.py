@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.log_records import log_records
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -320,7 +321,6 @@ def test_an_installed_copy_is_never_taken_for_a_checkout(tmp_path):
 
 def test_register_never_raises(monkeypatch):
     """vLLM calls plugins without a try: a failing load is logged, not raised."""
-    import logging
 
     import vllm_ddtree
     from vllm_ddtree import glue
@@ -329,15 +329,8 @@ def test_register_never_raises(monkeypatch):
         raise RuntimeError("simulated")
 
     monkeypatch.setattr(glue, "apply", broken)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("vllm.ddtree")
-    log.addHandler(handler)
-    try:
+    with log_records("vllm.ddtree") as records:
         vllm_ddtree.register()
-    finally:
-        log.removeHandler(handler)
     assert any("failed to load" in r.getMessage() for r in records)
     assert records[0].exc_info is not None
 

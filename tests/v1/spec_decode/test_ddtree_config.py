@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from tests.log_records import log_records
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.spec_decode import ddtree_config as ddt
@@ -1171,19 +1172,12 @@ def test_engine_start_names_ddtree_in_vllms_log(models, cuda_platform):
     from vllm.engine.arg_utils import EngineArgs
 
     target, drafter = models
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    log = logging.getLogger("vllm.ddtree.glue")
-    log.addHandler(handler)
-    try:
+    with log_records("vllm.ddtree.glue", logging.INFO) as records:
         config = EngineArgs(
             model=target,
             speculative_config={"method": "ddtree", "model": drafter, "tree_budget": 8},
             max_model_len=2048,
         ).create_engine_config()
-    finally:
-        log.removeHandler(handler)
     lines = [r.getMessage() for r in records if r.getMessage().startswith("DDTree:")]
     assert len(lines) == 1, lines
     assert lines[0].startswith("DDTree: fixed tree_budget=8, drafter ")
@@ -1191,7 +1185,9 @@ def test_engine_start_names_ddtree_in_vllms_log(models, cuda_platform):
     shown = repr(config.speculative_config)
     assert shown.startswith("SpeculativeConfig(method='dflash', model=")
     assert shown.endswith("num_spec_tokens=8)") and shown in lines[0]
-    assert log.name.startswith("vllm.")
+    from vllm_ddtree import glue
+
+    assert glue.logger.name == "vllm.ddtree.glue"
 
 
 def test_engine_config_spec_flags(models, cuda_platform):

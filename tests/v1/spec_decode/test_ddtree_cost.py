@@ -8,10 +8,11 @@ it does not know: it must settle on the best budget (speculating or not) and
 deliver at least 0.97x the tokens per second of the best fixed choice.
 """
 
-import logging
 import math
 
 import pytest
+
+from tests.log_records import log_records
 
 from vllm.v1.spec_decode.ddtree_cost import (
     AcceptanceCurve,
@@ -328,15 +329,8 @@ def test_log_reports_budgets_and_calibration():
         AcceptanceCurve(2, (0.0, 0.5, 1.0, 2.0), (19.0, 22.0, 8.0, 40.0))
     )
     clock.now += 2.0
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("vllm.v1.spec_decode.ddtree_cost")
-    log.addHandler(handler)
-    try:
+    with log_records("vllm.v1.spec_decode.ddtree_cost") as records:
         controller.step_started()
-    finally:
-        log.removeHandler(handler)
     text = "\n".join(r.getMessage() for r in records)
     assert "1 decode steps" in text and "drafter ran in 100%" in text
     # Since start-up: 19 predicted vs 22 accepted nodes over 8 trees.

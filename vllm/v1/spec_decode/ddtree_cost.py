@@ -28,9 +28,9 @@ Everything here is host arithmetic on a few dozen numbers per step: no tensor,
 no device sync, no loop over requests.
 """
 
-import bisect
 import itertools
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -89,17 +89,11 @@ class _Median:
         self.n = 0
         self.value = 0.0
         self._recent: deque[float] = deque(maxlen=_WINDOW)
-        self._sorted: list[float] = []
 
     def add(self, x: float) -> None:
-        if len(self._recent) == _WINDOW:
-            del self._sorted[bisect.bisect_left(self._sorted, self._recent[0])]
         self._recent.append(x)
-        bisect.insort(self._sorted, x)
         self.n += 1
-        k = len(self._sorted)
-        mid = self._sorted[k // 2]
-        self.value = mid if k % 2 else 0.5 * (self._sorted[k // 2 - 1] + mid)
+        self.value = statistics.median(self._recent)
 
 
 class StepCostModel:
