@@ -306,3 +306,15 @@ def test_reallocate_keeps_the_even_split_where_there_is_none_to_make():
         assert out is batch and budget._plan is None
         after = _snapshot(out)
         assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_start_up_times_never_fall_with_the_batch():
+    # A replay timed slower than a larger batch's was timed over something
+    # else: the larger batch's time bounds it (and the prior stays a lower
+    # bound of a step's cost).
+    from vllm.v1.spec_decode.ddtree_adaptive import _never_faster_when_larger
+
+    times = {1: 2e-4, 2: 3e-4, 4: 5.6, 8: 4e-4, 16: 3.5e-4, 32: 9e-4}
+    fixed = _never_faster_when_larger(times)
+    assert fixed == {1: 2e-4, 2: 3e-4, 4: 3.5e-4, 8: 3.5e-4, 16: 3.5e-4, 32: 9e-4}
+    assert _never_faster_when_larger({}) == {}

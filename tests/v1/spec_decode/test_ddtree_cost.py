@@ -84,6 +84,39 @@ def test_observed_periods_replace_the_prior_and_bound_larger_trees():
     assert not cost.observe(4, 7, True, 0.0)
 
 
+def test_a_seen_larger_shape_bounds_an_unseen_one_from_above():
+    # The drafter's start-up time at 4 requests came out absurd (a replay over
+    # stale buffers): the shapes of 4 requests must still be tried once 8
+    # requests' steps have taught their periods (a smaller batch or tree never
+    # runs slower).
+    cost = StepCostModel(
+        {1: 1e-3, 1024: 2e-3}, {1: 1e-4, 4: 5.0, 8: 1e-4, 16: 2e-4}
+    )
+    assert cost.predict(4, 63, True) > 5.0
+    for _ in range(3):
+        assert cost.observe(8, 63, True, 6e-3)
+        assert cost.observe(8, 15, True, 5e-3)
+        assert cost.observe(8, 0, False, 4e-3)
+    checked = 0
+    for b, want in ((63, 6e-3), (31, 6e-3), (15, 5e-3), (1, 5e-3)):
+        assert cost.predict(4, b, True) == pytest.approx(want)
+        checked += 1
+    # Not from a smaller tree or a smaller batch.
+    assert cost.predict(4, 127, True) > 5.0
+    assert cost.predict(16, 7, True) == pytest.approx(cost.prior(16, 7, True))
+    # Each kind of step from its own kind: a probe (drafter, no tree) from the
+    # drafted steps, a plain step (prior 1 ms) from the plain ones.
+    assert cost.prior(2, 0, True) > 5.0 / 4
+    assert cost.predict(2, 0, True) == pytest.approx(5e-3)
+    assert cost.prior(2, 0, False) < 4e-3
+    assert cost.predict(2, 0, False) == pytest.approx(cost.prior(2, 0, False))
+    # The shape's own periods win once it has them.
+    for _ in range(3):
+        cost.observe(4, 63, True, 7e-3)
+    assert cost.predict(4, 63, True) == pytest.approx(7e-3)
+    assert checked == 4
+
+
 def test_best_budget_is_the_argmax_over_the_ladder():
     ladder = budget_ladder(127)
     cost = StepCostModel({n: 1e-3 + 2e-6 * n for n in (1, 64, 512, 4096)}, {1: 5e-4})

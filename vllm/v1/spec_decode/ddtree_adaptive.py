@@ -62,8 +62,9 @@ from vllm.v1.worker.gpu.input_batch import (
 
 logger = init_logger(__name__)
 
-# CUDA-graph replays timed per captured shape at start-up (after one warm one).
-_PROFILE_REPLAYS = 2
+# CUDA-graph replays timed per captured shape at start-up (after one warm
+# one); the fastest counts.
+_PROFILE_REPLAYS = 3
 
 
 @dataclass
@@ -141,24 +142,43 @@ class AdaptiveTreeBudget:
             runner.block_tables.get_dummy_slot_mappings(desc.num_tokens)
             runner.model_state.tree_inputs.is_tree.zero_()
 
+        spec = runner.speculator
+
+        def dummy_draft_inputs(desc) -> None:
+            # The drafter's graphs read its own input buffers, which the last
+            # step left as they were: a replay over them is not a step's cost.
+            InputBatch.make_dummy(desc.num_reqs, desc.num_tokens, spec.input_buffers)
+            spec.block_tables.get_dummy_slot_mappings(desc.num_tokens)
+
         start = time.perf_counter()
         target = _time_graphs(runner.cudagraph_manager, dummy_inputs)
         drafter = _time_graphs(
-            getattr(runner.speculator, "query_cudagraph_manager", None)
+            getattr(spec, "query_cudagraph_manager", None), dummy_draft_inputs
         )
-        drafter = {n // self.cfg.draft_len: t for n, t in drafter.items()}
+        drafter = {
+            n // self.cfg.draft_len: t
+            for n, t in drafter.items()
+            if n % self.cfg.draft_len == 0
+        }
         if self.tp_size > 1:
             from vllm.distributed.parallel_state import get_tp_group
 
             # Every rank must choose the same budgets: rank 0's times.
             target, drafter = get_tp_group().broadcast_object((target, drafter), src=0)
+        target, drafter = (
+            _never_faster_when_larger(target),
+            _never_faster_when_larger(drafter),
+        )
         self.controller = self._new_controller(target, drafter)
         logger.info(
             "DDTree: adaptive tree budget over %s nodes per request; step-cost "
-            "prior from %d target and %d drafter graph shapes, timed in %.1f s",
+            "prior from %d target graph shapes (%s) and %d drafter graph shapes "
+            "(%s), timed in %.1f s",
             list(self.cfg.ladder),
             len(target),
+            _time_range(target, "tokens"),
             len(drafter),
+            _time_range(drafter, "requests"),
             time.perf_counter() - start,
         )
 
@@ -449,9 +469,10 @@ class AdaptiveTreeBudget:
 
 def _time_graphs(manager, prepare=None) -> dict[int, float]:
     """Seconds per replay of every FULL graph of a MRv2 graph manager, by
-    token count (the fastest graph of each count). ``prepare(desc)`` fills the
-    graph's input buffers first. The replays are queued with an event pair
-    each and read after one sync at the end."""
+    token count: the fastest replay of the fastest graph of each count (a
+    lower bound of a step's cost, whatever else the GPU did meanwhile).
+    ``prepare(desc)`` fills the graph's input buffers first. The replays are
+    queued with an event pair each and read after one sync at the end."""
     if manager is None:
         return {}
     timed = []
@@ -461,16 +482,37 @@ def _time_graphs(manager, prepare=None) -> dict[int, float]:
         if prepare is not None:
             prepare(desc)
         manager.run_fullgraph(desc)  # warm
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
         for _ in range(_PROFILE_REPLAYS):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
             manager.run_fullgraph(desc)
-        end.record()
-        timed.append((desc.num_tokens, start, end))
+            end.record()
+            timed.append((desc.num_tokens, start, end))
     torch.cuda.synchronize()
     times: dict[int, float] = {}
     for num_tokens, start, end in timed:
-        seconds = start.elapsed_time(end) / 1000 / _PROFILE_REPLAYS
+        seconds = start.elapsed_time(end) / 1000
         times[num_tokens] = min(times.get(num_tokens, seconds), seconds)
     return times
+
+
+def _never_faster_when_larger(times: dict[int, float]) -> dict[int, float]:
+    """``times`` with each value at most every value of a larger key: a
+    larger batch never runs faster, so a smaller one timed slower was timed
+    over something else (and would keep its shapes from being tried)."""
+    out: dict[int, float] = {}
+    least = float("inf")
+    for key in sorted(times, reverse=True):
+        least = min(least, times[key])
+        out[key] = least
+    return out
+
+
+def _time_range(times: dict[int, float], unit: str) -> str:
+    if not times:
+        return "none"
+    lo, hi = min(times), max(times)
+    return (
+        f"{1e3 * times[lo]:.2f} ms at {lo} to {1e3 * times[hi]:.2f} ms at {hi} {unit}"
+    )

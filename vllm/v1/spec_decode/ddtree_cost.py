@@ -108,8 +108,13 @@ class StepCostModel:
     sampling) and longer contexts. A shape seen a few times is predicted by
     the median of its recent periods; an unseen one by the largest of its GPU
     time and the periods of the seen shapes of the same kind with fewer nodes
-    (a larger tree never runs faster). That bound is optimistic, so an unseen shape that
-    could pay is tried, and one whose GPU time alone rules it out is not.
+    (a larger tree never runs faster), but never above the period of a seen
+    shape of the same kind with as many nodes per request or more and as many
+    requests or more (a start-up time that is not a step's cost, such as a
+    replay slowed by whatever its buffers held, would otherwise keep a shape
+    from being tried, and an untried shape is never corrected). That bound is
+    optimistic, so an unseen shape that could pay is tried, and one whose GPU
+    time alone rules it out is not.
     """
 
     def __init__(
@@ -123,6 +128,9 @@ class StepCostModel:
         self._drafter = sorted(drafter_seconds.items())
         # (bucket, drafted) -> {budget: recent periods}
         self._shapes: dict[tuple[int, bool], dict[int, _Median]] = {}
+        # The shapes with an estimate of their own, (bucket, drafted, budget,
+        # periods): what bounds an unseen shape from above.
+        self._estimated: list[tuple[int, bool, int, _Median]] = []
 
     def prior(self, num_reqs: int, budget: int, drafted: bool) -> float:
         seconds = _interpolate(self._target, num_reqs * (1 + budget))
@@ -131,7 +139,8 @@ class StepCostModel:
         return seconds
 
     def predict(self, num_reqs: int, budget: int, drafted: bool) -> float:
-        seen = self._shapes.get((request_bucket(num_reqs), drafted), {})
+        bucket = request_bucket(num_reqs)
+        seen = self._shapes.get((bucket, drafted), {})
         own = seen.get(budget)
         if own is not None and own.n >= _MIN_OBSERVATIONS:
             return own.value
@@ -139,6 +148,9 @@ class StepCostModel:
         for b, avg in seen.items():
             if b < budget and avg.n >= _MIN_OBSERVATIONS:
                 bound = max(bound, avg.value)
+        for other, other_drafted, b, avg in self._estimated:
+            if other_drafted == drafted and other >= bucket and b >= budget:
+                bound = min(bound, avg.value)
         return max(bound, 1e-9)
 
     def observe(
@@ -148,13 +160,16 @@ class StepCostModel:
         idle gap."""
         if not seconds > 0:
             return False
-        seen = self._shapes.setdefault((request_bucket(num_reqs), drafted), {})
+        bucket = request_bucket(num_reqs)
+        seen = self._shapes.setdefault((bucket, drafted), {})
         avg = seen.setdefault(budget, _Median())
         if seconds > _IDLE_SECONDS or (
             avg.n >= _MIN_OBSERVATIONS and seconds > _OUTLIER * avg.value
         ):
             return False
         avg.add(seconds)
+        if avg.n == _MIN_OBSERVATIONS:
+            self._estimated.append((bucket, drafted, budget, avg))
         return True
 
     def learned(self, num_reqs: int) -> str:
