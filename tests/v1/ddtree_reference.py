@@ -283,11 +283,12 @@ def write_tree_verify_inputs_reference(
     for r in range(num_reqs):
         num_logits = cu[r + 1] - cu[r]
         b = num_logits - 1
-        is_tree[r] = int(b > 0)
+        root = qsl[r + 1] - num_logits
+        # 1 + the root's query row: the rows before it are causal.
+        is_tree[r] = 1 + root - qsl[r] if b > 0 else 0
         if b <= 0:
             continue
         req = int(idx_mapping[r])
-        root = qsl[r + 1] - num_logits
         real = tree_token_ids[req, :b] >= 0
         depths = torch.where(real, tree_depths[req, :b], 0)
         positions[root + 1 : root + 1 + b] = positions[root] + depths

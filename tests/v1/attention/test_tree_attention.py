@@ -218,8 +218,11 @@ def random_tree(kind: str, budget: int, seed: int) -> DDTree:
     return tree_from_parents(torch.arange(budget)[None], [list(range(budget))])
 
 
-def pack_masks(trees: list[DDTree | None], q_lens: list[int]):
-    """Batch tree masks into one [num_reqs, max_tree_len, num_words] buffer."""
+def pack_masks(
+    trees: list[DDTree | None], q_lens: list[int], before: list[int] | None = None
+):
+    """Batch tree masks into one [num_reqs, max_tree_len, num_words] buffer;
+    ``before[r]`` causal rows precede request r's root (``is_tree = 1 + s``)."""
     max_len = max([t.budget + 1 for t in trees if t is not None] + [1])
     words = max([t.attn_mask.shape[2] for t in trees if t is not None] + [1])
     mask = torch.zeros(len(trees), max_len, words, dtype=torch.int32)
@@ -228,15 +231,21 @@ def pack_masks(trees: list[DDTree | None], q_lens: list[int]):
         if tree is not None:
             m = tree.attn_mask[0]
             mask[r, : m.shape[0], : m.shape[1]] = m
-            is_tree[r] = 1
+            is_tree[r] = 1 + (before[r] if before else 0)
     return mask.to(DEVICE), is_tree.to(DEVICE)
 
 
-def visibilities(trees, q_lens):
-    return [
-        causal_visibility(q) if t is None else tree_visibility(t.parent_ids[0])[:q, :q]
-        for t, q in zip(trees, q_lens)
-    ]
+def visibilities(trees, q_lens, before=None):
+    """Row i of a request sees new token j: causally, except among the tree's
+    rows (after ``before[r]`` causal rows), which follow the tree's paths."""
+    out = []
+    for r, (t, q) in enumerate(zip(trees, q_lens)):
+        visible = causal_visibility(q)
+        if t is not None:
+            s = before[r] if before else 0
+            visible[s:, s:] = tree_visibility(t.parent_ids[0])[: q - s, : q - s]
+        out.append(visible)
+    return out
 
 
 def check_trees(
@@ -698,6 +707,71 @@ def test_cascade_equals_tree_attention(case):
     assert seen == [ctx_lens]
     ref = batch.reference(visibilities(trees, q_lens))
     torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("mode", ["one pass", "splits", "cascade"])
+def test_tree_after_prompt_rows_in_the_same_step(mode):
+    """A request whose step schedules prompt rows before its root (vLLM's
+    scheduler builds none today; a ``num_computed_tokens`` rollback could):
+    the prompt rows are causal, and tree row t reads mask row t, seeing the
+    prompt rows and its own path. Mixed with ordinary trees and prefills."""
+    from vllm.v1.attention.ops.triton_tree_attention import (
+        tree_attention_with_context,
+    )
+
+    kinds = ["heap", "parents", None, "heap", "parents"]
+    nodes = [15, 40, 0, 5, 9]
+    before = [5, 37, 0, 70, 0]
+    # The 40-node tree verifies its first 22 nodes (an adaptive step's trim).
+    rows = [b + 1 if b != 40 else 23 for b in nodes]
+    q_lens = [p + (r if k else 30) for p, r, k in zip(before, rows, kinds)]
+    ctx_lens = [50, 0, 9, 300, 17]
+    trees = [
+        None if k is None else random_tree(k, b, seed=i)
+        for i, (k, b) in enumerate(zip(kinds, nodes))
+    ]
+    batch = Batch(ctx_lens, q_lens, 4, 2, 64, 16, torch.float32, seed=7)
+    mask, is_tree = pack_masks(trees, q_lens, before)
+    visible = visibilities(trees, q_lens, before)
+    if mode == "cascade":
+
+        def context_attention(q, ctx_lens_arg):
+            out, lse = batch.reference(visible, new_tokens=False, with_lse=True)
+            return out.to(q.dtype), lse
+
+        out = torch.full_like(batch.q, float("nan"))
+        tree_attention_with_context(
+            batch.q,
+            batch.key_cache,
+            batch.value_cache,
+            out,
+            batch.query_start_loc,
+            batch.seq_lens,
+            batch.block_table,
+            batch.scale,
+            mask,
+            is_tree,
+            context_attention,
+            torch_merge_states,
+        )
+    else:
+        out = batch.run(mask, is_tree, num_splits=1 if mode == "one pass" else 4)
+    ref = batch.reference(visible)
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[torch.float32])
+    # The shift matters: read from the request's first row (is_tree = 1), the
+    # same masks give other outputs on the tree rows.
+    unshifted = batch.run(mask, (is_tree > 0).to(is_tree.dtype)).float()
+    num_rows = 0
+    start = 0
+    for q, p, k in zip(q_lens, before, kinds):
+        if k is not None and p:
+            assert not torch.allclose(
+                unshifted[start + p : start + q], ref[start + p : start + q]
+            )
+            num_rows += q - p
+        start += q
+    print(f"{mode}: {num_rows} tree rows after prompt rows compared")
+    assert num_rows >= 30
 
 
 def test_tail_lse_checked():

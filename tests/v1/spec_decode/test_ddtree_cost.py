@@ -89,9 +89,7 @@ def test_a_seen_larger_shape_bounds_an_unseen_one_from_above():
     # stale buffers): the shapes of 4 requests must still be tried once 8
     # requests' steps have taught their periods (a smaller batch or tree never
     # runs slower).
-    cost = StepCostModel(
-        {1: 1e-3, 1024: 2e-3}, {1: 1e-4, 4: 5.0, 8: 1e-4, 16: 2e-4}
-    )
+    cost = StepCostModel({1: 1e-3, 1024: 2e-3}, {1: 1e-4, 4: 5.0, 8: 1e-4, 16: 2e-4})
     assert cost.predict(4, 63, True) > 5.0
     for _ in range(3):
         assert cost.observe(8, 63, True, 6e-3)

@@ -27,10 +27,12 @@ gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU")
 PAD_SLOT_ID = -1
 
 
-def _batch(num_reqs, max_num_reqs, budget, gen, max_prefill=40):
+def _batch(num_reqs, max_num_reqs, budget, gen, max_prefill=40, max_before_root=0):
     """Per request: (state index, tokens scheduled, tree nodes b, p0).
 
-    Kinds: full tree, trimmed tree, decode without drafts, prefill chunk.
+    Kinds: full tree, trimmed tree, decode without drafts, prefill chunk. With
+    ``max_before_root``, every other tree follows up to that many prompt rows
+    of the same step (its root is not the request's first row).
     """
     states = torch.randperm(max_num_reqs, generator=gen)[:num_reqs].tolist()
     reqs = []
@@ -47,6 +49,8 @@ def _batch(num_reqs, max_num_reqs, budget, gen, max_prefill=40):
             q = b + 1
         else:
             q = int(torch.randint(2, max_prefill, (1,), generator=gen))
+        if b and max_before_root and len(reqs) % 2 == 0:
+            q += int(torch.randint(1, max_before_root + 1, (1,), generator=gen))
         reqs.append((s, q, b, p0))
     return reqs
 
@@ -86,11 +90,13 @@ def _reset_slots(trees, slots, gen):
             )
 
 
-def _run_verify_writer(num_reqs, budget, depth, seed, pad=0, num_reset=0):
+def _run_verify_writer(
+    num_reqs, budget, depth, seed, pad=0, num_reset=0, max_before_root=0
+):
     gen = torch.Generator().manual_seed(seed)
     max_num_reqs = num_reqs + pad + 3
     trees = _trees(max_num_reqs, depth, budget, gen)
-    reqs = _batch(num_reqs, max_num_reqs, budget, gen)
+    reqs = _batch(num_reqs, max_num_reqs, budget, gen, max_before_root=max_before_root)
     tree_slots = [s for s, _, b, _ in reqs if b]
     _reset_slots(trees, tree_slots[:num_reset], gen)
     qsl, cu = _layout(reqs)
@@ -191,6 +197,37 @@ def test_verify_writer_semantics():
         assert is_tree[r] == int(b > 0)
         start += q
     assert is_tree[6:8].tolist() == [0, 0]
+
+
+def test_verify_writer_prompt_rows_before_root():
+    """Prompt rows scheduled before a request's root in the same step (a
+    ``num_computed_tokens`` rollback could build such a step): they keep
+    their causal positions, the tree sits after them, and ``is_tree`` tells
+    TREE_ATTN the root's row."""
+    num_shifted = 0
+    for seed in range(3):
+        reqs, trees, (pos, mask, is_tree) = _run_verify_writer(
+            8, 9, 4, seed=seed, pad=1, max_before_root=5
+        )
+        start = 0
+        for r, (s, q, b, p0) in enumerate(reqs):
+            before = q - b - 1 if b else q
+            assert pos[start : start + before].tolist() == list(range(p0, p0 + before))
+            if b:
+                root = start + before
+                assert pos[root] == p0 + before
+                assert (
+                    pos[root + 1 : root + 1 + b].tolist()
+                    == (p0 + before + trees.depths[s, :b]).tolist()
+                )
+                assert torch.equal(mask[r, : b + 1], trees.attn_mask[s, : b + 1])
+                assert is_tree[r] == 1 + before
+                num_shifted += before > 0
+            else:
+                assert is_tree[r] == 0
+            start += q
+    print(f"trees after prompt rows: {num_shifted}")
+    assert num_shifted >= 4
 
 
 def _run_draft_writer(num_reqs, budget, depth, seed, block_size=16, max_model_len=4096):

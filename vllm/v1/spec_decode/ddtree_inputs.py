@@ -62,7 +62,8 @@ def write_tree_verify_inputs(
     num_reqs_padded: int,
 ) -> None:
     """Tree positions, masks and ``is_tree`` for a batch whose request r verifies
-    ``cu_num_logits[r + 1] - cu_num_logits[r] - 1`` tree nodes (0: causal row).
+    ``cu_num_logits[r + 1] - cu_num_logits[r] - 1`` tree nodes (0: causal rows)
+    in its last rows, after any prompt rows scheduled in the same step.
     ``is_tree`` is cleared for the CUDA-graph padding requests up to
     ``num_reqs_padded``."""
     num_reqs = idx_mapping.shape[0]
@@ -129,12 +130,19 @@ def _write_tree_verify_inputs_kernel(
         cu_num_logits_ptr + batch_idx
     )
     num_nodes = num_logits - 1
-    tl.store(is_tree_ptr + batch_idx, (num_nodes > 0).to(tl.int32))
+    q_start = tl.load(query_start_loc_ptr + batch_idx)
+    q_end = tl.load(query_start_loc_ptr + batch_idx + 1)
+    # TREE_ATTN's encoding: 1 + the root's query row (prompt rows scheduled
+    # before it in the same step stay causal), 0 for a causal request.
+    tl.store(
+        is_tree_ptr + batch_idx,
+        tl.where(num_nodes > 0, 1 + q_end - num_logits - q_start, 0),
+    )
     if num_nodes <= 0:
         return
 
     req_state_idx = tl.load(idx_mapping_ptr + batch_idx).to(tl.int64)
-    root = (tl.load(query_start_loc_ptr + batch_idx + 1) - num_logits).to(tl.int64)
+    root = (q_end - num_logits).to(tl.int64)
     root_pos = tl.load(positions_ptr + root)
     node = tl.arange(0, NODE_BLOCK)
     is_node = node < num_nodes

@@ -91,9 +91,10 @@ class TreeAttentionInputs:
 
     # [max_num_reqs, max_tree_len, num_words] int32: bit (j % 32) of word
     # (j // 32) in row i is set iff tree token j is an ancestor-or-self of tree
-    # token i; a request with q_len < max_tree_len uses the first q_len rows.
+    # token i; a request with fewer tree rows uses the first of them.
     attn_mask: torch.Tensor
-    # [max_num_reqs] int32; nonzero where the request verifies a tree.
+    # [max_num_reqs] int32: 0 for a causal request, 1 + s where the request's
+    # tree root is its query row s (rows before it are causal prompt rows).
     is_tree: torch.Tensor
 
     def __post_init__(self) -> None:

@@ -9,8 +9,8 @@ Every request of a batch owns its last ``q_len`` tokens as query rows. Query row
 * every committed token (KV positions ``0 .. ctx_len - 1``), and
 * among the request's own new tokens (KV positions ``ctx_len + j``):
   - causal rows (decodes, chains, prefills): every ``j <= i``;
-  - tree rows: every ``j <= i`` whose bit is set in row ``i`` of the request's
-    ancestor mask.
+  - tree rows: every ``j <= i`` before the tree's root, and every later ``j``
+    whose bit is set in the row's ancestor mask.
 
 This is tree verification for speculative decoding (DDTree, SpecInfer): the new
 tokens are ``[root, node_1, ..., node_B]`` flattened parent-before-child, with KV
@@ -18,9 +18,12 @@ slots following the flattened index, and a node must see only its ancestors.
 
 Mask layout (shared with ``vllm/v1/spec_decode/dflash_tree_builder.py``):
 ``tree_mask[r, i, j // 32]`` bit ``j % 32`` is set iff tree token ``j`` is an
-ancestor of tree token ``i`` or ``i`` itself; ``is_tree[r] != 0`` marks the
-requests whose rows use the mask. A request with ``q_len`` rows uses the first
-``q_len`` rows and bits (a prefix of a parent-before-child node list is a tree).
+ancestor of tree token ``i`` or ``i`` itself. ``is_tree[r] = 0`` makes request
+``r`` causal; ``is_tree[r] = 1 + s`` puts its tree's root at query row ``s``:
+rows ``0 .. s - 1`` (prompt tokens scheduled in the same step) are causal, and
+row ``s + t`` is tree token ``t``, using mask row ``t`` and bits ``0 .. t`` for
+new tokens ``s .. s + t`` (a prefix of a parent-before-child node list is a
+tree, so a request may verify fewer rows than its mask holds).
 
 Shapes::
 
@@ -898,20 +901,23 @@ def _mask_scores(
     key_valid,  # [BLOCK_N]
     mask_row_ptr,  # [BLOCK_M] pointers to the rows' first mask word
     tree_row,  # [BLOCK_M] rows that read the mask
-    w_first,  # mask word of the block's first key with j >= 0
+    tree_start,  # the request's query row of the tree's root
+    w_first,  # mask word of the block's first key with j >= tree_start
     num_words,
     HAS_TREE: tl.constexpr,
 ):
     """-inf where key j is not visible to the row: j > row or, on a tree row,
-    bit j of the row's ancestor mask is clear. Committed keys (j < 0) are
-    visible to every row. The block's keys span at most BLOCK_N // 32 + 1
-    mask words; each row loads those words, not one word per key."""
+    bit j - tree_start of the row's ancestor mask is clear. Committed keys
+    (j < 0) and the new keys before the root are visible to every later row.
+    The block's keys span at most BLOCK_N // 32 + 1 mask words; each row
+    loads those words, not one word per key."""
     s = tl.where((j[None, :] <= row[:, None]) & key_valid[None, :], s, float("-inf"))
     if HAS_TREE:
-        jc = tl.maximum(j, 0)
-        # Committed keys match no word. Masking s word by word keeps no
+        jt = j - tree_start  # the key's tree token, negative before the root
+        jc = tl.maximum(jt, 0)
+        # Keys before the root match no word. Masking s word by word keeps no
         # [BLOCK_M, BLOCK_N] temporaries alive (registers).
-        word_of_key = tl.where(j < 0, -1, jc // 32 - w_first)
+        word_of_key = tl.where(jt < 0, -1, jc // 32 - w_first)
         for w in tl.static_range(s.shape[1] // 32 + 1):
             word = tl.load(
                 mask_row_ptr + w_first + w,
@@ -1085,14 +1091,21 @@ def _tree_attention_kernel(
     # log-sum-exp is then -inf, which the merge skips.
     mask_row_ptr = tree_mask_ptr
     tree_row = row_valid
+    tree_start = 0
     if HAS_TREE:
+        # is_tree[req] - 1: the query row of the root (rows before it, prompt
+        # tokens of the same step, are causal).
         tree_flag = tl.load(is_tree_ptr + req)
+        tree_start = tl.maximum(tree_flag - 1, 0)
+        tree_idx = row - tree_start
         mask_row_ptr = (
             tree_mask_ptr
             + req.to(tl.int64) * stride_mask_req
-            + row.to(tl.int64) * stride_mask_row
+            + tl.maximum(tree_idx, 0).to(tl.int64) * stride_mask_row
         )
-        tree_row = (tree_flag != 0) & row_valid & (row < max_tree_len)
+        tree_row = (
+            (tree_flag != 0) & row_valid & (tree_idx >= 0) & (tree_idx < max_tree_len)
+        )
     for start in range(full_end, kv_hi, BLOCK_N):
         key_pos = start + offs_n
         key_valid = key_pos < kv_hi
@@ -1119,7 +1132,8 @@ def _tree_attention_kernel(
             key_valid,
             mask_row_ptr,
             tree_row,
-            tl.maximum(start - ctx_len, 0) // 32,
+            tree_start,
+            tl.maximum(start - ctx_len - tree_start, 0) // 32,
             num_words,
             HAS_TREE,
         )
