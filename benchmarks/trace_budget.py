@@ -1,0 +1,214 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What the adaptive budget's controller sees and chooses, step by step, in an
+in-process engine under continuous arrivals (a client loop that keeps C requests
+in flight; phases of concurrency 1 / 8 / 32 at T=0 and T=1, 256 output tokens),
+next to the same loop on other configs. A diagnostic, not a user-facing figure.
+
+    python benchmarks/trace_budget.py CONFIG OUTDIR   # adaptive | auto | none | dflash
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter, defaultdict
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+P = os.path.join(os.path.dirname(__file__), "models", "pycode")
+PHASES = [
+    (1, 0.0, 8),
+    (8, 0.0, 40),
+    (32, 0.0, 96),
+    (1, 1.0, 8),
+    (8, 1.0, 40),
+    (32, 1.0, 96),
+]
+MAX_TOKENS = 256
+
+
+def main():
+    config, out = sys.argv[1], sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    sys.path.insert(0, os.getcwd())
+    import vllm_ddtree
+
+    vllm_ddtree.register()
+    from vllm import LLM, SamplingParams
+
+    records = []
+    phase_name = ["warmup"]
+    if config == "adaptive":
+        from vllm.v1.spec_decode import ddtree_cost as dc
+
+        C = dc.TreeBudgetController
+        orig_choose, orig_started = C.choose, C.step_started
+        orig_observe = dc.StepCostModel.observe
+
+        def choose(self, num_reqs, max_budget, has_trees, timed):
+            b = orig_choose(self, num_reqs, max_budget, has_trees, timed)
+            lad = [x for x in self.ladder if x <= max_budget]
+            records.append(
+                {
+                    "t": time.perf_counter(),
+                    "ph": phase_name[0],
+                    "n": num_reqs,
+                    "cap": max_budget,
+                    "has": has_trees,
+                    "timed": timed,
+                    "b": b,
+                    "pred": {
+                        x: self.cost.predict(num_reqs, x, x > 0) * 1e3 for x in lad
+                    },
+                    "pred0d": self.cost.predict(num_reqs, 0, True) * 1e3,
+                    "e": {x: self.expected_accepted(x) for x in lad},
+                }
+            )
+            return b
+
+        def step_started(self):
+            step = self._step
+            if records and step is not None:
+                records[-1]["drafted"] = step.drafted
+                records[-1]["period"] = (self._clock() - self._step_start) * 1e3
+            orig_started(self)
+
+        def observe(self, num_reqs, budget, drafted, seconds):
+            ok = orig_observe(self, num_reqs, budget, drafted, seconds)
+            if records:
+                records[-1]["learned"] = ok
+            return ok
+
+        C.choose, C.step_started = choose, step_started
+        dc.StepCostModel.observe = observe
+
+    spec = None
+    if config in ("adaptive", "auto"):
+        spec = {
+            "method": "ddtree",
+            "model": f"{P}/drafter",
+            "tree_budget": "auto",
+            "adaptive_budget": config == "adaptive",
+        }
+    elif config == "dflash":
+        spec = {
+            "method": "dflash",
+            "model": f"{P}/drafter",
+            "num_speculative_tokens": 15,
+        }
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=f"{P}/target",
+        speculative_config=spec,
+        kv_cache_memory_bytes=2 << 30,
+        max_num_seqs=256,
+    )
+    startup = time.perf_counter() - t0
+    engine = llm.llm_engine
+    texts = [p["text"] for p in json.load(open(f"{P}/eval_prompts.json"))["prompts"]]
+    counter = [0]
+
+    def run(c, temp, n):
+        sp = SamplingParams(
+            temperature=temp, max_tokens=MAX_TOKENS, ignore_eos=True, seed=None
+        )
+        done = 0
+        inflight = 0
+        submitted = 0
+        toks = 0
+        steps = []
+        t = time.perf_counter()
+        while done < n:
+            while inflight < c and submitted < n:
+                i = counter[0]
+                counter[0] += 1
+                engine.add_request(
+                    f"r{i}", f"# request {i}\n" + texts[i % len(texts)], sp
+                )
+                inflight += 1
+                submitted += 1
+            s0 = time.perf_counter()
+            outs = engine.step()
+            if inflight == c:
+                steps.append(time.perf_counter() - s0)
+            for o in outs:
+                if o.finished:
+                    done += 1
+                    inflight -= 1
+                    toks += len(o.outputs[0].token_ids)
+        secs = time.perf_counter() - t
+        step_ms = 1e3 * statistics.median(steps) if steps else 0.0
+        return toks, secs, step_ms, len(steps)
+
+    phase_name[0] = "warmup"
+    run(4, 0.0, 8)
+    rows = []
+    for c, temp, n in PHASES:
+        phase_name[0] = f"c{c}T{temp:g}"
+        toks, secs, step_ms, nsteps = run(c, temp, n)
+        rows.append(
+            {
+                "config": config,
+                "phase": phase_name[0],
+                "tok_s": round(toks / secs, 1),
+                "secs": round(secs, 2),
+                "step_ms": round(step_ms, 3),
+                "full_steps": nsteps,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    with open(f"{out}/{config}_rows.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        f.write(json.dumps({"config": config, "startup_s": startup}) + "\n")
+    if records:
+        with open(f"{out}/trace.jsonl", "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        summarize(records)
+
+
+def summarize(records):
+    by_phase = defaultdict(list)
+    for r in records:
+        by_phase[r["ph"]].append(r)
+    for ph, rs in by_phase.items():
+        n = len(rs)
+        bs = Counter(r["b"] for r in rs)
+        dr = sum(1 for r in rs if r.get("drafted"))
+        print(f"== {ph}: {n} steps, drafted {dr}, b shares {dict(sorted(bs.items()))}")
+        # actual periods by shape (bucket n, b, drafted), and learned flag
+        per = defaultdict(list)
+        for r in rs:
+            if "period" in r and r["timed"]:
+                per[(r["n"], r["b"], r.get("drafted"))].append(r["period"])
+        for k, v in sorted(per.items(), key=lambda kv: -len(kv[1]))[:8]:
+            print(
+                f"   shape n={k[0]} b={k[1]} drafted={k[2]}: {len(v)} periods, "
+                f"median {statistics.median(v):.2f} ms"
+            )
+        # a typical decision: the commonest n
+        common = Counter(r["n"] for r in rs).most_common(1)[0][0]
+        sample = [r for r in rs if r["n"] == common]
+        r = sample[len(sample) // 2]
+        print(
+            f"   mid decision at n={common}: b={r['b']} cap={r['cap']} has={r['has']}"
+        )
+        print(
+            "     pred ms "
+            + ", ".join(f"{k}:{v:.2f}" for k, v in r["pred"].items())
+            + f", 0+drafter:{r['pred0d']:.2f}"
+        )
+        print("     e(b)    " + ", ".join(f"{k}:{v:.2f}" for k, v in r["e"].items()))
+        has = sum(1 for r in sample if r["has"])
+        caps = Counter(r["cap"] for r in sample).most_common(3)
+        print(
+            f"     of {len(sample)} steps at n={common}: has_trees {has}, "
+            f"cap values {caps}"
+        )
+
+
+if __name__ == "__main__":
+    main()
