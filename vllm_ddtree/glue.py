@@ -27,8 +27,11 @@ Engine-core and worker side:
 
 5. ``Scheduler.__init__``: lookahead KV slots = the drafter's block,
    spec-decode stats with per-position counts sized by the drafter's depth
-   (the scheduler's own ``make_spec_decoding_stats``, per instance), and with
-   an adaptive budget the draft slots per batch size (``dynamic_sd_lookup``).
+   (the scheduler's own ``make_spec_decoding_stats``, per instance), the
+   grammar bitmask sized for one row per request, and with an adaptive budget
+   the draft slots per batch size (``dynamic_sd_lookup``);
+   ``Scheduler.add_request`` / ``schedule``: structured-output requests are
+   scheduled without drafts.
 6. ``GPUModelRunner.__init__`` (MRv2): registers TREE_ATTN in the worker before
    the model is built; ``GPUModelRunner.initialize_kv_cache``: then compiles every
    TREE_ATTN kernel variant a step can pick
@@ -98,6 +101,8 @@ def _patch_input_processor(module) -> None:
 
 def _patch_scheduler(module) -> None:
     _wrap(module.Scheduler, "__init__", _scheduler_init)
+    _wrap(module.Scheduler, "add_request", _scheduler_add_request)
+    _wrap(module.Scheduler, "schedule", _scheduler_schedule)
 
 
 def _patch_model_runner(module) -> None:
@@ -529,8 +534,8 @@ def _validate_params(original, self, params, supported_tasks):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.spec_decode.ddtree_config import check_sampling_params
 
-    # Before vLLM's own checks: a structured-output request should hear that
-    # DDTree cannot serve it, not what its grammar backend thinks of it.
+    # Before vLLM's own checks: a request DDTree cannot serve should hear
+    # that, not what vLLM's later checks think of it.
     if isinstance(params, SamplingParams) and _ddtree_of(self.vllm_config):
         check_sampling_params(params)
     original(self, params, supported_tasks)
@@ -557,6 +562,10 @@ def _scheduler_init(original, self, *args, **kwargs):
     self.make_spec_decoding_stats = functools.partial(
         make_tree_spec_decoding_stats, self, cfg.draft_depth
     )
+    # Structured-output requests decode without drafts (their grammar would
+    # have to follow every tree path): the ids of those not finished yet.
+    self._ddtree_grammar_reqs = set()
+    _size_grammar_bitmask(self.structured_output_manager, self.max_num_running_reqs)
     if cfg.adaptive:
         from vllm.v1.spec_decode.ddtree_config import engine_tree_slots
 
@@ -564,6 +573,46 @@ def _scheduler_init(original, self, *args, **kwargs):
         # tokens and KV within the trees the budget can choose; vLLM's lookup
         # would read the ladder listed in the speculative config.
         self.dynamic_sd_lookup = engine_tree_slots(cfg, self.vllm_config)
+
+
+def _size_grammar_bitmask(manager, max_num_reqs: int) -> None:
+    """vLLM allocates the grammar bitmask for ``1 + num_speculative_tokens``
+    rows per request (``tree_budget``: gigabytes of host memory for a large
+    vocabulary); a DDTree engine's structured-output requests verify no
+    drafts, one row each."""
+    fill = manager.grammar_bitmask
+
+    @functools.wraps(fill)
+    def grammar_bitmask(requests, request_ids, *args, **kwargs):
+        if request_ids and manager._grammar_bitmask is None:
+            manager._grammar_bitmask = manager.backend.allocate_token_bitmask(
+                max_num_reqs
+            )
+        return fill(requests, request_ids, *args, **kwargs)
+
+    manager.grammar_bitmask = grammar_bitmask
+
+
+def _scheduler_add_request(original, self, request, *args, **kwargs):
+    original(self, request, *args, **kwargs)
+    grammar = getattr(self, "_ddtree_grammar_reqs", None)
+    if grammar is not None and request.use_structured_output:
+        grammar.add(request.request_id)
+
+
+def _scheduler_schedule(original, self, *args, **kwargs):
+    grammar = getattr(self, "_ddtree_grammar_reqs", None)
+    if grammar:
+        # Before the step is sized: no draft slots (async scheduling's
+        # placeholders) or drafts (the worker's) for these requests, so each
+        # is scheduled as one token and its grammar masks one logit row.
+        for req_id in list(grammar):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                grammar.discard(req_id)
+            elif request.spec_token_ids:
+                request.spec_token_ids = []
+    return original(self, *args, **kwargs)
 
 
 def _model_runner_init(original, self, vllm_config, *args, **kwargs):

@@ -24,8 +24,9 @@ end-of-sequence, every fifth aborted within its first half) for
 ``DDTREE_LOAD_BUDGET_S`` (default 540, the whole module from the fixture's
 start: :func:`plan`). At the end the streams still open are closed: aborted at
 the deadline, counted apart from the fifth aborted at random. Halfway, a request
-with a penalty and one with structured outputs must get a 400 that names the
-setting, and the server must keep serving. The references replay every request
+with a penalty must get a 400 that names the setting, the server must keep
+serving, and a choice and a JSON-schema request (greedy) must give no
+speculation's output, valid under their grammar. The references replay every request
 without streaming or aborts, at a higher concurrency, for at most
 ``REF_CATCH_UP_S`` (and what the budget leaves) after the streams end. Checks:
 no request failed; every finished output, and every aborted request's received
@@ -100,8 +101,22 @@ COVERED_FLOOR = 0.9
 UNCHECKED_MAX = 0.05
 REFUSED = [
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured outputs"),
 ]
+# Structured outputs are served (each such request verifies no drafts); the
+# output must equal no speculation's and follow the grammar.
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+STRUCTURED = {
+    "choice": {"structured_outputs": {"choice": ["def", "class", "import"]}},
+    "json": {"structured_outputs": {"json": JSON_SCHEMA}},
+}
 
 
 def _args(kv_bytes: int, spec: dict | None = None) -> list[str]:
@@ -143,6 +158,22 @@ def _state(base: str) -> dict:
         ),
         "acceptance_length": 1 + accepted / drafts if drafts else None,
     }
+
+
+def _structured(base: str) -> dict[str, str]:
+    """Each STRUCTURED request, greedy: its output text and finish reason."""
+    out = {}
+    for name, extra in STRUCTURED.items():
+        body = {
+            "model": load_client.MODEL,
+            "prompt": "# a tiny helper\n",
+            "max_tokens": 64,
+            "temperature": 0,
+            **extra,
+        }
+        choice = post(f"{base}/v1/completions", body)["choices"][0]
+        out[name] = [choice["text"], choice["finish_reason"]]
+    return out
 
 
 def _refusals(base: str) -> list[dict]:
@@ -374,11 +405,14 @@ def run_load(tmp: Path) -> dict:
                     str(len(REFS)),
                 )
             result["refusals"] = {}
+            result["structured"] = {}
 
             def refuse():
                 time.sleep(stream_s / 2)
                 for n in DDTREE:
                     result["refusals"][n] = _refusals(servers[n].base)
+                for n in (*DDTREE, REFS[0]):
+                    result["structured"][n] = _structured(servers[n].base)
                 phase("refusals done")
                 keep()
 
@@ -559,6 +593,21 @@ def test_unsupported_requests_refused_while_serving(load, name):
         assert "DDTree does not support" in r["message"], r
         assert r["words"] in r["message"], r
     assert after["message"] == "8"
+
+
+@pytest.mark.parametrize("name", DDTREE)
+def test_structured_outputs_served_like_no_speculation(load, name):
+    structured = load["result"]["structured"]
+    got, want = structured[name], structured[REFS[0]]
+    print(f"{name}: {got} (no speculation: {want})")
+    assert set(got) == set(STRUCTURED)
+    assert got == want
+    assert got["choice"][0] in STRUCTURED["choice"]["structured_outputs"]["choice"]
+    # A grammar that allows any whitespace may run to max_tokens (then the
+    # equality above is the check).
+    if got["json"][1] == "stop":
+        value = json.loads(got["json"][0])
+        assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool)
 
 
 @pytest.mark.parametrize("name", DDTREE)

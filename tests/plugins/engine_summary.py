@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 
-def build_scheduler(vllm_config, log_stats: bool = False):
-    """vLLM's ``Scheduler`` for this config over a one-group KV cache stand-in
-    (no GPU needed)."""
+def build_scheduler(vllm_config, log_stats: bool = False, scheduler_cls=None):
+    """vLLM's ``Scheduler`` (or ``scheduler_cls``) for this config over a
+    one-group KV cache stand-in (no GPU needed)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -41,7 +41,7 @@ def build_scheduler(vllm_config, log_stats: bool = False):
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     vllm_config.cache_config.num_gpu_blocks = 64
-    return Scheduler(
+    return (scheduler_cls or Scheduler)(
         vllm_config,
         kv,
         StructuredOutputManager(vllm_config),

@@ -474,6 +474,9 @@ def test_engine_checks_pass():
             logprobs=2,
             allowed_token_ids=[1, 2, 3],
         ),
+        # Served: such a request verifies no drafts.
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
+        SamplingParams(structured_outputs=StructuredOutputsParams(json={})),
     ],
 )
 def test_sampling_params_accepted(params):
@@ -491,10 +494,6 @@ def test_sampling_params_accepted(params):
             "presence_penalty, repetition_penalty: .*--generation-config vllm",
         ),
         (SamplingParams(bad_words=["foo"]), "does not support bad_words"),
-        (
-            SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
-            "does not support structured outputs",
-        ),
         (
             SamplingParams(logprobs=2, logprob_token_ids=[5, 7]),
             "does not support logprob_token_ids",
@@ -1330,6 +1329,10 @@ def test_scheduler_lookahead_is_the_drafter_block():
     def original(self, *args, **kwargs):
         self.vllm_config = kwargs["vllm_config"]
         self.num_lookahead_tokens = 129  # DFlash's num_speculative_tokens + 1
+        self.structured_output_manager = types.SimpleNamespace(
+            grammar_bitmask=lambda *a: None
+        )
+        self.max_num_running_reqs = 4
 
     sched = types.SimpleNamespace()
     glue._scheduler_init(original, sched, vllm_config=_ddtree_vllm_config())
@@ -1404,6 +1407,136 @@ def _observe(sched, trees, invalid=None):
             request_id=str(i),
         )
     return stats
+
+
+def _stub_grammar():
+    """A grammar that accepts every token (vLLM's scheduler checks the type)."""
+    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+    class StubGrammar(_StubGrammarMethods, StructuredOutputGrammar):
+        pass
+
+    return StubGrammar()
+
+
+class _StubGrammarMethods:
+    def accept_tokens(self, request_id, tokens):
+        return True
+
+    def validate_tokens(self, tokens):
+        return tokens
+
+    def is_terminated(self):
+        return False
+
+    def fill_bitmask(self, bitmask, idx):
+        bitmask[idx] = idx + 1
+
+    def rollback(self, num_tokens):
+        pass
+
+    def reset(self):
+        pass
+
+
+class _StubBackend:
+    def __init__(self, vocab_size):
+        self.words = -(-vocab_size // 32)
+        self.allocated = []
+
+    def allocate_token_bitmask(self, max_num_seqs):
+        import torch
+
+        self.allocated.append(max_num_seqs)
+        return torch.zeros(max_num_seqs, self.words, dtype=torch.int32)
+
+
+def _sampled(sched, scheduler_output, token=7):
+    """A model output that samples one token for every scheduled request."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[token] for _ in req_ids],
+    )
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_structured_output_requests_decode_without_drafts(
+    models, cuda_platform, async_scheduling
+):
+    """A structured-output request is scheduled with no draft slots or drafts
+    (one token, one grammar row), next to requests that keep their trees;
+    the grammar bitmask holds one row per request, not 1 + tree_budget."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.outputs import DraftTokenIds
+    from vllm.v1.request import Request
+
+    from tests.plugins.engine_summary import build_scheduler
+
+    _, config = _engine_config(
+        models, max_num_batched_tokens=4096, async_scheduling=async_scheduling
+    )
+    sched = build_scheduler(
+        config, scheduler_cls=AsyncScheduler if async_scheduling else Scheduler
+    )
+    backend = _StubBackend(config.model_config.get_vocab_size())
+    sched.structured_output_manager.backend = backend
+    kinds = {"plain0": None, "json": {"json": {}}, "plain1": None, "choice": None}
+    kinds["choice"] = {"choice": ["a", "b"]}
+    for i, (req_id, so) in enumerate(kinds.items()):
+        params = SamplingParams(
+            max_tokens=20,
+            structured_outputs=None if so is None else StructuredOutputsParams(**so),
+        )
+        request = Request.from_engine_core_request(
+            EngineCoreRequest(
+                request_id=req_id,
+                prompt_token_ids=[5 + i, 6, 7, 8],
+                mm_features=None,
+                sampling_params=params,
+                pooling_params=None,
+                arrival_time=0.0,
+                lora_request=None,
+                cache_salt=None,
+                data_parallel_rank=None,
+            ),
+            block_hasher=None,
+        )
+        if so is not None:
+            request.structured_output_request.grammar = _stub_grammar()
+        sched.add_request(request)
+    grammar = {"json", "choice"}
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == dict.fromkeys(kinds, 4)
+    if not async_scheduling:
+        sched.update_from_output(out, _sampled(sched, out))
+        # The worker drafts a tree for every request; the grammar's are dropped.
+        drafts = [[3] * 128 for _ in kinds]
+        sched.update_draft_token_ids(DraftTokenIds(list(kinds), drafts))
+    num_checked = 0
+    for _ in range(3):
+        out = sched.schedule()
+        spec = out.scheduled_spec_decode_tokens
+        assert set(spec) == set(kinds) - grammar
+        for req_id in kinds:
+            want = 1 if req_id in grammar else 1 + 128
+            assert out.num_scheduled_tokens[req_id] == want
+            num_checked += 1
+        bitmask = sched.get_grammar_bitmask(out)
+        assert bitmask is not None
+        assert bitmask.structured_output_request_ids == ["json", "choice"]
+        assert bitmask.grammar_bitmask.shape[0] == 2  # one row each
+        sched.update_from_output(out, _sampled(sched, out))
+        if not async_scheduling:
+            sched.update_draft_token_ids(DraftTokenIds(list(kinds), drafts))
+    assert backend.allocated == [config.scheduler_config.max_num_seqs]
+    print(f"requests x steps checked: {num_checked}")
+    assert num_checked >= 12
 
 
 def test_scheduler_stats_sized_by_drafter_depth(models, cuda_platform):

@@ -667,12 +667,6 @@ def check_sampling_params(params: Any) -> None:
             "DDTree does not support bad_words (matched against the preceding "
             "tokens in chain order); remove bad_words from the request"
         )
-    if params.structured_outputs is not None:
-        raise ValueError(
-            "DDTree does not support structured outputs (json, regex, choice, "
-            "grammar); the grammar would have to follow every tree path. Remove "
-            "them from the request or serve without DDTree"
-        )
     if getattr(params, "logprob_token_ids", None):
         # MRv2's speculative samplers return top-k logprobs only: the ids asked
         # for would be answered with other tokens' logprobs.
