@@ -24,9 +24,9 @@ end-of-sequence, every fifth aborted within its first half) for
 ``DDTREE_LOAD_BUDGET_S`` (default 540, the whole module from the fixture's
 start: :func:`plan`). At the end the streams still open are closed: aborted at
 the deadline, counted apart from the fifth aborted at random. Halfway, a request
-with a penalty must get a 400 that names the setting, the server must keep
-serving, and a choice and a JSON-schema request (greedy) must give no
-speculation's output, valid under their grammar. The references replay every request
+with ``bad_words`` must get a 400 that names the setting, the server must keep
+serving, and greedy requests with each penalty, a choice and a JSON schema must
+give no speculation's output (the last two valid under their grammar). The references replay every request
 without streaming or aborts, at a higher concurrency, for at most
 ``REF_CATCH_UP_S`` (and what the budget leaves) after the streams end. Checks:
 no request failed; every finished output, and every aborted request's received
@@ -100,10 +100,11 @@ COVERED_FLOOR = 0.9
 # Fraction of seeded requests whose first difference may be unjudgeable.
 UNCHECKED_MAX = 0.05
 REFUSED = [
-    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"bad_words": ["ab"]}, "bad_words"),
 ]
-# Structured outputs are served (each such request verifies no drafts); the
-# output must equal no speculation's and follow the grammar.
+# Served like no speculation: structured outputs (each such request verifies
+# no drafts; its output must also follow the grammar) and penalties (counted
+# along each tree path).
 JSON_SCHEMA = {
     "type": "object",
     "properties": {
@@ -116,6 +117,10 @@ JSON_SCHEMA = {
 STRUCTURED = {
     "choice": {"structured_outputs": {"choice": ["def", "class", "import"]}},
     "json": {"structured_outputs": {"json": JSON_SCHEMA}},
+    "repetition": {"repetition_penalty": 1.3},
+    "frequency": {"frequency_penalty": 0.8},
+    "presence": {"presence_penalty": 1.1},
+    "penalties": {"repetition_penalty": 0.9, "frequency_penalty": -0.3},
 }
 
 
@@ -596,7 +601,7 @@ def test_unsupported_requests_refused_while_serving(load, name):
 
 
 @pytest.mark.parametrize("name", DDTREE)
-def test_structured_outputs_served_like_no_speculation(load, name):
+def test_penalties_and_structured_outputs_served_like_no_speculation(load, name):
     structured = load["result"]["structured"]
     got, want = structured[name], structured[REFS[0]]
     print(f"{name}: {got} (no speculation: {want})")

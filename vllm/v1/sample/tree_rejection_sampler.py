@@ -97,9 +97,13 @@ class TreeRejectionSampler:
     step's input (e.g. a slot whose request joined without a drafted tree, fed
     MRv2's placeholder zeros) can cost acceptance, never correctness.
 
-    Penalties and bad-words masking in ``Sampler.apply_sampling_params`` read the
-    preceding tokens in chain order, which is wrong for tree nodes; DDTree's config
-    validation rejects requests that use them.
+    Presence, frequency and repetition penalties count, for each node's row, the
+    request's output so far plus the tokens on the node's own path
+    (:func:`apply_tree_penalties`): what the target would have seen had it
+    decoded that path. ``Sampler.apply_sampling_params`` would count the
+    preceding rows in chain order, so its penalty step is left out here.
+    Bad-words masking reads chain order too; DDTree's config validation rejects
+    requests that use it.
     """
 
     def __init__(self, sampler: Sampler, max_depth: int):
@@ -124,14 +128,23 @@ class TreeRejectionSampler:
 
         pos = input_batch.positions[input_batch.logits_indices]
         input_ids = input_batch.input_ids[input_batch.logits_indices]
-        processed_logits = self.sampler.apply_sampling_params(
-            logits,
-            input_batch.expanded_idx_mapping,
-            input_batch.idx_mapping_np,
-            pos,
-            input_ids,
-            input_batch.expanded_local_pos,
-        )
+        penalties = getattr(self.sampler, "penalties_state", None)
+        if (
+            penalties is None
+            or not penalties.use_penalty[input_batch.idx_mapping_np].any()
+        ):
+            processed_logits = self.sampler.apply_sampling_params(
+                logits,
+                input_batch.expanded_idx_mapping,
+                input_batch.idx_mapping_np,
+                pos,
+                input_ids,
+                input_batch.expanded_local_pos,
+            )
+        else:
+            processed_logits = self._apply_sampling_params_on_paths(
+                logits, input_batch, pos, input_ids, tree_parent_ids, tree_rows
+            )
         out = tree_rejection_sample(
             processed_logits,
             tree_token_ids,
@@ -170,6 +183,60 @@ class TreeRejectionSampler:
             accepted_nodes=out.accepted_nodes,
             num_accepted=out.num_accepted,
         )
+
+    def _apply_sampling_params_on_paths(
+        self,
+        logits: torch.Tensor,
+        input_batch: InputBatch,
+        pos: torch.Tensor,
+        input_ids: torch.Tensor,
+        tree_parent_ids: torch.Tensor,
+        tree_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``Sampler.apply_sampling_params`` with each row's penalties counted
+        along its node's path. The penalties go first: what the sampler applies
+        before them in a speculative step only masks tokens to -inf, which
+        penalties leave at -inf."""
+        sampler = self.sampler
+        idx_mapping_np = input_batch.idx_mapping_np
+        penalized = logits
+        if sampler.logprobs_mode.startswith("raw_") and sampler.returns_logprobs(
+            idx_mapping_np
+        ):
+            penalized = logits.clone()  # raw logprobs read the logits as given
+        state = sampler.penalties_state
+        if tree_rows is None:
+            row_trees = _batch_rows(input_batch)
+        elif tree_rows is input_batch.idx_mapping:
+            row_trees = input_batch.expanded_idx_mapping
+        else:
+            row_trees = tree_rows[_batch_rows(input_batch)]
+        apply_tree_penalties(
+            penalized,
+            input_batch.expanded_idx_mapping,
+            input_batch.expanded_local_pos,
+            row_trees,
+            tree_parent_ids,
+            input_ids,
+            state.repetition_penalty.gpu,
+            state.frequency_penalty.gpu,
+            state.presence_penalty.gpu,
+            state.prompt_bin_mask,
+            state.output_bin_counts,
+            self.max_depth,
+        )
+        sampler.penalties_state = _PENALTIES_APPLIED
+        try:
+            return sampler.apply_sampling_params(
+                penalized,
+                input_batch.expanded_idx_mapping,
+                idx_mapping_np,
+                pos,
+                input_ids,
+                input_batch.expanded_local_pos,
+            )
+        finally:
+            sampler.penalties_state = state
 
     def _get_logprobs_tensors(
         self,
@@ -323,6 +390,148 @@ def walk_trees(
         num_warps=4,
     )
     return TreeSampleOutput(sampled, num_sampled, accepted_nodes, num_accepted)
+
+
+class _PenaltiesApplied:
+    """The sampler's penalties state while it processes a tree step's logits,
+    whose penalties :func:`apply_tree_penalties` has applied."""
+
+    def apply_penalties(self, *args, **kwargs) -> None:
+        pass
+
+
+_PENALTIES_APPLIED = _PenaltiesApplied()
+
+
+def _batch_rows(input_batch: InputBatch) -> torch.Tensor:
+    """[num_logits] the batch index of each logit row (test batches whose
+    trees are in batch order)."""
+    cu = input_batch.cu_num_logits
+    num_logits = input_batch.expanded_local_pos.shape[0]
+    rows = torch.arange(num_logits, device=cu.device)
+    return torch.searchsorted(cu[1:], rows, right=True).to(torch.int32)
+
+
+def apply_tree_penalties(
+    # [num_logits, vocab_size], penalized in place
+    logits: torch.Tensor,
+    # [num_logits] request-state index of each row
+    expanded_idx_mapping: torch.Tensor,
+    # [num_logits] node index of each row within its request (0: the root)
+    local_pos: torch.Tensor,
+    # [num_logits] row of each row's tree in tree_parent_ids
+    row_trees: torch.Tensor,
+    # [num_trees, budget] parent of node i + 1 (0: the root)
+    tree_parent_ids: torch.Tensor,
+    # [num_logits] the token each row was fed
+    fed_token_ids: torch.Tensor,
+    # [max_num_reqs] float32
+    repetition_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    # [max_num_reqs, cdiv(vocab_size, 32)] int32: bit t set if the prompt has t
+    prompt_bin_mask: torch.Tensor,
+    # [max_num_reqs, vocab_size] int32: the request's output tokens so far
+    output_bin_counts: torch.Tensor,
+    max_depth: int,
+) -> None:
+    """vLLM's presence, frequency and repetition penalties with each row's
+    output counted as the request's output so far plus the tokens fed at the
+    nodes of its root-to-node path, the root excluded (it is the last output
+    token) and the node included: what the target would have counted had it
+    decoded that path. For a chain this is MRv2's ``apply_penalties``."""
+    num_logits, vocab_size = logits.shape
+    if num_logits == 0:
+        return
+    block_size = 8192
+    _tree_penalties_kernel[(num_logits, triton.cdiv(vocab_size, block_size))](
+        logits,
+        logits.stride(0),
+        expanded_idx_mapping,
+        local_pos,
+        row_trees,
+        tree_parent_ids,
+        tree_parent_ids.stride(0),
+        fed_token_ids,
+        repetition_penalty,
+        frequency_penalty,
+        presence_penalty,
+        prompt_bin_mask,
+        prompt_bin_mask.stride(0),
+        output_bin_counts,
+        output_bin_counts.stride(0),
+        vocab_size,
+        max_depth,
+        BLOCK_SIZE=block_size,
+    )
+
+
+@triton.jit(do_not_specialize=["max_depth"])
+def _tree_penalties_kernel(
+    logits_ptr,
+    logits_stride,
+    expanded_idx_mapping_ptr,
+    local_pos_ptr,
+    row_trees_ptr,
+    parent_ptr,
+    parent_stride,
+    fed_ptr,
+    repetition_penalty_ptr,
+    frequency_penalty_ptr,
+    presence_penalty_ptr,
+    prompt_bin_mask_ptr,
+    prompt_bin_mask_stride,
+    output_bin_counts_ptr,
+    output_bin_counts_stride,
+    vocab_size,
+    max_depth,
+    BLOCK_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    req = tl.load(expanded_idx_mapping_ptr + row)
+    rep_penalty = tl.load(repetition_penalty_ptr + req)
+    freq_penalty = tl.load(frequency_penalty_ptr + req)
+    pres_penalty = tl.load(presence_penalty_ptr + req)
+    use_rep_penalty = rep_penalty != 1.0
+    if not (use_rep_penalty or freq_penalty != 0.0 or pres_penalty != 0.0):
+        return
+
+    block_idx = tl.program_id(1)
+    block = block_idx * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = block < vocab_size
+    logits = tl.load(logits_ptr + row * logits_stride + block, mask=mask)
+    logits = logits.to(tl.float32)
+    counts = tl.load(
+        output_bin_counts_ptr + req * output_bin_counts_stride + block,
+        mask=mask,
+        other=0,
+    )
+    # Up the node's path to the root: each node's fed token counts once.
+    node = tl.load(local_pos_ptr + row)
+    first = row - node  # the request's root row
+    tree = tl.load(row_trees_ptr + row).to(tl.int64)
+    for _ in range(max_depth):
+        if node > 0:
+            token = tl.load(fed_ptr + first + node)
+            counts += (block == token).to(tl.int32)
+            node = tl.load(parent_ptr + tree * parent_stride + node - 1)
+    seen = counts > 0
+
+    # The rest is vLLM's penalty arithmetic, in its order.
+    if use_rep_penalty:
+        packed_block = block_idx * BLOCK_SIZE // 32 + tl.arange(0, BLOCK_SIZE // 32)
+        packed_mask = tl.load(
+            prompt_bin_mask_ptr + req * prompt_bin_mask_stride + packed_block,
+            mask=packed_block < tl.cdiv(vocab_size, 32),
+            other=0,
+        )
+        in_prompt = (packed_mask[:, None] >> (tl.arange(0, 32)[None, :])) & 1
+        in_prompt = in_prompt.to(tl.int1).reshape(BLOCK_SIZE)
+        scale = tl.where(in_prompt | seen, rep_penalty, 1.0)
+        logits *= tl.where(logits > 0, 1.0 / scale, scale)
+    logits -= freq_penalty * counts
+    logits -= pres_penalty * seen
+    tl.store(logits_ptr + row * logits_stride + block, logits, mask=mask)
 
 
 def apply_sampling_params(

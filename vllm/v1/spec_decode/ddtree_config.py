@@ -85,7 +85,6 @@ DRAFTER_KEYS = frozenset(
 )
 # KV cache dtypes TREE_ATTN reads and the tree KV compaction copies.
 TREE_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
-_EPS = 1e-5
 # vLLM's default cap on CUDA-graph sizes, in tokens.
 _VLLM_MAX_CAPTURE_SIZE = 512
 
@@ -647,21 +646,9 @@ def first_ungraphed_batch(
 
 def check_sampling_params(params: Any) -> None:
     """Reject per-request settings that read output tokens in chain order, or
-    that the tree sampler would answer wrongly."""
-    penalties = {
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "repetition_penalty": params.repetition_penalty - 1.0,
-    }
-    used = [name for name, value in penalties.items() if abs(value) > _EPS]
-    if used:
-        raise ValueError(
-            f"DDTree does not support {', '.join(used)}: penalties count the "
-            "request's tokens in chain order, not along each tree path. Leave "
-            "presence_penalty=0, frequency_penalty=0 and repetition_penalty=1 (if "
-            "the model's generation_config sets them, start vLLM with "
-            "--generation-config vllm)"
-        )
+    that the tree sampler would answer wrongly. (Penalties are counted along
+    each node's path by the tree sampler; structured-output requests decode
+    without drafts.)"""
     if params.bad_words:
         raise ValueError(
             "DDTree does not support bad_words (matched against the preceding "

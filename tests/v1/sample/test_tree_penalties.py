@@ -1,0 +1,340 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Presence, frequency and repetition penalties along tree paths.
+
+Each node's row must be penalized as the target would have been had it decoded
+the node's path: the request's output so far plus the tokens fed on the path
+(root excluded, node included). Checked against a torch reference that walks
+the parent arrays, and, on chains, against vLLM's own MRv2 penalty kernel; the
+tree sampler must apply them once, not vLLM's chain-order version on top.
+"""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from tests.v1.sample.mrv2_stubs import StubSampler, interpreter_shims
+from vllm.v1.sample.tree_rejection_sampler import (
+    TreeRejectionSampler,
+    apply_tree_penalties,
+)
+from vllm.v1.worker.gpu.sample.penalties import apply_penalties
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shims():
+    with interpreter_shims():
+        yield
+
+
+def _random_parents(budget, gen):
+    return [int(torch.randint(0, i + 1, (1,), generator=gen)) for i in range(budget)]
+
+
+def _problem(num_nodes, vocab, seed, chain=False):
+    """A batch of requests verifying ``num_nodes[r]`` nodes each, request-state
+    rows permuted, random output counts, prompt masks and penalties."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs, budget = len(num_nodes), max(num_nodes) + 2
+    max_num_reqs = num_reqs + 2
+    states = torch.randperm(max_num_reqs, generator=gen)[:num_reqs]
+    parents = torch.zeros(max_num_reqs, budget, dtype=torch.int32)
+    for s in states.tolist():
+        p = list(range(budget)) if chain else _random_parents(budget, gen)
+        parents[s] = torch.tensor(p, dtype=torch.int32)
+    rows, local = [], []
+    for r, b in enumerate(num_nodes):
+        rows += [int(states[r])] * (b + 1)
+        local += list(range(b + 1))
+    num_logits = len(rows)
+    # Few distinct tokens: paths repeat tokens and hit the output counts.
+    fed = torch.randint(0, 12, (num_logits,), generator=gen, dtype=torch.int32)
+    counts = torch.randint(0, 3, (max_num_reqs, vocab), generator=gen)
+    counts *= torch.rand(max_num_reqs, vocab, generator=gen) < 0.3
+    prompt = torch.rand(max_num_reqs, vocab, generator=gen) < 0.2
+    packed = torch.zeros(max_num_reqs, -(-vocab // 32), dtype=torch.int64)
+    for t in range(vocab):
+        packed[:, t // 32] |= prompt[:, t].long() << (t % 32)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    rep = 1.0 + torch.rand(max_num_reqs, generator=gen)
+    freq = torch.rand(max_num_reqs, generator=gen) - 0.3
+    pres = torch.rand(max_num_reqs, generator=gen) - 0.3
+    # One request without any penalty: its rows stay as they are.
+    rep[states[0]], freq[states[0]], pres[states[0]] = 1.0, 0.0, 0.0
+    return types.SimpleNamespace(
+        logits=3 * torch.randn(num_logits, vocab, generator=gen),
+        rows=torch.tensor(rows, dtype=torch.int32),
+        local=torch.tensor(local, dtype=torch.int32),
+        parents=parents,
+        fed=fed,
+        rep=rep,
+        freq=freq,
+        pres=pres,
+        packed=packed,
+        prompt=prompt,
+        counts=counts.to(torch.int32),
+        depth=budget,
+    )
+
+
+def _reference(pb):
+    """Row by row: counts = output so far + the fed tokens up the path."""
+    out = pb.logits.clone()
+    for j in range(out.shape[0]):
+        req, node = int(pb.rows[j]), int(pb.local[j])
+        counts = pb.counts[req].clone()
+        first = j - node
+        while node > 0:
+            counts[int(pb.fed[first + node])] += 1
+            node = int(pb.parents[req, node - 1])
+        seen = counts > 0
+        row = out[j]
+        scale = torch.where(pb.prompt[req] | seen, pb.rep[req], 1.0)
+        row *= torch.where(row > 0, 1.0 / scale, scale)
+        row -= pb.freq[req] * counts
+        row -= pb.pres[req] * seen
+    return out
+
+
+def _run(pb, fn=apply_tree_penalties):
+    logits = pb.logits.clone().to(DEVICE)
+    d = lambda t: t.to(DEVICE)  # noqa: E731
+    fn(
+        logits,
+        d(pb.rows),
+        d(pb.local),
+        d(pb.rows),
+        d(pb.parents),
+        d(pb.fed),
+        d(pb.rep),
+        d(pb.freq),
+        d(pb.pres),
+        d(pb.packed),
+        d(pb.counts),
+        pb.depth,
+    )
+    return logits.cpu()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_penalties_match_path_reference(seed):
+    pb = _problem([7, 0, 12, 3], vocab=300, seed=seed)
+    got = _run(pb)
+    want = _reference(pb)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # The paths changed something beyond the output counts (a chain-blind
+    # version would differ), and the penalty-free request kept its rows.
+    base = _reference(types.SimpleNamespace(**{**vars(pb), "local": 0 * pb.local}))
+    differs = (got != base).any(dim=1)
+    num_rows = int(differs.sum())
+    print(f"rows whose path changed the penalties: {num_rows} of {len(differs)}")
+    assert num_rows >= 10
+    assert torch.equal(got[:8], pb.logits[:8])
+
+
+def test_chain_equals_vllm_penalties():
+    """On chains, MRv2's own kernel (which counts the preceding rows) and the
+    path version agree bit for bit."""
+    pb = _problem([5, 9, 0, 2], vocab=300, seed=4, chain=True)
+
+    def vllm_kernel(logits, rows, local, _trees, _parents, fed, *args):
+        rep, freq, pres, packed, counts, _depth = args
+        apply_penalties(logits, rows, fed, local, rep, freq, pres, packed, counts)
+
+    ours, theirs = _run(pb), _run(pb, vllm_kernel)
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, pb.logits)
+
+
+class _PenaltySampler(StubSampler):
+    """A stub whose ``apply_sampling_params`` applies its penalties state's
+    ``apply_penalties`` first, as vLLM's Sampler does."""
+
+    def __init__(self, state, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.penalties_state = state
+        self.chain_calls = 0
+
+    def apply_sampling_params(self, logits, *args):
+        self.penalties_state.apply_penalties(logits, *args)
+        return super().apply_sampling_params(logits, *args)
+
+    def returns_logprobs(self, idx_mapping_np):
+        return False
+
+
+def test_tree_sampler_applies_path_penalties_once():
+    pb = _problem([6, 4], vocab=200, seed=7)
+    num_reqs = 2
+    req_rows = sorted(set(pb.rows.tolist()), key=pb.rows.tolist().index)
+    chain_calls = []
+    state = types.SimpleNamespace(
+        use_penalty=np.ones(pb.parents.shape[0], dtype=bool),
+        repetition_penalty=types.SimpleNamespace(gpu=pb.rep.to(DEVICE)),
+        frequency_penalty=types.SimpleNamespace(gpu=pb.freq.to(DEVICE)),
+        presence_penalty=types.SimpleNamespace(gpu=pb.pres.to(DEVICE)),
+        prompt_bin_mask=pb.packed.to(DEVICE),
+        output_bin_counts=pb.counts.to(DEVICE),
+        apply_penalties=lambda *a: chain_calls.append(1),
+    )
+    temperature = torch.zeros(pb.parents.shape[0], device=DEVICE)
+    sampler = _PenaltySampler(
+        state,
+        temperature=temperature,
+        seeds=torch.zeros(pb.parents.shape[0], dtype=torch.int64, device=DEVICE),
+        prefill_len=torch.zeros(pb.parents.shape[0], dtype=torch.int32, device=DEVICE),
+    )
+    cu = [0, 7, 12]
+    idx = torch.tensor(req_rows, dtype=torch.int32, device=DEVICE)
+    batch = types.SimpleNamespace(
+        idx_mapping=idx,
+        idx_mapping_np=np.array(req_rows, dtype=np.int32),
+        expanded_idx_mapping=pb.rows.to(DEVICE),
+        expanded_local_pos=pb.local.to(DEVICE),
+        positions=torch.arange(12, device=DEVICE) + 40,
+        input_ids=pb.fed.to(DEVICE),
+        logits_indices=torch.arange(12, device=DEVICE),
+        cu_num_logits=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+        cu_num_logits_np=np.array(cu),
+        seq_lens=torch.tensor([60, 60], dtype=torch.int32, device=DEVICE),
+    )
+    # Node tokens = the fed tokens: a path is accepted where greedy agrees.
+    tokens = torch.full((pb.parents.shape[0], pb.parents.shape[1]), -1)
+    for r in range(num_reqs):
+        b = cu[r + 1] - cu[r] - 1
+        tokens[req_rows[r], :b] = pb.fed[cu[r] + 1 : cu[r + 1]].long()
+    want = _reference(pb)
+    emitted = []
+    # The request-state rows as the batch's own mapping, and as another
+    # tensor (gathered per logit row).
+    for rows in (idx, idx.clone()):
+        out = TreeRejectionSampler(sampler, max_depth=pb.depth)(
+            pb.logits.clone().to(DEVICE),
+            batch,
+            tokens.to(DEVICE),
+            pb.parents.to(DEVICE),
+            tree_rows=rows,
+        )
+        assert chain_calls == []  # vLLM's chain-order penalties left out
+        assert sampler.penalties_state is state  # and put back
+        # Greedy: each emitted token is the argmax of its path row penalized
+        # along that path.
+        for r in range(num_reqs):
+            path = [0] + out.accepted_nodes[r, : int(out.num_accepted[r])].tolist()
+            for j, node in enumerate(path):
+                token = int(out.sampled_token_ids[r, j])
+                assert token == int(want[cu[r] + node].argmax())
+                emitted.append(token)
+    print(f"emitted tokens checked: {len(emitted)}")
+    assert len(emitted) >= 4
+    # Without penalties in the batch the sampler's own path runs.
+    state.use_penalty[:] = False
+    TreeRejectionSampler(sampler, max_depth=pb.depth)(
+        pb.logits.clone().to(DEVICE),
+        batch,
+        tokens.to(DEVICE),
+        pb.parents.to(DEVICE),
+        tree_rows=idx,
+    )
+    assert chain_calls == [1]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU (vLLM's Sampler)")
+def test_tree_sampler_with_vllm_sampler_penalties():
+    """With vLLM's MRv2 Sampler and its penalties state (filled by
+    add_request and the prompt), greedy trees emit each path row's argmax
+    penalized along that path."""
+    from tests.v1.ddtree_reference import build_ddtree_reference
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+    from vllm.v1.worker.gpu.states import RequestState
+
+    vocab, budget, num_reqs = 4096, 16, 3
+    device = torch.device(DEVICE)
+    req_states = RequestState(
+        max_num_reqs=8,
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        num_speculative_steps=budget,
+        vocab_size=vocab,
+        device=device,
+    )
+    sampler = Sampler(8, vocab, device, req_states)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.4),
+        SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.5),
+        SamplingParams(temperature=0.0),
+    ]
+    gen = torch.Generator().manual_seed(3)
+    for r, p in enumerate(params):
+        prompt = torch.randint(0, 64, (30,), generator=gen).tolist()
+        req_states.add_request(f"r{r}", 30, prompt, 0, 64)
+        sampler.add_request(req_states.req_id_to_index[f"r{r}"], 30, p)
+    req_states.apply_staged_writes()
+    sampler.apply_staged_writes()
+    idx = [req_states.req_id_to_index[f"r{r}"] for r in range(num_reqs)]
+    state = sampler.penalties_state
+    # Some output so far, on few tokens (paths repeat them).
+    state.output_bin_counts[idx, :64] = torch.randint(
+        0, 2, (num_reqs, 64), generator=gen, dtype=torch.int32
+    ).to(device)
+    tree = build_ddtree_reference(torch.randn(num_reqs, 15, 64, generator=gen), budget)
+    cu = [0, budget + 1, 2 * budget + 2, 3 * budget + 3]
+    rows = torch.tensor(
+        [i for i in idx for _ in range(budget + 1)], dtype=torch.int32
+    ).to(device)
+    local = torch.arange(budget + 1, dtype=torch.int32).repeat(num_reqs).to(device)
+    fed = torch.cat(
+        [torch.cat([torch.tensor([1]), tree.token_ids[r]]) for r in range(num_reqs)]
+    ).to(torch.int32)
+    idx_t = torch.tensor(idx, dtype=torch.int32, device=device)
+    parents = torch.zeros(8, budget, dtype=torch.int32)
+    tokens = torch.full((8, budget), -1, dtype=torch.int64)
+    parents[idx], tokens[idx] = tree.parent_ids, tree.token_ids
+    batch = types.SimpleNamespace(
+        idx_mapping=idx_t,
+        idx_mapping_np=np.array(idx, dtype=np.int32),
+        expanded_idx_mapping=rows,
+        expanded_local_pos=local,
+        positions=(torch.arange(3 * budget + 3) % (budget + 1) + 40).to(device),
+        input_ids=fed.to(device),
+        logits_indices=torch.arange(3 * budget + 3, device=device),
+        cu_num_logits=torch.tensor(cu, dtype=torch.int32, device=device),
+        cu_num_logits_np=np.array(cu),
+        seq_lens=torch.full((num_reqs,), 60, dtype=torch.int32, device=device),
+    )
+    # Logits that favour the drafted tokens, so that paths are accepted.
+    logits = torch.randn(3 * budget + 3, vocab, generator=gen)
+    logits[:, :64] += 4
+    logits = logits.to(device)
+    out = TreeRejectionSampler(sampler, max_depth=15)(
+        logits.clone(), batch, tokens.to(device), parents.to(device), tree_rows=idx_t
+    )
+    want = logits.clone()
+    apply_tree_penalties(
+        want,
+        rows,
+        local,
+        rows,
+        parents.to(device),
+        fed.to(device),
+        state.repetition_penalty.gpu,
+        state.frequency_penalty.gpu,
+        state.presence_penalty.gpu,
+        state.prompt_bin_mask,
+        state.output_bin_counts,
+        15,
+    )
+    checked = 0
+    for r in range(num_reqs):
+        path = [0] + out.accepted_nodes[r, : int(out.num_accepted[r])].tolist()
+        for j, node in enumerate(path):
+            row = cu[r] + node
+            assert int(out.sampled_token_ids[r, j]) == int(want[row].argmax())
+            checked += 1
+    print(f"emitted tokens checked: {checked}")
+    assert checked >= num_reqs
