@@ -111,6 +111,8 @@ TREE_OPS_KERNELS = (
     "_ddtree_select_kernel",
     # vllm/v1/sample/tree_rejection_sampler.py
     "_tree_walk_kernel",
+    "_tree_penalties_kernel",
+    "_tree_bad_words_kernel",
     # vllm/v1/attention/ops/tree_kv_compaction.py
     "_tree_kv_compaction_kernel",
     # vllm/v1/spec_decode/ddtree_inputs.py

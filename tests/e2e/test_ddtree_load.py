@@ -24,9 +24,10 @@ end-of-sequence, every fifth aborted within its first half) for
 ``DDTREE_LOAD_BUDGET_S`` (default 540, the whole module from the fixture's
 start: :func:`plan`). At the end the streams still open are closed: aborted at
 the deadline, counted apart from the fifth aborted at random. Halfway, a request
-with ``bad_words`` must get a 400 that names the setting, the server must keep
-serving, and greedy requests with each penalty, a choice and a JSON schema must
-give no speculation's output (the last two valid under their grammar). The references replay every request
+with ``logprob_token_ids`` must get a 400 that names the setting, the server
+must keep serving, and greedy requests with each penalty, bad words, a choice
+and a JSON schema must give no speculation's output (the last two valid under
+their grammar). The references replay every request
 without streaming or aborts, at a higher concurrency, for at most
 ``REF_CATCH_UP_S`` (and what the budget leaves) after the streams end. Checks:
 no request failed; every finished output, and every aborted request's received
@@ -100,7 +101,7 @@ COVERED_FLOOR = 0.9
 # Fraction of seeded requests whose first difference may be unjudgeable.
 UNCHECKED_MAX = 0.05
 REFUSED = [
-    ({"bad_words": ["ab"]}, "bad_words"),
+    ({"logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
 ]
 # Served like no speculation: structured outputs (each such request verifies
 # no drafts; its output must also follow the grammar) and penalties (counted
@@ -121,6 +122,7 @@ STRUCTURED = {
     "frequency": {"frequency_penalty": 0.8},
     "presence": {"presence_penalty": 1.1},
     "penalties": {"repetition_penalty": 0.9, "frequency_penalty": -0.3},
+    "bad_words": {"bad_words": ["def", " (", "\n\n"]},
 }
 
 

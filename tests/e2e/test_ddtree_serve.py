@@ -104,11 +104,17 @@ def test_batch_of_sampled_requests(server):
 
 
 def test_unsupported_request_is_refused(server):
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "bad_words": ["ab"]}
+    body = {
+        "model": MODEL,
+        "prompt": "x",
+        "max_tokens": 4,
+        "logprobs": 1,
+        "logprob_token_ids": [5],
+    }
     with pytest.raises(urllib.error.HTTPError) as err:
         _post(f"{server}/v1/completions", body)
     assert err.value.code == 400
-    assert "bad_words" in err.value.read().decode()
+    assert "logprob_token_ids" in err.value.read().decode()
 
 
 def test_metrics_report_spec_decode(server):

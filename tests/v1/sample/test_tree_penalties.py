@@ -338,3 +338,121 @@ def test_tree_sampler_with_vllm_sampler_penalties():
             checked += 1
     print(f"emitted tokens checked: {checked}")
     assert checked >= num_reqs
+
+
+# ---------------------------------------------------------------- bad words
+
+
+def _bad_words_problem(num_nodes, seed, chain=False):
+    """Trees over few tokens, outputs ending in bad-word prefixes, and bad words
+    of lengths 1-4 per request (some requests without)."""
+    pb = _problem(num_nodes, vocab=64, seed=seed, chain=chain)
+    gen = torch.Generator().manual_seed(100 + seed)
+    max_num_reqs = pb.parents.shape[0]
+    words = torch.zeros(max_num_reqs, 64, dtype=torch.int32)
+    offsets = torch.zeros(max_num_reqs, 9, dtype=torch.int32)
+    num_words = torch.zeros(max_num_reqs, dtype=torch.int32)
+    all_tokens = torch.randint(0, 12, (max_num_reqs, 80), generator=gen)
+    prompt_len = torch.randint(3, 10, (max_num_reqs,), generator=gen)
+    output_len = torch.randint(0, 20, (max_num_reqs,), generator=gen)
+    word_lists = {}
+    for s in range(max_num_reqs):
+        n = int(torch.randint(0, 7, (1,), generator=gen))
+        ws = [
+            torch.randint(
+                0, 12, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen
+            ).tolist()
+            for _ in range(n)
+        ]
+        word_lists[s] = ws
+        flat = [t for w in ws for t in w]
+        words[s, : len(flat)] = torch.tensor(flat, dtype=torch.int32)
+        offsets[s, : n + 1] = torch.tensor(
+            [0] + np.cumsum([len(w) for w in ws]).tolist(), dtype=torch.int32
+        )
+        num_words[s] = n
+    pb.words, pb.offsets, pb.num_words, pb.word_lists = (
+        words,
+        offsets,
+        num_words,
+        word_lists,
+    )
+    pb.all_tokens = all_tokens.to(torch.int32)
+    pb.prompt_len = prompt_len.to(torch.int32)
+    pb.total_len = (prompt_len + output_len).to(torch.int32)
+    return pb
+
+
+def _bad_words_reference(pb):
+    out = pb.logits.clone()
+    for j in range(out.shape[0]):
+        req, node = int(pb.rows[j]), int(pb.local[j])
+        first = j - node
+        path = []
+        while node > 0:
+            path.append(int(pb.fed[first + node]))
+            node = int(pb.parents[req, node - 1])
+        path.append(int(pb.fed[first]))  # the root, depth 0
+        depth = len(path) - 1
+        p0, total = int(pb.prompt_len[req]), int(pb.total_len[req])
+        # The output, then the path's nodes at depths 0 .. depth - 1.
+        seq = pb.all_tokens[req, p0:total].tolist() + path[::-1][:depth]
+        for w in pb.word_lists[req]:
+            prefix = w[:-1]
+            if len(prefix) <= len(seq) and seq[len(seq) - len(prefix) :] == prefix:
+                out[j, w[-1]] = float("-inf")
+    return out
+
+
+def _run_bad_words(pb, fn):
+    logits = pb.logits.clone().to(DEVICE)
+    d = lambda t: t.to(DEVICE)  # noqa: E731
+    fn(
+        logits,
+        d(pb.rows),
+        d(pb.local),
+        d(pb.rows),
+        d(pb.parents),
+        d(pb.fed),
+        d(pb.words),
+        d(pb.offsets),
+        d(pb.num_words),
+        d(pb.all_tokens),
+        d(pb.prompt_len),
+        d(pb.total_len),
+        int(pb.num_words.max()),
+        pb.depth,
+    )
+    return logits.cpu()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_bad_words_match_path_reference(seed):
+    from vllm.v1.sample.tree_rejection_sampler import apply_tree_bad_words
+
+    pb = _bad_words_problem([7, 0, 12, 5], seed)
+    got = _run_bad_words(pb, apply_tree_bad_words)
+    want = _bad_words_reference(pb)
+    assert torch.equal(got, want)
+    num_masked = int((got == float("-inf")).sum())
+    print(f"tokens masked: {num_masked}")
+    assert num_masked >= 5
+
+
+def test_chain_bad_words_equal_vllms():
+    from vllm.v1.sample.tree_rejection_sampler import apply_tree_bad_words
+    from vllm.v1.worker.gpu.sample.bad_words import apply_bad_words
+
+    def vllm_kernel(logits, rows, local, _trees, _parents, fed, *args):
+        *state, max_words, _depth = args
+        apply_bad_words(logits, rows, *state, fed, local, max_words)
+
+    masked = 0
+    for seed in range(3):
+        pb = _bad_words_problem([5, 9, 0, 3], seed, chain=True)
+        ours = _run_bad_words(pb, apply_tree_bad_words)
+        theirs = _run_bad_words(pb, vllm_kernel)
+        assert torch.equal(ours, theirs)
+        masked += int((ours == float("-inf")).sum())
+    print(f"tokens masked: {masked}")
+    assert masked >= 5

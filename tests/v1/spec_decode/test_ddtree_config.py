@@ -477,6 +477,7 @@ def test_engine_checks_pass():
         # Served: penalties along each node's path.
         SamplingParams(presence_penalty=0.5, frequency_penalty=-0.1),
         SamplingParams(repetition_penalty=1.1),
+        SamplingParams(bad_words=["foo"]),
         # Served: such a request verifies no drafts.
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
         SamplingParams(structured_outputs=StructuredOutputsParams(json={})),
@@ -489,7 +490,6 @@ def test_sampling_params_accepted(params):
 @pytest.mark.parametrize(
     "params, match",
     [
-        (SamplingParams(bad_words=["foo"]), "does not support bad_words"),
         (
             SamplingParams(logprobs=2, logprob_token_ids=[5, 7]),
             "does not support logprob_token_ids",
@@ -1310,9 +1310,9 @@ def test_request_check_runs_only_for_ddtree():
     plain = types.SimpleNamespace(
         vllm_config=types.SimpleNamespace(additional_config={}, speculative_config=None)
     )
-    bad = SamplingParams(bad_words=["foo"])
+    bad = SamplingParams(logprob_token_ids=[5])
     glue._validate_params(original, plain, bad, ("generate",))
-    with pytest.raises(ValueError, match="bad_words"):
+    with pytest.raises(ValueError, match="logprob_token_ids"):
         glue._validate_params(original, ddtree, bad, ("generate",))
     glue._validate_params(original, ddtree, SamplingParams(), ("generate",))
     # DDTree's check comes first: the refused request never reaches vLLM's.

@@ -102,8 +102,8 @@ class TreeRejectionSampler:
     (:func:`apply_tree_penalties`): what the target would have seen had it
     decoded that path. ``Sampler.apply_sampling_params`` would count the
     preceding rows in chain order, so its penalty step is left out here.
-    Bad-words masking reads chain order too; DDTree's config validation rejects
-    requests that use it.
+    Bad words are matched the same way, against the output and the path
+    (:func:`apply_tree_bad_words`).
     """
 
     def __init__(self, sampler: Sampler, max_depth: int):
@@ -128,11 +128,7 @@ class TreeRejectionSampler:
 
         pos = input_batch.positions[input_batch.logits_indices]
         input_ids = input_batch.input_ids[input_batch.logits_indices]
-        penalties = getattr(self.sampler, "penalties_state", None)
-        if (
-            penalties is None
-            or not penalties.use_penalty[input_batch.idx_mapping_np].any()
-        ):
+        if not self._uses_path_processing(input_batch.idx_mapping_np):
             processed_logits = self.sampler.apply_sampling_params(
                 logits,
                 input_batch.expanded_idx_mapping,
@@ -184,6 +180,18 @@ class TreeRejectionSampler:
             num_accepted=out.num_accepted,
         )
 
+    def _uses_path_processing(self, idx_mapping_np) -> bool:
+        """Whether a request of the batch has penalties or bad words (host
+        state: no sync)."""
+        penalties = getattr(self.sampler, "penalties_state", None)
+        bad_words = getattr(self.sampler, "bad_words_state", None)
+        return (
+            penalties is not None and bool(penalties.use_penalty[idx_mapping_np].any())
+        ) or (
+            bad_words is not None
+            and int(bad_words.num_bad_words.np[idx_mapping_np].max()) > 0
+        )
+
     def _apply_sampling_params_on_paths(
         self,
         logits: torch.Tensor,
@@ -193,10 +201,10 @@ class TreeRejectionSampler:
         tree_parent_ids: torch.Tensor,
         tree_rows: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``Sampler.apply_sampling_params`` with each row's penalties counted
-        along its node's path. The penalties go first: what the sampler applies
-        before them in a speculative step only masks tokens to -inf, which
-        penalties leave at -inf."""
+        """``Sampler.apply_sampling_params`` with each row's penalties and bad
+        words read along its node's path. These go first: what the sampler
+        applies before them in a speculative step only masks tokens to -inf,
+        which penalties leave at -inf."""
         sampler = self.sampler
         idx_mapping_np = input_batch.idx_mapping_np
         penalized = logits
@@ -204,28 +212,54 @@ class TreeRejectionSampler:
             idx_mapping_np
         ):
             penalized = logits.clone()  # raw logprobs read the logits as given
-        state = sampler.penalties_state
         if tree_rows is None:
             row_trees = _batch_rows(input_batch)
         elif tree_rows is input_batch.idx_mapping:
             row_trees = input_batch.expanded_idx_mapping
         else:
             row_trees = tree_rows[_batch_rows(input_batch)]
-        apply_tree_penalties(
-            penalized,
+        rows = (
             input_batch.expanded_idx_mapping,
             input_batch.expanded_local_pos,
             row_trees,
             tree_parent_ids,
             input_ids,
-            state.repetition_penalty.gpu,
-            state.frequency_penalty.gpu,
-            state.presence_penalty.gpu,
-            state.prompt_bin_mask,
-            state.output_bin_counts,
-            self.max_depth,
         )
-        sampler.penalties_state = _PENALTIES_APPLIED
+        penalties = getattr(sampler, "penalties_state", None)
+        if penalties is not None and penalties.use_penalty[idx_mapping_np].any():
+            apply_tree_penalties(
+                penalized,
+                *rows,
+                penalties.repetition_penalty.gpu,
+                penalties.frequency_penalty.gpu,
+                penalties.presence_penalty.gpu,
+                penalties.prompt_bin_mask,
+                penalties.output_bin_counts,
+                self.max_depth,
+            )
+        bad_words = getattr(sampler, "bad_words_state", None)
+        if bad_words is not None:
+            req_states = bad_words.req_states
+            apply_tree_bad_words(
+                penalized,
+                *rows,
+                bad_words.bad_word_token_ids.gpu,
+                bad_words.bad_word_offsets.gpu,
+                bad_words.num_bad_words.gpu,
+                req_states.all_token_ids.gpu,
+                req_states.prompt_len.gpu,
+                req_states.total_len.gpu,
+                int(bad_words.num_bad_words.np[idx_mapping_np].max()),
+                self.max_depth,
+            )
+        # The sampler's own (chain-order) steps are left out for the call.
+        saved = {
+            name: getattr(sampler, name)
+            for name in ("penalties_state", "bad_words_state")
+            if hasattr(sampler, name)
+        }
+        for name in saved:
+            setattr(sampler, name, _PATH_STEPS_APPLIED)
         try:
             return sampler.apply_sampling_params(
                 penalized,
@@ -236,7 +270,8 @@ class TreeRejectionSampler:
                 input_batch.expanded_local_pos,
             )
         finally:
-            sampler.penalties_state = state
+            for name, state in saved.items():
+                setattr(sampler, name, state)
 
     def _get_logprobs_tensors(
         self,
@@ -392,15 +427,19 @@ def walk_trees(
     return TreeSampleOutput(sampled, num_sampled, accepted_nodes, num_accepted)
 
 
-class _PenaltiesApplied:
-    """The sampler's penalties state while it processes a tree step's logits,
-    whose penalties :func:`apply_tree_penalties` has applied."""
+class _PathStepsApplied:
+    """The sampler's penalties and bad-words states while it processes a tree
+    step's logits, whose penalties and bad words were applied along paths
+    (:func:`apply_tree_penalties`, :func:`apply_tree_bad_words`)."""
 
     def apply_penalties(self, *args, **kwargs) -> None:
         pass
 
+    def apply_bad_words(self, *args, **kwargs) -> None:
+        pass
 
-_PENALTIES_APPLIED = _PenaltiesApplied()
+
+_PATH_STEPS_APPLIED = _PathStepsApplied()
 
 
 def _batch_rows(input_batch: InputBatch) -> torch.Tensor:
@@ -532,6 +571,132 @@ def _tree_penalties_kernel(
     logits -= freq_penalty * counts
     logits -= pres_penalty * seen
     tl.store(logits_ptr + row * logits_stride + block, logits, mask=mask)
+
+
+def apply_tree_bad_words(
+    # [num_logits, vocab_size], masked in place
+    logits: torch.Tensor,
+    # [num_logits] request-state index of each row
+    expanded_idx_mapping: torch.Tensor,
+    # [num_logits] node index of each row within its request (0: the root)
+    local_pos: torch.Tensor,
+    # [num_logits] row of each row's tree in tree_parent_ids
+    row_trees: torch.Tensor,
+    # [num_trees, budget] parent of node i + 1 (0: the root)
+    tree_parent_ids: torch.Tensor,
+    # [num_logits] the token each row was fed
+    fed_token_ids: torch.Tensor,
+    # vLLM's BadWordsState buffers, request-state rows
+    bad_word_token_ids: torch.Tensor,
+    bad_word_offsets: torch.Tensor,
+    num_bad_words: torch.Tensor,
+    # vLLM's RequestState buffers
+    all_token_ids: torch.Tensor,
+    prompt_len: torch.Tensor,
+    total_len: torch.Tensor,
+    max_num_bad_words: int,
+    max_depth: int,
+) -> None:
+    """vLLM's bad-words masking with each row's preceding tokens read along
+    its node's path: where MRv2 reads the chain's rows ``0 .. pos - 1`` after
+    the request's output, a tree row reads the nodes of its path at depths
+    ``0 .. depth - 1`` (the root first). For a chain this is MRv2's
+    ``apply_bad_words``."""
+    num_logits = logits.shape[0]
+    if num_logits == 0 or max_num_bad_words == 0:
+        return
+    _tree_bad_words_kernel[(num_logits, max_num_bad_words)](
+        logits,
+        logits.stride(0),
+        expanded_idx_mapping,
+        local_pos,
+        row_trees,
+        tree_parent_ids,
+        tree_parent_ids.stride(0),
+        fed_token_ids,
+        bad_word_token_ids,
+        bad_word_token_ids.stride(0),
+        bad_word_offsets,
+        bad_word_offsets.stride(0),
+        num_bad_words,
+        all_token_ids,
+        all_token_ids.stride(0),
+        prompt_len,
+        total_len,
+        max_depth,
+        PATH_BLOCK=next_power_of_2(max_depth + 1),
+    )
+
+
+@triton.jit(do_not_specialize=["max_depth"])
+def _tree_bad_words_kernel(
+    logits_ptr,
+    logits_stride,
+    expanded_idx_mapping_ptr,
+    local_pos_ptr,
+    row_trees_ptr,
+    parent_ptr,
+    parent_stride,
+    fed_ptr,
+    bad_word_token_ids_ptr,
+    bad_word_token_ids_stride,
+    bad_word_offsets_ptr,
+    bad_word_offsets_stride,
+    num_bad_words_ptr,
+    all_token_ids_ptr,
+    all_token_ids_stride,
+    prompt_len_ptr,
+    total_len_ptr,
+    max_depth,
+    PATH_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    bad_word = tl.program_id(1)
+    req = tl.load(expanded_idx_mapping_ptr + row)
+    if bad_word >= tl.load(num_bad_words_ptr + req):
+        return
+
+    # The path's fed tokens by steps up from the node (step 0: the node
+    # itself), and the node's depth: the ancestor at depth s is step depth - s.
+    node = tl.load(local_pos_ptr + row)
+    first = row - node  # the request's root row
+    tree = tl.load(row_trees_ptr + row).to(tl.int64)
+    steps = tl.arange(0, PATH_BLOCK)
+    path = tl.zeros([PATH_BLOCK], dtype=tl.int64)
+    depth = 0
+    for _ in range(max_depth):
+        if node > 0:
+            token = tl.load(fed_ptr + first + node).to(tl.int64)
+            path = tl.where(steps == depth, token, path)
+            depth += 1
+            node = tl.load(parent_ptr + tree * parent_stride + node - 1)
+    root = tl.load(fed_ptr + first).to(tl.int64)
+    path = tl.where(steps == depth, root, path)
+
+    prompt_len = tl.load(prompt_len_ptr + req)
+    output_len = tl.load(total_len_ptr + req) - prompt_len
+    effective_len = output_len + depth
+    offsets = bad_word_offsets_ptr + req * bad_word_offsets_stride
+    words = bad_word_token_ids_ptr + req * bad_word_token_ids_stride
+    output = all_token_ids_ptr + req * all_token_ids_stride + prompt_len
+    start = tl.load(offsets + bad_word)
+    end = tl.load(offsets + bad_word + 1)
+    prefix_len = end - start - 1
+    if prefix_len > effective_len:
+        return
+    match = 1
+    for i in range(prefix_len):
+        expected = tl.load(words + start + i).to(tl.int64)
+        at = effective_len - prefix_len + i
+        if at >= output_len:
+            # Depth at - output_len of the path.
+            actual = tl.sum(tl.where(steps == depth - (at - output_len), path, 0))
+        else:
+            actual = tl.load(output + at).to(tl.int64)
+        match = match & (expected == actual)
+    if match:
+        last = tl.load(words + end - 1)
+        tl.store(logits_ptr + row * logits_stride + last, -float("inf"))
 
 
 def apply_sampling_params(

@@ -645,15 +645,9 @@ def first_ungraphed_batch(
 
 
 def check_sampling_params(params: Any) -> None:
-    """Reject per-request settings that read output tokens in chain order, or
-    that the tree sampler would answer wrongly. (Penalties are counted along
-    each node's path by the tree sampler; structured-output requests decode
-    without drafts.)"""
-    if params.bad_words:
-        raise ValueError(
-            "DDTree does not support bad_words (matched against the preceding "
-            "tokens in chain order); remove bad_words from the request"
-        )
+    """Reject per-request settings the tree sampler would answer wrongly.
+    (Penalties and bad words are read along each node's path by the tree
+    sampler; structured-output requests decode without drafts.)"""
     if getattr(params, "logprob_token_ids", None):
         # MRv2's speculative samplers return top-k logprobs only: the ids asked
         # for would be answered with other tokens' logprobs.
