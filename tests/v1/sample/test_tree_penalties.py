@@ -392,11 +392,10 @@ def _bad_words_reference(pb):
         while node > 0:
             path.append(int(pb.fed[first + node]))
             node = int(pb.parents[req, node - 1])
-        path.append(int(pb.fed[first]))  # the root, depth 0
-        depth = len(path) - 1
         p0, total = int(pb.prompt_len[req]), int(pb.total_len[req])
-        # The output, then the path's nodes at depths 0 .. depth - 1.
-        seq = pb.all_tokens[req, p0:total].tolist() + path[::-1][:depth]
+        # The output (ending with the root's token), then the path's nodes
+        # from depth 1 to the row's own.
+        seq = pb.all_tokens[req, p0:total].tolist() + path[::-1]
         for w in pb.word_lists[req]:
             prefix = w[:-1]
             if len(prefix) <= len(seq) and seq[len(seq) - len(prefix) :] == prefix:
@@ -439,20 +438,222 @@ def test_tree_bad_words_match_path_reference(seed):
     assert num_masked >= 5
 
 
-def test_chain_bad_words_equal_vllms():
+def test_chain_bad_words_read_one_row_past_vllms():
+    """On a chain, MRv2's own kernel reads rows ``0 .. pos - 1`` where a
+    non-speculative step reads ``1 .. pos`` (the root's token is already the
+    output's last): fed a chain shifted by one row it gives this module's
+    result, so the two differ by exactly that off-by-one."""
     from vllm.v1.sample.tree_rejection_sampler import apply_tree_bad_words
     from vllm.v1.worker.gpu.sample.bad_words import apply_bad_words
 
-    def vllm_kernel(logits, rows, local, _trees, _parents, fed, *args):
+    def vllm_kernel_shifted(logits, rows, local, _trees, _parents, fed, *args):
         *state, max_words, _depth = args
-        apply_bad_words(logits, rows, *state, fed, local, max_words)
+        # Row j of the shifted chain holds row j + 1's token.
+        shifted = torch.cat([fed[1:], fed[:1]])
+        apply_bad_words(logits, rows, *state, shifted, local, max_words)
 
     masked = 0
     for seed in range(3):
         pb = _bad_words_problem([5, 9, 0, 3], seed, chain=True)
         ours = _run_bad_words(pb, apply_tree_bad_words)
-        theirs = _run_bad_words(pb, vllm_kernel)
+        theirs = _run_bad_words(pb, vllm_kernel_shifted)
         assert torch.equal(ours, theirs)
         masked += int((ours == float("-inf")).sum())
     print(f"tokens masked: {masked}")
     assert masked >= 5
+
+
+# ------------------------------------------ against non-speculative decoding
+
+_VOCAB, _DEPTH = 48, 4
+
+
+def _target(context):
+    gen = torch.Generator().manual_seed(hash(tuple(context)) % (1 << 62))
+    return torch.randn(_VOCAB, generator=gen) * 3
+
+
+class _Requests:
+    """Per-request sampling state as MRv2 keeps it (request-state rows 0..n-1)."""
+
+    def __init__(self, prompts, words):
+        n = len(prompts)
+        self.prompts = prompts
+        self.rep = torch.tensor([1.5, 1.0, 0.8, 1.2])[:n]
+        self.freq = torch.tensor([0.0, 0.9, 0.3, -0.4])[:n]
+        self.pres = torch.tensor([0.0, 0.6, 0.0, 0.8])[:n]
+        self.temperature = torch.tensor([0.0, 1.0, 0.7, 1.0])[:n]
+        self.seeds = torch.tensor([3, 1 << 40, -5, 77])[:n]
+        packed = torch.zeros(n, -(-_VOCAB // 32), dtype=torch.int64)
+        for r, p in enumerate(prompts):
+            for t in set(p):
+                packed[r, t // 32] |= 1 << (t % 32)
+        self.packed = torch.where(packed >= 2**31, packed - 2**32, packed).int()
+        self.words = words
+        self.masked_on_paths = 0
+        flat = torch.zeros(n, 16, dtype=torch.int32)
+        offsets = torch.zeros(n, 5, dtype=torch.int32)
+        for r, ws in enumerate(self.words):
+            toks = [t for w in ws for t in w]
+            flat[r, : len(toks)] = torch.tensor(toks, dtype=torch.int32)
+            offsets[r] = torch.tensor(
+                [0] + np.cumsum([len(w) for w in ws]).tolist(), dtype=torch.int32
+            )
+        self.flat, self.offsets = flat, offsets
+        self.num_words = torch.full((n,), 4, dtype=torch.int32)
+
+    def process(self, logits, rows, local, trees, parents, fed, contexts):
+        """Penalties and bad words (the path versions; with local = 0 they
+        are MRv2's own, checked above), then temperature."""
+        from vllm.v1.sample.tree_rejection_sampler import (
+            apply_sampling_params,
+            apply_tree_bad_words,
+        )
+
+        n = len(contexts)
+        counts = torch.zeros(n, _VOCAB, dtype=torch.int32)
+        all_tokens = torch.zeros(n, 256, dtype=torch.int32)
+        for r, (c, p) in enumerate(zip(contexts, self.prompts)):
+            for t in c[len(p) :]:
+                counts[r, t] += 1
+            all_tokens[r, : len(c)] = torch.tensor(c, dtype=torch.int32)
+        d = lambda t: t.to(DEVICE)  # noqa: E731
+        common = (d(rows), d(local), d(trees), d(parents), d(fed))
+        apply_tree_penalties(
+            logits,
+            *common,
+            d(self.rep),
+            d(self.freq),
+            d(self.pres),
+            d(self.packed),
+            d(counts),
+            _DEPTH,
+        )
+        lens = [len(c) for c in contexts]
+        before = torch.isinf(logits[local.to(DEVICE) > 0]).sum()
+        apply_tree_bad_words(
+            logits,
+            *common,
+            d(self.flat),
+            d(self.offsets),
+            d(self.num_words),
+            d(all_tokens),
+            d(torch.tensor([len(p) for p in self.prompts]).int()),
+            d(torch.tensor(lens).int()),
+            4,
+            _DEPTH,
+        )
+        after = torch.isinf(logits[local.to(DEVICE) > 0]).sum()
+        self.masked_on_paths += int(after - before)
+        return apply_sampling_params(logits, d(rows), d(self.temperature))
+
+
+def _decode_sequentially(reqs, num_tokens):
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    contexts = [list(p) for p in reqs.prompts]
+    n = len(contexts)
+    rows = torch.arange(n, dtype=torch.int32)
+    zeros = torch.zeros(n, dtype=torch.int32)
+    parents = torch.zeros(n, 1, dtype=torch.int32)
+    for _ in range(num_tokens):
+        logits = torch.stack([_target(c) for c in contexts]).to(DEVICE)
+        fed = torch.tensor([c[-1] for c in contexts], dtype=torch.int32)
+        logits = reqs.process(logits, rows, zeros, rows, parents, fed, contexts)
+        pos = torch.tensor([len(c) - 1 for c in contexts], device=DEVICE)
+        y = gumbel_sample(
+            logits,
+            rows.to(DEVICE),
+            reqs.temperature.to(DEVICE),
+            reqs.seeds.to(DEVICE),
+            pos,
+            apply_temperature=False,
+        )
+        for c, t in zip(contexts, y.tolist()):
+            c.append(t)
+    return contexts
+
+
+def _decode_with_trees(reqs, num_tokens, first, budget=6):
+    from tests.v1.ddtree_reference import build_ddtree_reference
+    from vllm.v1.sample.tree_rejection_sampler import tree_rejection_sample
+
+    # From the first output token on (a request's first step has no tree).
+    contexts = [list(p) + [t] for p, t in zip(reqs.prompts, first)]
+    n = len(contexts)
+    accepted = 0
+    while min(len(c) - len(p) for c, p in zip(contexts, reqs.prompts)) < num_tokens:
+        draft = torch.empty(n, _DEPTH, _VOCAB)
+        for r, c in enumerate(contexts):
+            greedy = list(c)
+            for k in range(_DEPTH):
+                draft[r, k] = _target(greedy)
+                greedy.append(int(draft[r, k].argmax()))
+        tree = build_ddtree_reference(draft, budget)
+        tok, par = tree.token_ids.tolist(), tree.parent_ids.tolist()
+        logits, rows, local, fed, pos = [], [], [], [], []
+        for r, c in enumerate(contexts):
+            for node in range(budget + 1):
+                path, k = [], node
+                while k:
+                    path.append(tok[r][k - 1])
+                    k = par[r][k - 1]
+                path.reverse()
+                logits.append(_target(c + path))
+                rows.append(r)
+                local.append(node)
+                fed.append(tok[r][node - 1] if node else c[-1])
+                pos.append(len(c) - 1 + len(path))
+        rows_t = torch.tensor(rows, dtype=torch.int32)
+        local_t = torch.tensor(local, dtype=torch.int32)
+        processed = reqs.process(
+            torch.stack(logits).to(DEVICE),
+            rows_t,
+            local_t,
+            rows_t,
+            tree.parent_ids,
+            torch.tensor(fed, dtype=torch.int32),
+            contexts,
+        )
+        cu = torch.arange(n + 1, dtype=torch.int32) * (budget + 1)
+        out = tree_rejection_sample(
+            processed,
+            tree.token_ids.to(DEVICE),
+            tree.parent_ids.to(DEVICE),
+            cu.to(DEVICE),
+            torch.tensor(pos, device=DEVICE),
+            rows_t.to(DEVICE),
+            reqs.temperature.to(DEVICE),
+            reqs.seeds.to(DEVICE),
+            max_depth=_DEPTH,
+        )
+        accepted += int(out.num_accepted.sum())
+        for r, c in enumerate(contexts):
+            c += out.sampled_token_ids[r, : int(out.num_sampled[r])].tolist()
+    return contexts, accepted
+
+
+def test_penalties_and_bad_words_decode_like_no_speculation():
+    """Seeded decoding (T = 0 and T > 0) with penalties and bad words: tree
+    verification emits token for token what one-token-per-step decoding with
+    vLLM's own penalty and bad-words kernels emits."""
+    prompts = [[1, 2, 3, 1], [4, 5, 4], [6, 0], [7, 8, 7, 7]]
+    num_tokens = 14
+    # Bad words the target would emit: bigrams (and a token) of its output
+    # under the penalties alone.
+    plain = _decode_sequentially(_Requests(prompts, [[[47]] * 4] * 4), num_tokens)
+    words = []
+    for c, p in zip(plain, prompts):
+        out = c[len(p) :]
+        words.append([out[2:4], out[6:8], [out[10]], out[11:13]])
+    reqs = _Requests(prompts, words)
+    want = _decode_sequentially(reqs, num_tokens)
+    first = [c[len(p)] for c, p in zip(want, prompts)]
+    got, accepted = _decode_with_trees(reqs, num_tokens, first)
+    for c, w, p in zip(got, want, prompts):
+        assert c[: len(p) + num_tokens] == w[: len(p) + num_tokens]
+    # Bad words changed the output, masked tokens on tree rows past the root
+    # (prefixes read along paths), and trees were accepted.
+    assert want != plain
+    print(f"accepted nodes: {accepted}, masked on paths: {reqs.masked_on_paths}")
+    assert accepted >= 8 and reqs.masked_on_paths >= 5

@@ -598,10 +598,12 @@ def apply_tree_bad_words(
     max_depth: int,
 ) -> None:
     """vLLM's bad-words masking with each row's preceding tokens read along
-    its node's path: where MRv2 reads the chain's rows ``0 .. pos - 1`` after
-    the request's output, a tree row reads the nodes of its path at depths
-    ``0 .. depth - 1`` (the root first). For a chain this is MRv2's
-    ``apply_bad_words``."""
+    its node's path: the request's output (its last token is the root's), then
+    the tokens fed at the path's nodes at depths ``1 .. depth``, the node
+    included, as a non-speculative step after that path would read them.
+
+    (MRv2's ``apply_bad_words`` reads a chain's rows ``0 .. pos - 1`` after the
+    output instead: the root twice and never the row's own token.)"""
     num_logits = logits.shape[0]
     if num_logits == 0 or max_num_bad_words == 0:
         return
@@ -657,7 +659,7 @@ def _tree_bad_words_kernel(
         return
 
     # The path's fed tokens by steps up from the node (step 0: the node
-    # itself), and the node's depth: the ancestor at depth s is step depth - s.
+    # itself), and the node's depth: the node at depth s is step depth - s.
     node = tl.load(local_pos_ptr + row)
     first = row - node  # the request's root row
     tree = tl.load(row_trees_ptr + row).to(tl.int64)
@@ -670,8 +672,6 @@ def _tree_bad_words_kernel(
             path = tl.where(steps == depth, token, path)
             depth += 1
             node = tl.load(parent_ptr + tree * parent_stride + node - 1)
-    root = tl.load(fed_ptr + first).to(tl.int64)
-    path = tl.where(steps == depth, root, path)
 
     prompt_len = tl.load(prompt_len_ptr + req)
     output_len = tl.load(total_len_ptr + req) - prompt_len
@@ -689,8 +689,9 @@ def _tree_bad_words_kernel(
         expected = tl.load(words + start + i).to(tl.int64)
         at = effective_len - prefix_len + i
         if at >= output_len:
-            # Depth at - output_len of the path.
-            actual = tl.sum(tl.where(steps == depth - (at - output_len), path, 0))
+            # The path's node at depth at - output_len + 1.
+            step = depth - 1 - (at - output_len)
+            actual = tl.sum(tl.where(steps == step, path, 0))
         else:
             actual = tl.load(output + at).to(tl.int64)
         match = match & (expected == actual)
