@@ -101,7 +101,7 @@ COVERED_FLOOR = 0.9
 # Fraction of seeded requests whose first difference may be unjudgeable.
 UNCHECKED_MAX = 0.05
 REFUSED = [
-    ({"logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
+    ({"logprob_token_ids": [5], "logprobs": 1}, "logprob_token_ids"),
 ]
 # Served like no speculation: structured outputs (each such request verifies
 # no drafts; its output must also follow the grammar) and penalties (counted
@@ -167,19 +167,30 @@ def _state(base: str) -> dict:
     }
 
 
-def _structured(base: str) -> dict[str, str]:
-    """Each STRUCTURED request, greedy: its output text and finish reason."""
-    out = {}
-    for name, extra in STRUCTURED.items():
-        body = {
-            "model": load_client.MODEL,
-            "prompt": "# a tiny helper\n",
-            "max_tokens": 64,
-            "temperature": 0,
-            **extra,
+def _served_like_reference(base: str, name: str) -> list:
+    """One STRUCTURED request, greedy: its output text and finish reason."""
+    body = {
+        "model": load_client.MODEL,
+        "prompt": "# a tiny helper\n",
+        "max_tokens": 64,
+        "temperature": 0,
+        **STRUCTURED[name],
+    }
+    choice = post(f"{base}/v1/completions", body)["choices"][0]
+    return [choice["text"], choice["finish_reason"]]
+
+
+def _structured(bases: dict[str, str]) -> dict[str, dict[str, list]]:
+    """Every STRUCTURED request on every server, all at once."""
+    with ThreadPoolExecutor(len(bases) * len(STRUCTURED)) as pool:
+        futures = {
+            (server, name): pool.submit(_served_like_reference, base, name)
+            for server, base in bases.items()
+            for name in STRUCTURED
         }
-        choice = post(f"{base}/v1/completions", body)["choices"][0]
-        out[name] = [choice["text"], choice["finish_reason"]]
+    out: dict[str, dict[str, list]] = {server: {} for server in bases}
+    for (server, name), future in futures.items():
+        out[server][name] = future.result()
     return out
 
 
@@ -418,8 +429,9 @@ def run_load(tmp: Path) -> dict:
                 time.sleep(stream_s / 2)
                 for n in DDTREE:
                     result["refusals"][n] = _refusals(servers[n].base)
-                for n in (*DDTREE, REFS[0]):
-                    result["structured"][n] = _structured(servers[n].base)
+                result["structured"] = _structured(
+                    {n: servers[n].base for n in (*DDTREE, REFS[0])}
+                )
                 phase("refusals done")
                 keep()
 

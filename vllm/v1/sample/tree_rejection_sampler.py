@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.triton_utils import tl, triton
-from vllm.utils.math_utils import next_power_of_2
+from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.worker.gpu.input_batch import InputBatch, get_num_sampled_and_rejected
@@ -483,7 +483,7 @@ def apply_tree_penalties(
     if num_logits == 0:
         return
     block_size = 8192
-    _tree_penalties_kernel[(num_logits, triton.cdiv(vocab_size, block_size))](
+    _tree_penalties_kernel[(num_logits, cdiv(vocab_size, block_size))](
         logits,
         logits.stride(0),
         expanded_idx_mapping,
