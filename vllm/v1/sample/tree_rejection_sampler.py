@@ -128,7 +128,8 @@ class TreeRejectionSampler:
 
         pos = input_batch.positions[input_batch.logits_indices]
         input_ids = input_batch.input_ids[input_batch.logits_indices]
-        if not self._uses_path_processing(input_batch.idx_mapping_np):
+        use_penalties, max_bad_words = self._path_rules(input_batch.idx_mapping_np)
+        if not (use_penalties or max_bad_words):
             processed_logits = self.sampler.apply_sampling_params(
                 logits,
                 input_batch.expanded_idx_mapping,
@@ -139,7 +140,14 @@ class TreeRejectionSampler:
             )
         else:
             processed_logits = self._apply_sampling_params_on_paths(
-                logits, input_batch, pos, input_ids, tree_parent_ids, tree_rows
+                logits,
+                input_batch,
+                pos,
+                input_ids,
+                tree_parent_ids,
+                tree_rows,
+                use_penalties,
+                max_bad_words,
             )
         out = tree_rejection_sample(
             processed_logits,
@@ -180,17 +188,20 @@ class TreeRejectionSampler:
             num_accepted=out.num_accepted,
         )
 
-    def _uses_path_processing(self, idx_mapping_np) -> bool:
-        """Whether a request of the batch has penalties or bad words (host
-        state: no sync)."""
+    def _path_rules(self, idx_mapping_np) -> tuple[bool, int]:
+        """Whether a request of the batch has penalties, and the most bad words
+        a request has (host state: no sync)."""
         penalties = getattr(self.sampler, "penalties_state", None)
         bad_words = getattr(self.sampler, "bad_words_state", None)
-        return (
-            penalties is not None and bool(penalties.use_penalty[idx_mapping_np].any())
-        ) or (
-            bad_words is not None
-            and int(bad_words.num_bad_words.np[idx_mapping_np].max()) > 0
+        use_penalties = penalties is not None and bool(
+            penalties.use_penalty[idx_mapping_np].any()
         )
+        max_bad_words = (
+            0
+            if bad_words is None
+            else int(bad_words.num_bad_words.np[idx_mapping_np].max())
+        )
+        return use_penalties, max_bad_words
 
     def _apply_sampling_params_on_paths(
         self,
@@ -200,6 +211,8 @@ class TreeRejectionSampler:
         input_ids: torch.Tensor,
         tree_parent_ids: torch.Tensor,
         tree_rows: torch.Tensor | None,
+        use_penalties: bool,
+        max_bad_words: int,
     ) -> torch.Tensor:
         """``Sampler.apply_sampling_params`` with each row's penalties and bad
         words read along its node's path. These go first: what the sampler
@@ -225,8 +238,8 @@ class TreeRejectionSampler:
             tree_parent_ids,
             input_ids,
         )
-        penalties = getattr(sampler, "penalties_state", None)
-        if penalties is not None and penalties.use_penalty[idx_mapping_np].any():
+        if use_penalties:
+            penalties = sampler.penalties_state
             apply_tree_penalties(
                 penalized,
                 *rows,
@@ -237,8 +250,8 @@ class TreeRejectionSampler:
                 penalties.output_bin_counts,
                 self.max_depth,
             )
-        bad_words = getattr(sampler, "bad_words_state", None)
-        if bad_words is not None:
+        if max_bad_words:
+            bad_words = sampler.bad_words_state
             req_states = bad_words.req_states
             apply_tree_bad_words(
                 penalized,
@@ -249,7 +262,7 @@ class TreeRejectionSampler:
                 req_states.all_token_ids.gpu,
                 req_states.prompt_len.gpu,
                 req_states.total_len.gpu,
-                int(bad_words.num_bad_words.np[idx_mapping_np].max()),
+                max_bad_words,
                 self.max_depth,
             )
         # The sampler's own (chain-order) steps are left out for the call.
