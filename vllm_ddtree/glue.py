@@ -20,25 +20,22 @@ Engine side (the process that parses arguments and builds the ``VllmConfig``):
    default (or the user's) maximum capture size.
 3. ``EngineArgs.create_engine_config``: the finished config must run on Model
    Runner V2, where DDTree lives.
-4. ``InputProcessor._validate_params``: per-request settings DDTree cannot honour
-   are rejected with the request.
-
 Engine-core and worker side:
 
-5. ``Scheduler.__init__``: lookahead KV slots = the drafter's block,
+4. ``Scheduler.__init__``: lookahead KV slots = the drafter's block,
    spec-decode stats with per-position counts sized by the drafter's depth
    (the scheduler's own ``make_spec_decoding_stats``, per instance), the
    grammar bitmask sized for one row per request, and with an adaptive budget
    the draft slots per batch size (``dynamic_sd_lookup``);
    ``Scheduler.add_request`` / ``schedule``: structured-output requests are
    scheduled without drafts.
-6. ``GPUModelRunner.__init__`` (MRv2): registers TREE_ATTN in the worker before
+5. ``GPUModelRunner.__init__`` (MRv2): registers TREE_ATTN in the worker before
    the model is built; ``GPUModelRunner.initialize_kv_cache``: then compiles every
    TREE_ATTN kernel variant a step can pick
    (``DDTreeModelState.warm_up_tree_attention``); ``init_speculator`` (as the
    runner imported it): ``DDTreeSpeculator``.
-7. ``init_model_state`` (as the runner imported it): ``DDTreeModelState``.
-9. ``GPUModelRunner.execute_model`` / ``prepare_inputs`` (adaptive budgets: the
+6. ``init_model_state`` (as the runner imported it): ``DDTreeModelState``.
+7. ``GPUModelRunner.execute_model`` / ``prepare_inputs`` (adaptive budgets: the
    step's budget, and the batch-wide split of its nodes), ``load_model`` (the
    structured-output bitmask sized by the step's token limit; prompt logprobs
    without a padded join's placeholder rows) and
@@ -50,7 +47,7 @@ Front end:
    the drafter's depth, not by ``tree_budget``.
 
 TREE_ATTN is registered as ``AttentionBackendEnum.CUSTOM`` only in the processes
-of a DDTree engine (points 1 and 6), so another backend in that slot is an error
+of a DDTree engine (points 1 and 5), so another backend in that slot is an error
 for DDTree engines only. Each point is patched when its vLLM module is imported.
 
 Everything the wrappers put into the config is a plain int, string or enum, so
@@ -95,10 +92,6 @@ def _patch_engine_args(module) -> None:
     _wrap(args, "create_engine_config", _create_engine_config)
 
 
-def _patch_input_processor(module) -> None:
-    _wrap(module.InputProcessor, "_validate_params", _validate_params)
-
-
 def _patch_scheduler(module) -> None:
     _wrap(module.Scheduler, "__init__", _scheduler_init)
     _wrap(module.Scheduler, "add_request", _scheduler_add_request)
@@ -123,7 +116,6 @@ def _patch_stat_loggers(module) -> None:
 
 _PATCHES: dict[str, Callable[[Any], None]] = {
     "vllm.engine.arg_utils": _patch_engine_args,
-    "vllm.v1.engine.input_processor": _patch_input_processor,
     "vllm.v1.core.sched.scheduler": _patch_scheduler,
     "vllm.v1.worker.gpu.model_runner": _patch_model_runner,
     "vllm.v1.metrics.loggers": _patch_stat_loggers,
@@ -526,23 +518,7 @@ def _finish_engine_config(original, self, *args, **kwargs):
 
 
 # ---------------------------------------------------------------------------
-# 4. Requests
-# ---------------------------------------------------------------------------
-
-
-def _validate_params(original, self, params, supported_tasks):
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.spec_decode.ddtree_config import check_sampling_params
-
-    # Before vLLM's own checks: a request DDTree cannot serve should hear
-    # that, not what vLLM's later checks think of it.
-    if isinstance(params, SamplingParams) and _ddtree_of(self.vllm_config):
-        check_sampling_params(params)
-    original(self, params, supported_tasks)
-
-
-# ---------------------------------------------------------------------------
-# 5-7. Engine core and workers
+# 4-7. Engine core and workers
 # ---------------------------------------------------------------------------
 
 
@@ -700,7 +676,7 @@ def _prepare_inputs(original, self, *args, **kwargs):
 def _initialize_kv_cache(original, self, *args, **kwargs):
     out = original(self, *args, **kwargs)
     warm_up = getattr(self.model_state, "warm_up_tree_attention", None)
-    if warm_up is not None:  # DDTree's model state (point 7)
+    if warm_up is not None:  # DDTree's model state (point 6)
         # KV caches, block tables and attention groups exist now, whatever the
         # CUDA-graph mode; capture then finds TREE_ATTN compiled.
         warm_up(self.block_tables, self.attn_groups)

@@ -11,6 +11,7 @@ next to this checkout on ``PYTHONPATH``. Traffic goes to 127.0.0.1 only.
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -24,6 +25,27 @@ from tests.e2e.generate import save_log
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 420
+# A line in vLLM's log format (``vllm/logger.py``: level, date, [file:line],
+# message), after the "(EngineCore pid=N) " prefix of child processes.
+_VLLM_LOG_LINE = re.compile(
+    r"^(?:\(\S+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+    r"\d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+:\d+\] (.*)$"
+)
+
+
+def ddtree_log_lines(text: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """DDTree's lines of a server log: ``(level, message)`` for each in vLLM's
+    format, and every other line that says ``DDTree:`` (printed bare)."""
+    lines, bare = [], []
+    for line in text.splitlines():
+        if "DDTree:" not in line:
+            continue
+        m = _VLLM_LOG_LINE.match(line)
+        if m and m.group(2).startswith("DDTree:"):
+            lines.append((m.group(1), m.group(2)))
+        else:
+            bare.append(line)
+    return lines, bare
 
 
 def free_port() -> int:

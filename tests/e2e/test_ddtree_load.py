@@ -23,11 +23,11 @@ end-of-sequence, every fifth aborted within its first half) for
 ``DDTREE_LOAD_SECONDS`` (default 300), fewer if start-up left too little of
 ``DDTREE_LOAD_BUDGET_S`` (default 540, the whole module from the fixture's
 start: :func:`plan`). At the end the streams still open are closed: aborted at
-the deadline, counted apart from the fifth aborted at random. Halfway, a request
-with ``logprob_token_ids`` must get a 400 that names the setting, the server
-must keep serving, and greedy requests with each penalty, bad words, a choice
-and a JSON schema must give no speculation's output (the last two valid under
-their grammar). The references replay every request
+the deadline, counted apart from the fifth aborted at random. Halfway, greedy
+requests with each penalty, bad words, a choice and a JSON schema must give no
+speculation's output (the last two valid under their grammar), and a chat
+request with ``logprob_token_ids`` the same tokens with the logprobs of the ids
+it asked for, within ``TIE_TOL`` of no speculation's. The references replay every request
 without streaming or aborts, at a higher concurrency, for at most
 ``REF_CATCH_UP_S`` (and what the budget leaves) after the streams end. Checks:
 no request failed; every finished output, and every aborted request's received
@@ -51,7 +51,6 @@ import sys
 import tarfile
 import threading
 import time
-import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,9 +58,9 @@ import pytest
 import torch
 
 from tests.e2e import load_client
-from tests.e2e.compare import compare_greedy, compare_seeded
+from tests.e2e.compare import TIE_TOL, compare_greedy, compare_seeded
 from tests.e2e.generate import save_log
-from tests.e2e.servers import ROOT, metric, metrics, post, serving
+from tests.e2e.servers import ROOT, ddtree_log_lines, metric, metrics, post, serving
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"
@@ -100,9 +99,9 @@ REQUESTS_FLOOR = 200
 COVERED_FLOOR = 0.9
 # Fraction of seeded requests whose first difference may be unjudgeable.
 UNCHECKED_MAX = 0.05
-REFUSED = [
-    ({"logprob_token_ids": [5], "logprobs": 1}, "logprob_token_ids"),
-]
+# Token ids a chat request asks the logprobs of at every position (vLLM's
+# OpenAI server takes ``logprob_token_ids`` on chat completions only).
+ASKED_TOKEN_IDS = [40, 101, 1000]
 # Served like no speculation: structured outputs (each such request verifies
 # no drafts; its output must also follow the grammar) and penalties (counted
 # along each tree path).
@@ -194,41 +193,25 @@ def _structured(bases: dict[str, str]) -> dict[str, dict[str, list]]:
     return out
 
 
-def _refusals(base: str) -> list[dict]:
-    out = []
-    for extra, words in REFUSED:
-        body = {
-            "model": load_client.MODEL,
-            "prompt": [5, 6, 7],
-            "max_tokens": 4,
-            **extra,
-        }
-        try:
-            post(f"{base}/v1/completions", body)
-            out.append({"words": words, "status": 200, "message": ""})
-        except urllib.error.HTTPError as e:
-            out.append(
-                {"words": words, "status": e.code, "message": e.read().decode()[:500]}
-            )
-    # ... and the server still serves.
-    after = post(
-        f"{base}/v1/completions",
-        {
-            "model": load_client.MODEL,
-            "prompt": [8, 9],
-            "max_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-    )
-    out.append(
-        {
-            "words": "served after",
-            "status": 200,
-            "message": str(after["usage"]["completion_tokens"]),
-        }
-    )
-    return out
+def _asked_logprobs(base: str) -> dict:
+    """A greedy chat request with ``logprob_token_ids``: its text, and per
+    position the (token, logprob) pairs returned."""
+    body = {
+        "model": load_client.MODEL,
+        "messages": [{"role": "user", "content": "def parse(line):"}],
+        "max_tokens": 32,
+        "temperature": 0,
+        "logprobs": True,
+        "logprob_token_ids": ASKED_TOKEN_IDS,
+    }
+    choice = post(f"{base}/v1/chat/completions", body)["choices"][0]
+    return {
+        "text": choice["message"]["content"],
+        "top": [
+            [[t["token"], t["logprob"]] for t in pos["top_logprobs"]]
+            for pos in choice["logprobs"]["content"]
+        ],
+    }
 
 
 def plan(
@@ -422,26 +405,28 @@ def run_load(tmp: Path) -> dict:
                     "--stride",
                     str(len(REFS)),
                 )
-            result["refusals"] = {}
             result["structured"] = {}
+            result["asked_logprobs"] = {}
 
-            def refuse():
+            def served_like_reference():
                 time.sleep(stream_s / 2)
-                for n in DDTREE:
-                    result["refusals"][n] = _refusals(servers[n].base)
-                result["structured"] = _structured(
-                    {n: servers[n].base for n in (*DDTREE, REFS[0])}
-                )
-                phase("refusals done")
+                bases = {n: servers[n].base for n in (*DDTREE, REFS[0])}
+                result["structured"] = _structured(bases)
+                with ThreadPoolExecutor(len(bases)) as pool:
+                    asked = {
+                        n: pool.submit(_asked_logprobs, b) for n, b in bases.items()
+                    }
+                result["asked_logprobs"] = {n: f.result() for n, f in asked.items()}
+                phase("requests like no speculation done")
                 keep()
 
-            refuser = threading.Thread(target=refuse, daemon=True)
-            refuser.start()
+            checker = threading.Thread(target=served_like_reference, daemon=True)
+            checker.start()
             for n in DDTREE:
                 clients[n].wait(timeout=stream_s + 60)
             streams_end = elapsed()
             result["seconds"] = round(time.monotonic() - streamed_at, 1)
-            refuser.join()
+            checker.join()
             with ThreadPoolExecutor(len(DDTREE)) as pool:
                 end = {n: pool.submit(_state, servers[n].base) for n in DDTREE}
                 runs.update({n: _read(tmp / f"{n}.jsonl") for n in DDTREE})
@@ -603,15 +588,20 @@ def test_preempting_server_preempted(load):
 
 
 @pytest.mark.parametrize("name", DDTREE)
-def test_unsupported_requests_refused_while_serving(load, name):
-    refusals = load["result"]["refusals"][name]
-    print(f"{name}: {refusals}")
-    *refused, after = refusals
-    for r in refused:
-        assert r["status"] == 400, r
-        assert "DDTree does not support" in r["message"], r
-        assert r["words"] in r["message"], r
-    assert after["message"] == "8"
+def test_logprob_token_ids_like_no_speculation(load, name):
+    asked = load["result"]["asked_logprobs"]
+    got, want = asked[name], asked[REFS[0]]
+    print(f"{name}: {got['text']!r} (no speculation: {want['text']!r})")
+    assert got["text"] == want["text"]
+    assert len(got["top"]) == len(want["top"]) >= 8
+    worst = 0.0
+    for position, (g, w) in enumerate(zip(got["top"], want["top"])):
+        # The asked ids, as without speculation: same tokens, same order.
+        assert [t for t, _ in g] == [t for t, _ in w], position
+        assert len(g) == len(ASKED_TOKEN_IDS), position
+        worst = max(worst, *(abs(a - b) for (_, a), (_, b) in zip(g, w)))
+    print(f"{name}: largest logprob difference {worst:.4f} nats")
+    assert worst <= TIE_TOL
 
 
 @pytest.mark.parametrize("name", DDTREE)
@@ -627,6 +617,25 @@ def test_penalties_and_structured_outputs_served_like_no_speculation(load, name)
     if got["json"][1] == "stop":
         value = json.loads(got["json"][0])
         assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool)
+
+
+@pytest.mark.parametrize("name", DDTREE)
+def test_ddtree_lines_in_vllm_log_format(load, name):
+    """With vLLM's defaults (largest CUDA graph 512 tokens) a budget of 128
+    leaves steps of 4 or more requests without graphs: the server's log says
+    so at WARNING, next to the budget line at INFO, both in vLLM's format."""
+    lines, bare = ddtree_log_lines(load["logs"][name])
+    print("\n".join(f"{level} {message}" for level, message in lines))
+    assert not bare, bare
+    by_level = {
+        level: [m for lv, m in lines if lv == level] for level in ("INFO", "WARNING")
+    }
+    assert any(m.startswith("DDTree: fixed tree_budget=128,") for m in by_level["INFO"])
+    assert any(
+        m.startswith("DDTree: tree_budget=128 verifies 129 tokens")
+        and "run without graphs" in m
+        for m in by_level["WARNING"]
+    )
 
 
 @pytest.mark.parametrize("name", DDTREE)

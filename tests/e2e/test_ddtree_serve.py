@@ -5,19 +5,19 @@
 The server runs as vLLM's own CLI (``tests.e2e.servers``), CUDA graphs and async
 scheduling on. Checks: /v1/completions and
 /v1/chat/completions, with and without streaming (greedy: the streamed text
-equals the non-streamed text), a request DDTree cannot serve is refused with a
-clear message, and /metrics reports spec-decode counters. About 90 s on an H200.
+equals the non-streamed text), chat logprobs of the token ids a request asks for,
+DDTree's lines in the server's log in vLLM's format, and /metrics reports
+spec-decode counters. About 90 s on an H200.
 """
 
 import json
-import urllib.error
 
 import pytest
 import torch
 
 from tests.e2e.engines import KV_CACHE_BYTES
+from tests.e2e.servers import ddtree_log_lines, metric, metrics, serving
 from tests.e2e.servers import post as _post
-from tests.e2e.servers import metric, metrics, serving
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(
@@ -28,7 +28,7 @@ MODEL = "tiny-qwen3"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddtree_serve")
     target = make_tiny_qwen3(tmp / "target")
     drafter = make_tiny_dflash(tmp / "drafter", target)
@@ -51,9 +51,14 @@ def server(tmp_path_factory):
     ]
     try:
         with serving(tmp, {"ddtree_serve": (str(target), args)}) as servers:
-            yield servers["ddtree_serve"].base
+            yield servers["ddtree_serve"]
     except RuntimeError as e:
         pytest.fail(str(e))
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served.base
 
 
 def test_completions(server):
@@ -103,18 +108,39 @@ def test_batch_of_sampled_requests(server):
     assert out["usage"]["completion_tokens"] == 4 * 24
 
 
-def test_unsupported_request_is_refused(server):
+def test_chat_logprob_token_ids(server):
+    """The logprobs of the ids asked for at every position (vLLM's OpenAI
+    server takes ``logprob_token_ids`` on chat completions)."""
+    asked = [5, 6, 7]
     body = {
         "model": MODEL,
-        "prompt": "x",
-        "max_tokens": 4,
-        "logprobs": 1,
-        "logprob_token_ids": [5],
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "logprob_token_ids": asked,
     }
-    with pytest.raises(urllib.error.HTTPError) as err:
-        _post(f"{server}/v1/completions", body)
-    assert err.value.code == 400
-    assert "logprob_token_ids" in err.value.read().decode()
+    out = _post(f"{server}/v1/chat/completions", body)
+    positions = out["choices"][0]["logprobs"]["content"]
+    assert len(positions) == 16
+    tokens = [[t["token"] for t in pos["top_logprobs"]] for pos in positions]
+    # The same three tokens everywhere (the ids asked for), none repeated.
+    assert all(t == tokens[0] for t in tokens) and len(set(tokens[0])) == len(asked)
+    for pos in positions:
+        values = [t["logprob"] for t in pos["top_logprobs"]]
+        assert all(-1e4 < v <= 0 for v in values), values
+
+
+def test_ddtree_lines_in_vllm_log_format(served):
+    """DDTree's start-up lines reach the server's log at INFO, in vLLM's format,
+    from the front end (the budget) and the engine core (TREE_ATTN's warm-up)."""
+    lines, bare = ddtree_log_lines(served.log_text())
+    print("\n".join(f"{level} {message}" for level, message in lines))
+    assert not bare, bare
+    infos = [message for level, message in lines if level == "INFO"]
+    assert any(m.startswith("DDTree: fixed tree_budget=32,") for m in infos)
+    assert any(m.startswith("DDTree: TREE_ATTN warmed up over") for m in infos)
 
 
 def test_metrics_report_spec_decode(server):

@@ -92,6 +92,7 @@ class FakeVllm:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
         # vLLM aborts a request whose client went away; the fake's handler ends.
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
@@ -117,10 +118,6 @@ class FakeVllm:
 
     async def _completions(self, request):
         body = await request.json()
-        for key, words in load_module.REFUSED:
-            if next(iter(key)) in body:
-                message = f"DDTree does not support {words}"
-                return web.json_response({"error": {"message": message}}, status=400)
         key = json.dumps(body["prompt"])
         if key in self._drop:
             self._drop.discard(key)
@@ -145,6 +142,18 @@ class FakeVllm:
             return await self._stream(request, tokens, finish, k)
         finally:
             self.running -= 1
+
+    async def _chat(self, request):
+        """Greedy chat with ``logprob_token_ids``: ten positions, each with the
+        logprobs of the ids asked for."""
+        body = await request.json()
+        top = [
+            {"token": str(t), "logprob": -1.0 - t / 1e4}
+            for t in body["logprob_token_ids"]
+        ]
+        content = [{"token": "a", "top_logprobs": top} for _ in range(10)]
+        choice = {"message": {"content": "a" * 10}, "logprobs": {"content": content}}
+        return web.json_response({"choices": [choice]})
 
     async def _stream(self, request, tokens, finish, k):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -386,7 +395,7 @@ def test_fixture_dry_run(tmp_path, monkeypatch, capsys):
     assert 6 <= result["seconds"] < 12
     assert list(result["phases"]) == [
         "servers up",
-        "refusals done",
+        "requests like no speculation done",
         "streams done",
         "end state read",
         "reference done",
@@ -397,7 +406,7 @@ def test_fixture_dry_run(tmp_path, monkeypatch, capsys):
         load_module.test_served_without_errors(load, name)
         load_module.test_outputs_equal_no_speculation(load, name)
         load_module.test_idle_and_every_block_back(load, name)
-        load_module.test_unsupported_requests_refused_while_serving(load, name)
+        load_module.test_logprob_token_ids_like_no_speculation(load, name)
         load_module.test_metrics_sized_by_drafter_depth(load, name)
     load_module.test_preempting_server_preempted(load)
     counts = result["counts"]

@@ -101,10 +101,9 @@ def test_wrappers_reach_modules_imported_later():
         import vllm_ddtree
         vllm_ddtree.register()
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.engine.input_processor import InputProcessor
         from vllm.v1.worker.gpu import model_runner
         from vllm.engine.arg_utils import EngineArgs
-        funcs = [Scheduler.__init__, InputProcessor._validate_params,
+        funcs = [Scheduler.__init__, Scheduler.add_request,
                  model_runner.init_speculator, model_runner.init_model_state,
                  model_runner.GPUModelRunner.__init__,
                  model_runner.GPUModelRunner.initialize_kv_cache,

@@ -6,7 +6,9 @@ import contextlib
 import os
 import types
 
+import numpy as np
 import pytest
+import torch
 
 from vllm.triton_utils import tl, triton
 from vllm.v1.sample.tree_rejection_sampler import apply_sampling_params
@@ -37,9 +39,13 @@ def interpreter_shims():
 class StubSampler:
     """The parts of vLLM's MRv2 ``Sampler`` that ``TreeRejectionSampler`` uses
     (vLLM's own needs UVA memory, which a CPU-only machine lacks): temperature
-    only, and ``num_logprobs`` logprobs (-1: none)."""
+    only, ``num_logprobs`` logprobs (-1: none), and ``logprob_token_ids``
+    ({request state index: token ids}) in the layout of MRv2's
+    ``LogprobTokenIdsState``."""
 
-    def __init__(self, temperature, seeds, prefill_len, num_logprobs=-1):
+    def __init__(
+        self, temperature, seeds, prefill_len, num_logprobs=-1, logprob_token_ids=None
+    ):
         self.compute_nans = False
         self.use_fp64_gumbel = False
         self.logprobs_mode = "raw_logprobs"
@@ -51,9 +57,37 @@ class StubSampler:
         self.req_states = types.SimpleNamespace(
             prefill_len=types.SimpleNamespace(gpu=prefill_len)
         )
+        if logprob_token_ids is not None:
+            self.logprob_token_ids_state = _token_ids_state(
+                logprob_token_ids, temperature.shape[0], temperature.device
+            )
+
+    def returns_logprobs(self, idx_mapping_np) -> bool:
+        state = getattr(self, "logprob_token_ids_state", None)
+        return self.sampling_states.max_num_logprobs(idx_mapping_np) != -1 or (
+            state is not None and state.max_num_token_ids(idx_mapping_np) > 0
+        )
 
     def apply_sampling_params(
         self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids, local_pos
     ):
         temperature = self.sampling_states.temperature.gpu
         return apply_sampling_params(logits.clone(), expanded_idx_mapping, temperature)
+
+
+def _token_ids_state(token_ids: dict[int, list[int]], max_num_reqs: int, device):
+    """MRv2's ``LogprobTokenIdsState`` fields, filled at once (no UVA)."""
+    from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
+
+    num = np.zeros(max_num_reqs, dtype=np.int32)
+    ids = torch.zeros(max_num_reqs, MAX_LOGPROB_TOKEN_IDS, dtype=torch.int32)
+    for req, tokens in token_ids.items():
+        num[req] = len(tokens)
+        ids[req, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+    return types.SimpleNamespace(
+        num_token_ids=types.SimpleNamespace(
+            np=num, gpu=torch.from_numpy(num).to(device)
+        ),
+        token_ids=types.SimpleNamespace(gpu=ids.to(device)),
+        max_num_token_ids=lambda idx: int(num[idx].max(initial=0)),
+    )

@@ -23,6 +23,7 @@ from vllm.v1.sample.tree_rejection_sampler import (
     walk_trees,
 )
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample
 
@@ -817,8 +818,13 @@ def _input_batch(tokens, parents, num_nodes, seq_lens, p0):
     )
 
 
+# Requests 0 and 2 name the token ids whose logprobs they want; 1 does not.
+CUSTOM_LOGPROB_TOKEN_IDS = {0: [5, 7, 11], 2: [3]}
+
+
+@pytest.mark.parametrize("custom", [False, True])
 @pytest.mark.parametrize("num_logprobs", [NO_LOGPROBS, 0, 3])
-def test_tree_rejection_sampler_class(num_logprobs):
+def test_tree_rejection_sampler_class(num_logprobs, custom):
     vocab, num_reqs = 111, 3
     gen = torch.Generator().manual_seed(8)
     tree = build_ddtree_reference(torch.randn(num_reqs, 3, vocab, generator=gen), 6)
@@ -836,6 +842,7 @@ def test_tree_rejection_sampler_class(num_logprobs):
         seeds=torch.tensor([1, 2, 3], device=DEVICE),
         prefill_len=torch.tensor([5, 5, 50], dtype=torch.int32, device=DEVICE),
         num_logprobs=num_logprobs,
+        logprob_token_ids=CUSTOM_LOGPROB_TOKEN_IDS if custom else None,
     )
     tree_sampler = TreeRejectionSampler(sampler, max_depth=3)
     token_ids, parent_ids = _to(DEVICE, tree.token_ids, tree.parent_ids)
@@ -863,7 +870,7 @@ def test_tree_rejection_sampler_class(num_logprobs):
     assert out.num_rejected.tolist() == [6 - k[0], 4 - k[1], 0]
     assert k[2] == 0
 
-    if num_logprobs == NO_LOGPROBS:
+    if num_logprobs == NO_LOGPROBS and not custom:
         assert out.logprobs_tensors is None
         return
     # Emitted token j of request r was sampled at the path node of depth j;
@@ -885,9 +892,35 @@ def test_tree_rejection_sampler_class(num_logprobs):
             # vLLM's rank: logits of the row at least the emitted token's.
             rank = int((logits[src] >= logits[src, token]).sum())
             assert int(lp.selected_token_ranks[row]) == rank
-            if num_logprobs > 0:
+            asked = CUSTOM_LOGPROB_TOKEN_IDS.get(r, []) if custom else []
+            ids = lp.logprob_token_ids[row, 1:].tolist()
+            if asked:
+                # The ids asked for, then -inf columns (vLLM's layout).
+                n = len(asked)
+                assert ids[:n] == asked
+                torch.testing.assert_close(
+                    lp.logprobs[row, 1 : n + 1], log_probs[src, asked]
+                )
+                assert torch.isneginf(lp.logprobs[row, n + 1 :]).all()
+            elif num_logprobs > 0:
                 top = log_probs[src].topk(num_logprobs).indices
-                assert lp.logprob_token_ids[row, 1:].tolist() == top.tolist()
+                assert ids[:num_logprobs] == top.tolist()
+            # What vLLM's one-token sampler returns for that row: the logits
+            # a request sees at the node's position without speculation.
+            one = compute_topk_scores(
+                logits[src : src + 1],
+                max(num_logprobs, 0),
+                out.sampled_token_ids[r, j : j + 1],
+                logprob_token_ids_state=getattr(
+                    sampler, "logprob_token_ids_state", None
+                ),
+                expanded_idx_mapping=batch.idx_mapping[r : r + 1],
+                max_per_req_token_ids=3 if custom else 0,
+            )
+            width = one.logprob_token_ids.shape[1]
+            assert lp.logprob_token_ids.shape[1] == width
+            assert torch.equal(lp.logprob_token_ids[row], one.logprob_token_ids[0])
+            assert torch.equal(lp.logprobs[row], one.logprobs[0])
             checked += 1
             moved += src != int(cu[r]) + j
     # Emitted past the root from a row other than its own, and entries past a
@@ -902,6 +935,9 @@ def test_tree_rejection_sampler_class(num_logprobs):
             tree_sampler._get_logprobs_tensors(batch, core, logits)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+ASKED = [9, 99, 999]
 
 
 @gpu_only
@@ -927,8 +963,12 @@ def test_tree_rejection_sampler_with_vllm_sampler():
         prompt = list(range(prompt_lens[r]))
         req_states.add_request(f"r{r}", prompt_lens[r], prompt, 0, 64)
         req_idx = req_states.req_id_to_index[f"r{r}"]
+        # Request 0 asks for top-2 logprobs, request 1 for three given ids'.
+        logprob_args = [{"logprobs": 2}, {"logprob_token_ids": ASKED}, {}][r]
         sampler.add_request(
-            req_idx, prompt_lens[r], SamplingParams(temperature=temps[r], seed=r + 1)
+            req_idx,
+            prompt_lens[r],
+            SamplingParams(temperature=temps[r], seed=r + 1, **logprob_args),
         )
     req_states.apply_staged_writes()
     sampler.apply_staged_writes()
@@ -973,3 +1013,25 @@ def test_tree_rejection_sampler_with_vllm_sampler():
     k = core.num_accepted.tolist()
     assert out.num_sampled.tolist() == [k[0] + 1, k[1] + 1, 0]
     assert out.num_rejected.tolist() == [budget - k[0], budget // 2 - k[1], 0]
+
+    # Logprobs of each emitted token from its path row, as vLLM's one-token
+    # sampler returns them (raw logprobs; unused columns -inf).
+    lp = out.logprobs_tensors
+    stride = lp.cu_num_generated_tokens[1]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    checked = 0
+    for r in range(2):
+        path = [0] + core.accepted_nodes[r, : k[r]].tolist()
+        for j, node in enumerate(path):
+            row, src = r * stride + j, int(cu[r]) + node
+            ids = lp.logprob_token_ids[row].tolist()
+            assert ids[0] == int(out.sampled_token_ids[r, j])
+            asked = log_probs[src].topk(2).indices.tolist() if r == 0 else ASKED
+            assert ids[1 : 1 + len(asked)] == asked
+            torch.testing.assert_close(
+                lp.logprobs[row, : 1 + len(asked)],
+                log_probs[src, ids[: 1 + len(asked)]],
+            )
+            assert torch.isneginf(lp.logprobs[row, 1 + len(asked) :]).all()
+            checked += 1
+    assert checked >= 4, checked

@@ -461,50 +461,6 @@ def test_engine_checks_pass():
     ddt.check_engine_args(_args(kv_cache_dtype="bfloat16"), _target())
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(),
-        SamplingParams(
-            temperature=0.7,
-            top_k=20,
-            top_p=0.9,
-            min_tokens=3,
-            seed=1,
-            logprobs=2,
-            allowed_token_ids=[1, 2, 3],
-        ),
-        # Served: penalties along each node's path.
-        SamplingParams(presence_penalty=0.5, frequency_penalty=-0.1),
-        SamplingParams(repetition_penalty=1.1),
-        SamplingParams(bad_words=["foo"]),
-        # Served: such a request verifies no drafts.
-        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
-        SamplingParams(structured_outputs=StructuredOutputsParams(json={})),
-    ],
-)
-def test_sampling_params_accepted(params):
-    ddt.check_sampling_params(params)
-
-
-@pytest.mark.parametrize(
-    "params, match",
-    [
-        (
-            SamplingParams(logprobs=2, logprob_token_ids=[5, 7]),
-            "does not support logprob_token_ids",
-        ),
-        (
-            SamplingParams(logprob_token_ids=[5]),
-            "does not support logprob_token_ids.*logprobs=N",
-        ),
-    ],
-)
-def test_sampling_params_rejected(params, match):
-    with pytest.raises(ValueError, match=match):
-        ddt.check_sampling_params(params)
-
-
 # ---------------------------------------------------------------------------
 # Batch limits and CUDA-graph sizes
 # ---------------------------------------------------------------------------
@@ -1299,24 +1255,6 @@ def _ddtree_vllm_config():
             method="dflash", num_speculative_tokens=CFG.tree_budget
         ),
     )
-
-
-def test_request_check_runs_only_for_ddtree():
-    from vllm_ddtree import glue
-
-    calls = []
-    original = lambda self, params, tasks: calls.append(params)  # noqa: E731
-    ddtree = types.SimpleNamespace(vllm_config=_ddtree_vllm_config())
-    plain = types.SimpleNamespace(
-        vllm_config=types.SimpleNamespace(additional_config={}, speculative_config=None)
-    )
-    bad = SamplingParams(logprob_token_ids=[5])
-    glue._validate_params(original, plain, bad, ("generate",))
-    with pytest.raises(ValueError, match="logprob_token_ids"):
-        glue._validate_params(original, ddtree, bad, ("generate",))
-    glue._validate_params(original, ddtree, SamplingParams(), ("generate",))
-    # DDTree's check comes first: the refused request never reaches vLLM's.
-    assert len(calls) == 2
 
 
 def test_scheduler_lookahead_is_the_drafter_block():

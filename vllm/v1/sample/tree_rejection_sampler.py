@@ -293,10 +293,18 @@ class TreeRejectionSampler:
         # [num_logits, vocab_size]
         logits: torch.Tensor,
     ) -> LogprobsTensors | None:
-        max_num_logprobs = self.sampler.sampling_states.max_num_logprobs(
-            input_batch.idx_mapping_np
+        sampler = self.sampler
+        idx_mapping_np = input_batch.idx_mapping_np
+        max_num_logprobs = sampler.sampling_states.max_num_logprobs(idx_mapping_np)
+        # Requests may name the token ids whose logprobs they want
+        # (``logprob_token_ids``), with or without top-``logprobs`` ones.
+        token_ids_state = getattr(sampler, "logprob_token_ids_state", None)
+        max_per_req_token_ids = (
+            0
+            if token_ids_state is None
+            else token_ids_state.max_num_token_ids(idx_mapping_np)
         )
-        if max_num_logprobs == NO_LOGPROBS:
+        if max_num_logprobs == NO_LOGPROBS and max_per_req_token_ids == 0:
             return None
         # vLLM reads the first num_sampled logprob entries of each request from
         # where the host says its entries start; the accepted path's rows are
@@ -309,10 +317,12 @@ class TreeRejectionSampler:
         )
         scores = compute_topk_scores(
             logits,
-            max_num_logprobs,
+            0 if max_num_logprobs == NO_LOGPROBS else max_num_logprobs,
             row_tokens,
-            logits_mode=self.sampler.logprobs_mode
-            in ("raw_logits", "processed_logits"),
+            logprob_token_ids_state=token_ids_state,
+            expanded_idx_mapping=input_batch.expanded_idx_mapping,
+            max_per_req_token_ids=max_per_req_token_ids,
+            logits_mode=sampler.logprobs_mode in ("raw_logits", "processed_logits"),
         )
         num_reqs = input_batch.idx_mapping.shape[0]
         return LogprobsTensors(

@@ -642,17 +642,3 @@ def first_ungraphed_batch(
     if first > max_num_seqs or first * cfg.draft_len > max_capture_size:
         return None
     return first
-
-
-def check_sampling_params(params: Any) -> None:
-    """Reject per-request settings the tree sampler would answer wrongly.
-    (Penalties and bad words are read along each node's path by the tree
-    sampler; structured-output requests decode without drafts.)"""
-    if getattr(params, "logprob_token_ids", None):
-        # MRv2's speculative samplers return top-k logprobs only: the ids asked
-        # for would be answered with other tokens' logprobs.
-        raise ValueError(
-            "DDTree does not support logprob_token_ids yet (the tree sampler "
-            "returns the top `logprobs` tokens only); ask for `logprobs=N` "
-            "instead, or serve without speculation"
-        )
