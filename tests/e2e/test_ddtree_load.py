@@ -101,7 +101,7 @@ COVERED_FLOOR = 0.9
 UNCHECKED_MAX = 0.05
 # Token ids a chat request asks the logprobs of at every position (vLLM's
 # OpenAI server takes ``logprob_token_ids`` on chat completions only).
-ASKED_TOKEN_IDS = [40, 101, 1000]
+ASKED_TOKEN_IDS = [11, 325, 1558]
 # Served like no speculation: structured outputs (each such request verifies
 # no drafts; its output must also follow the grammar) and penalties (counted
 # along each tree path).
@@ -121,7 +121,9 @@ STRUCTURED = {
     "frequency": {"frequency_penalty": 0.8},
     "presence": {"presence_penalty": 1.1},
     "penalties": {"repetition_penalty": 0.9, "frequency_penalty": -0.3},
-    "bad_words": {"bad_words": ["def", " (", "\n\n"]},
+    # (vLLM 0.26 answers a whitespace-only bad word with HTTP 500, with and
+    # without speculation: its tokenization indexes the word's empty encoding.)
+    "bad_words": {"bad_words": ["def", " (", "return"]},
 }
 
 
@@ -596,9 +598,10 @@ def test_logprob_token_ids_like_no_speculation(load, name):
     assert len(got["top"]) == len(want["top"]) >= 8
     worst = 0.0
     for position, (g, w) in enumerate(zip(got["top"], want["top"])):
-        # The asked ids, as without speculation: same tokens, same order.
+        # The emitted token and the asked ids, as without speculation: same
+        # tokens, same order.
         assert [t for t, _ in g] == [t for t, _ in w], position
-        assert len(g) == len(ASKED_TOKEN_IDS), position
+        assert len(ASKED_TOKEN_IDS) <= len(g) <= len(ASKED_TOKEN_IDS) + 1, g
         worst = max(worst, *(abs(a - b) for (_, a), (_, b) in zip(g, w)))
     print(f"{name}: largest logprob difference {worst:.4f} nats")
     assert worst <= TIE_TOL

@@ -1034,4 +1034,5 @@ def test_tree_rejection_sampler_with_vllm_sampler():
             )
             assert torch.isneginf(lp.logprobs[row, 1 + len(asked) :]).all()
             checked += 1
-    assert checked >= 4, checked
+    # The root rows of both requests and at least one accepted node's row.
+    assert checked >= 3 and sum(k[:2]) >= 1, (checked, k)
