@@ -133,6 +133,8 @@ class FakeVllm:
                     self.event_delay_s * len(tokens) / self.event_tokens
                 )
                 choice = {"text": "", "logprobs": _logprobs(tokens, k)}
+                if body.get("return_token_ids"):
+                    choice.update(token_ids=tokens, prompt_token_ids=[1, 2, 3])
                 return web.json_response(
                     {
                         "choices": [{**choice, "finish_reason": finish}],
@@ -475,3 +477,43 @@ def test_fixture_dry_run_reference_behind(tmp_path, monkeypatch):
     # (a count of the references' own requests would race the streams').
     report = summary["ddtree_comparison"]
     assert report["with_reference"] < load_module.COVERED_FLOOR * report["requests"]
+
+
+def _reply(tokens, top, prompt=(1, 2)):
+    return {
+        "text": " ".join(map(str, tokens)),
+        "finish": "length",
+        "prompt": list(prompt),
+        "tokens": list(tokens),
+        "top": top,
+    }
+
+
+def _tops(tokens, runner_up, gap):
+    """Top logprobs with each position's token first and ``runner_up`` ``gap``
+    nats behind it."""
+    return [[[t, -0.5], [runner_up, -0.5 - gap]] for t in tokens]
+
+
+def test_penalized_difference():
+    judge = load_module.penalized_difference
+    rep = {"repetition_penalty": 1.3}
+    want = _reply([5, 6, 7], _tops([5, 6, 7], 9, 0.01))
+    assert judge(rep, want, want) is None
+    # Parted at position 1 by a tie between 9 and 6, neither seen before.
+    got = _reply([5, 9, 8], _tops([5, 9, 8], 6, 0.01))
+    assert judge(rep, got, want) is None
+    assert judge({"presence_penalty": 1.1}, got, want) is None
+    # A clear margin is a difference, not a tie.
+    far = _reply([5, 6, 7], _tops([5, 6, 7], 9, 0.5))
+    assert "not a numerical tie" in judge(rep, got, far)
+    # A tie between tokens the penalty changes (9 in the prompt, or 6 in the
+    # output before) cannot be judged from raw logprobs.
+    seen = _reply([5, 6, 7], _tops([5, 6, 7], 9, 0.01), prompt=(1, 9))
+    assert "already seen" in judge(rep, got, seen)
+    repeat = _reply([6, 6, 7], _tops([6, 6, 7], 9, 0.01))
+    assert "already seen" in judge(rep, _reply([6, 9], _tops([6, 9], 6, 0.01)), repeat)
+    # Grammars and bad words allow no tie.
+    for extra in ({"bad_words": ["x"]}, {"structured_outputs": {"choice": ["a"]}}):
+        assert judge(extra, want, want) is None
+        assert "differs" in judge(extra, got, want)
