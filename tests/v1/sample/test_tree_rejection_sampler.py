@@ -638,12 +638,82 @@ def _chi_square_pvalue(samples: list[tuple[int, ...]], law) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
 
 
+# Penalties for the distribution test: the request's output so far, its
+# prompt's tokens and the penalties (MRv2's arithmetic, per tree path).
+STAT_OUTPUT = {3: 1, 64: 2, 17: 1}
+STAT_PROMPT = [99, 105]
+STAT_PENALTIES = (1.3, 0.4, 0.3)  # repetition, frequency, presence
+
+
+def _stat_penalized_reference(raw: torch.Tensor, paths: bool = True) -> torch.Tensor:
+    """Each tree token's logits penalized with the output so far plus the
+    tokens on its root-to-node path (the root excluded, the node included;
+    with ``paths=False`` the output alone, a verifier that ignores paths)."""
+    rep, freq, pres = STAT_PENALTIES
+    out = raw.clone()
+    for node in range(out.shape[0]):
+        counts = torch.zeros(raw.shape[1])
+        for tok, n in STAT_OUTPUT.items():
+            counts[tok] += n
+        k = node if paths else 0
+        while k:
+            counts[STAT_TOKENS[k - 1]] += 1
+            k = STAT_PARENTS[k - 1]
+        seen = counts > 0
+        in_prompt = torch.zeros(raw.shape[1], dtype=torch.bool)
+        in_prompt[STAT_PROMPT] = True
+        row = out[node]
+        scale = torch.where(in_prompt | seen, rep, 1.0)
+        row *= torch.where(row > 0, 1.0 / scale, scale)
+        row -= freq * counts
+        row -= pres * seen
+    return out
+
+
+def _stat_penalized(raw: torch.Tensor) -> torch.Tensor:
+    """One request's tree rows penalized by ``apply_tree_penalties``."""
+    from vllm.v1.sample.tree_rejection_sampler import apply_tree_penalties
+
+    num_rows, vocab = raw.shape
+    rep, freq, pres = STAT_PENALTIES
+    counts = torch.zeros(1, vocab, dtype=torch.int32)
+    for tok, n in STAT_OUTPUT.items():
+        counts[0, tok] = n
+    packed = torch.zeros(1, -(-vocab // 32), dtype=torch.int64)
+    for t in STAT_PROMPT:
+        packed[0, t // 32] |= 1 << (t % 32)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).int()
+    zeros = torch.zeros(num_rows, dtype=torch.int32)
+    logits = raw.clone().to(DEVICE)
+    apply_tree_penalties(
+        logits,
+        *_to(
+            DEVICE,
+            zeros,
+            torch.arange(num_rows, dtype=torch.int32),
+            zeros,
+            torch.tensor([STAT_PARENTS], dtype=torch.int32),
+            torch.tensor([64] + STAT_TOKENS, dtype=torch.int32),  # root: last output
+            torch.tensor([rep]),
+            torch.tensor([freq]),
+            torch.tensor([pres]),
+            packed,
+            counts,
+        ),
+        STAT_DEPTH,
+    )
+    return logits
+
+
 def _stat_problem(num_reqs, vocab, processing):
     """Tree, processed logits for num_reqs copies, and the expected law."""
     raw = _stat_logits(vocab)
     if processing == "plain":
         temp, top_k, top_p = 1.0, None, None
         expected_logits = raw
+    elif processing == "penalties":
+        temp, top_k, top_p = 1.0, None, None
+        expected_logits = _stat_penalized_reference(raw)
     else:
         temp, top_k, top_p = 0.8, 4, 0.87
         expected_logits = _top_k_top_p_reference(raw / temp, top_k, top_p)
@@ -657,7 +727,10 @@ def _stat_problem(num_reqs, vocab, processing):
     cu, req, pos, tokens, parents = _to(DEVICE, cu, req, pos, tokens, parents)
     temperature = torch.full((num_reqs,), temp, device=DEVICE)
     logits = raw.to(DEVICE).repeat(num_reqs, 1)
-    if processing != "plain":
+    if processing == "penalties":
+        # Every request's rows penalized alike: one request's rows repeated.
+        logits = _stat_penalized(raw).repeat(num_reqs, 1)
+    elif processing != "plain":
         logits = apply_sampling_params(
             logits,
             req,
@@ -685,7 +758,7 @@ def _torch_gumbel_samples(logits, num_reqs, gen):
 NUM_STAT_REQS = 100_000 if ON_GPU else 400
 
 
-@pytest.mark.parametrize("processing", ["plain", "top_k_top_p"])
+@pytest.mark.parametrize("processing", ["plain", "top_k_top_p", "penalties"])
 def test_distribution_with_walk_kernel(processing):
     logits, tokens, parents, cu, _, _, _, law = _stat_problem(
         NUM_STAT_REQS, 111, processing
@@ -696,10 +769,16 @@ def test_distribution_with_walk_kernel(processing):
     emitted = _emitted(out)
     assert max(len(s) for s in emitted) == STAT_DEPTH + 1
     assert _chi_square_pvalue(emitted, law) > 1e-4
+    if processing == "penalties":
+        # The statistic tells path penalties from the output's alone.
+        raw = _stat_logits(111)
+        output_only = _stat_penalized_reference(raw, paths=False)
+        law = _expected_sequences(torch.softmax(output_only, dim=-1))
+        assert _chi_square_pvalue(emitted, law) < 1e-6
 
 
 @gpu_only
-@pytest.mark.parametrize("processing", ["plain", "top_k_top_p"])
+@pytest.mark.parametrize("processing", ["plain", "top_k_top_p", "penalties"])
 def test_distribution_with_vllm_gumbel(processing):
     num_reqs = 32768
     logits, tokens, parents, cu, req, pos, temperature, law = _stat_problem(
