@@ -20,6 +20,7 @@ Engine side (the process that parses arguments and builds the ``VllmConfig``):
    default (or the user's) maximum capture size.
 3. ``EngineArgs.create_engine_config``: the finished config must run on Model
    Runner V2, where DDTree lives.
+
 Engine-core and worker side:
 
 4. ``Scheduler.__init__``: lookahead KV slots = the drafter's block,

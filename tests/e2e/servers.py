@@ -29,7 +29,7 @@ STARTUP_TIMEOUT_S = 420
 # message), after the "(EngineCore pid=N) " prefix of child processes.
 _VLLM_LOG_LINE = re.compile(
     r"^(?:\(\S+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
-    r"\d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+:\d+\] (.*)$"
+    r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+:\d+\] (.*)$"
 )
 
 

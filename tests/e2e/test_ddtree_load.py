@@ -24,10 +24,12 @@ end-of-sequence, every fifth aborted within its first half) for
 ``DDTREE_LOAD_BUDGET_S`` (default 540, the whole module from the fixture's
 start: :func:`plan`). At the end the streams still open are closed: aborted at
 the deadline, counted apart from the fifth aborted at random. Halfway, greedy
-requests with each penalty, bad words, a choice and a JSON schema must give no
-speculation's output (the last two valid under their grammar), and a chat
-request with ``logprob_token_ids`` the same tokens with the logprobs of the ids
-it asked for, within ``TIE_TOL`` of no speculation's. The references replay every request
+requests with a choice, a JSON schema and bad words must give no speculation's
+output (the first two valid under their grammar), those with each penalty the
+same or part from it only at a numerical tie between tokens their penalties
+leave alone (:func:`penalized_difference`), and a chat request with
+``logprob_token_ids`` the logprobs of the ids it asked for, within
+``LOGPROB_TOL`` of no speculation's, up to its first differing token. The references replay every request
 without streaming or aborts, at a higher concurrency, for at most
 ``REF_CATCH_UP_S`` (and what the budget leaves) after the streams end. Checks:
 no request failed; every finished output, and every aborted request's received
@@ -58,7 +60,7 @@ import pytest
 import torch
 
 from tests.e2e import load_client
-from tests.e2e.compare import NUM_LOGPROBS, TIE_TOL, compare_greedy, compare_seeded
+from tests.e2e.compare import NUM_LOGPROBS, compare_greedy, compare_seeded
 from tests.e2e.generate import save_log
 from tests.e2e.servers import ROOT, ddtree_log_lines, metric, metrics, post, serving
 
@@ -102,6 +104,9 @@ UNCHECKED_MAX = 0.05
 # Token ids a chat request asks the logprobs of at every position (vLLM's
 # OpenAI server takes ``logprob_token_ids`` on chat completions only).
 ASKED_TOKEN_IDS = [11, 325, 1558]
+# Largest difference from no speculation's logprobs, in nats: different kernels
+# and batch shapes (tests/e2e/compare.py), well below a wrong row's.
+LOGPROB_TOL = 0.05
 # Served like no speculation: structured outputs (each such request verifies
 # no drafts; its output must also follow the grammar) and penalties (counted
 # along each tree path).
@@ -254,13 +259,15 @@ def _asked_logprobs(base: str) -> dict:
         "temperature": 0,
         "logprobs": True,
         "logprob_token_ids": ASKED_TOKEN_IDS,
+        "return_tokens_as_token_ids": True,
     }
     choice = post(f"{base}/v1/chat/completions", body)["choices"][0]
+    content = choice["logprobs"]["content"]
     return {
         "text": choice["message"]["content"],
+        "tokens": [pos["token"] for pos in content],
         "top": [
-            [[t["token"], t["logprob"]] for t in pos["top_logprobs"]]
-            for pos in choice["logprobs"]["content"]
+            [[t["token"], t["logprob"]] for t in pos["top_logprobs"]] for pos in content
         ],
     }
 
@@ -643,17 +650,24 @@ def test_logprob_token_ids_like_no_speculation(load, name):
     asked = load["result"]["asked_logprobs"]
     got, want = asked[name], asked[REFS[0]]
     print(f"{name}: {got['text']!r} (no speculation: {want['text']!r})")
-    assert got["text"] == want["text"]
-    assert len(got["top"]) == len(want["top"]) >= 8
+    # Up to the first differing token (a numerical tie can part greedy
+    # outputs; the load comparison above judges those): the same listing.
+    same = next(
+        (i for i, (g, w) in enumerate(zip(got["tokens"], want["tokens"])) if g != w),
+        min(len(got["tokens"]), len(want["tokens"])),
+    )
+    assert same >= 8, (same, got["text"], want["text"])
+    asked_ids = {f"token_id:{i}" for i in ASKED_TOKEN_IDS}
     worst = 0.0
-    for position, (g, w) in enumerate(zip(got["top"], want["top"])):
+    for position in range(same):
+        g, w = got["top"][position], want["top"][position]
         # The emitted token and the asked ids, as without speculation: same
         # tokens, same order.
         assert [t for t, _ in g] == [t for t, _ in w], position
-        assert len(ASKED_TOKEN_IDS) <= len(g) <= len(ASKED_TOKEN_IDS) + 1, g
+        assert asked_ids <= {t for t, _ in g}, g
         worst = max(worst, *(abs(a - b) for (_, a), (_, b) in zip(g, w)))
-    print(f"{name}: largest logprob difference {worst:.4f} nats")
-    assert worst <= TIE_TOL
+    print(f"{name}: {same} positions, largest logprob difference {worst:.4f} nats")
+    assert worst <= LOGPROB_TOL
 
 
 @pytest.mark.parametrize("name", DDTREE)

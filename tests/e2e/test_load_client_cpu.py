@@ -150,10 +150,10 @@ class FakeVllm:
         logprobs of the ids asked for."""
         body = await request.json()
         top = [
-            {"token": str(t), "logprob": -1.0 - t / 1e4}
+            {"token": f"token_id:{t}", "logprob": -1.0 - t / 1e4}
             for t in body["logprob_token_ids"]
         ]
-        content = [{"token": "a", "top_logprobs": top} for _ in range(10)]
+        content = [{"token": "token_id:7", "top_logprobs": top} for _ in range(10)]
         choice = {"message": {"content": "a" * 10}, "logprobs": {"content": content}}
         return web.json_response({"choices": [choice]})
 

@@ -13,6 +13,7 @@ LOG = """\
 DDTree: tree_budget=64 verifies 65 tokens per request and step, so steps of 8 or more
 (EngineCore pid=2744) INFO 12-02 22:22:47 [ddtree_verify.py:299] DDTree: TREE_ATTN warmed up over 32 kernel variants in 19.1 s
 INFO 12-02 06:12:26 [ddtree_verify.py:280] DDTree: TREE_ATTN warmed up over 24 kernel variants in 15.2 s
+(EngineCore pid=2744) DEBUG 12-02 22:24:40 [v1/spec_decode/ddtree_verify.py:310] DDTree: debug line
 (EngineCore pid=2744) INFO 12-02 22:24:47 [speculator.py:127] Capturing model for DDTree speculator...
 (APIServer pid=2711) INFO 12-02 22:26:40 [loggers.py:259] Engine 000: Avg prompt throughput: 0.0 tokens/s
 """
@@ -23,12 +24,15 @@ def test_vllm_format_and_bare_lines_told_apart():
     assert lines == [
         (
             "INFO",
-            "DDTree: fixed tree_budget=64, drafter /m/drafter drafts 15 "
-            "positions per step",
+            (
+                "DDTree: fixed tree_budget=64, drafter /m/drafter drafts 15 "
+                "positions per step"
+            ),
         ),
         ("WARNING", "DDTree: tree_budget=64 verifies 65 tokens per request and step"),
         ("INFO", "DDTree: TREE_ATTN warmed up over 32 kernel variants in 19.1 s"),
         ("INFO", "DDTree: TREE_ATTN warmed up over 24 kernel variants in 15.2 s"),
+        ("DEBUG", "DDTree: debug line"),
     ]
     assert bare == [LOG.splitlines()[2]]
 
@@ -47,7 +51,6 @@ def test_vllm_formatter_output_is_recognized():
         (128,),
         None,
     )
-    record.fileinfo = "glue.py"
     line = NewLineFormatter(_FORMAT, datefmt=_DATE_FORMAT).format(record)
     assert ddtree_log_lines(line) == (
         [("WARNING", "DDTree: tree_budget=128 verifies")],

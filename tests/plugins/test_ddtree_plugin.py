@@ -108,11 +108,14 @@ def test_wrappers_reach_modules_imported_later():
                  model_runner.GPUModelRunner.__init__,
                  model_runner.GPUModelRunner.initialize_kv_cache,
                  EngineArgs.create_speculative_config]
+        from vllm.v1.engine.input_processor import InputProcessor
+        # Nothing is refused per request: the front end is left alone.
+        funcs.append(InputProcessor._validate_params)
         print(json.dumps([getattr(f, "__ddtree_patched__", False) for f in funcs]))
         """,
         plugin=False,
     )
-    assert json.loads(out) == [True] * 7
+    assert json.loads(out) == [True] * 7 + [False]
 
 
 @pytest.fixture(scope="module")

@@ -57,15 +57,15 @@ class StubSampler:
         self.req_states = types.SimpleNamespace(
             prefill_len=types.SimpleNamespace(gpu=prefill_len)
         )
-        if logprob_token_ids is not None:
-            self.logprob_token_ids_state = _token_ids_state(
-                logprob_token_ids, temperature.shape[0], temperature.device
-            )
+        self.logprob_token_ids_state = _token_ids_state(
+            logprob_token_ids or {}, temperature.shape[0], temperature.device
+        )
 
     def returns_logprobs(self, idx_mapping_np) -> bool:
-        state = getattr(self, "logprob_token_ids_state", None)
-        return self.sampling_states.max_num_logprobs(idx_mapping_np) != -1 or (
-            state is not None and state.max_num_token_ids(idx_mapping_np) > 0
+        state = self.logprob_token_ids_state
+        return (
+            self.sampling_states.max_num_logprobs(idx_mapping_np) != -1
+            or state.max_num_token_ids(idx_mapping_np) > 0
         )
 
     def apply_sampling_params(

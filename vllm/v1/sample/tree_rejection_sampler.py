@@ -298,12 +298,8 @@ class TreeRejectionSampler:
         max_num_logprobs = sampler.sampling_states.max_num_logprobs(idx_mapping_np)
         # Requests may name the token ids whose logprobs they want
         # (``logprob_token_ids``), with or without top-``logprobs`` ones.
-        token_ids_state = getattr(sampler, "logprob_token_ids_state", None)
-        max_per_req_token_ids = (
-            0
-            if token_ids_state is None
-            else token_ids_state.max_num_token_ids(idx_mapping_np)
-        )
+        token_ids_state = sampler.logprob_token_ids_state
+        max_per_req_token_ids = token_ids_state.max_num_token_ids(idx_mapping_np)
         if max_num_logprobs == NO_LOGPROBS and max_per_req_token_ids == 0:
             return None
         # vLLM reads the first num_sampled logprob entries of each request from
