@@ -18,9 +18,12 @@ import sys
 from pathlib import Path
 
 
-def build_scheduler(vllm_config, log_stats: bool = False, scheduler_cls=None):
+def build_scheduler(
+    vllm_config, log_stats: bool = False, scheduler_cls=None, num_blocks: int = 64
+):
     """vLLM's ``Scheduler`` (or ``scheduler_cls``) for this config over a
-    one-group KV cache stand-in (no GPU needed)."""
+    one-group KV cache stand-in of ``num_blocks`` 16-token blocks (no GPU
+    needed)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -36,11 +39,11 @@ def build_scheduler(vllm_config, log_stats: bool = False, scheduler_cls=None):
         dtype=vllm_config.model_config.dtype,
     )
     kv = KVCacheConfig(
-        num_blocks=64,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
-    vllm_config.cache_config.num_gpu_blocks = 64
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
     return (scheduler_cls or Scheduler)(
         vllm_config,
         kv,

@@ -1473,6 +1473,115 @@ def test_structured_output_requests_decode_without_drafts(
     assert num_checked >= 12
 
 
+# Draft tokens accepted per step and request in the KV test below (the bonus
+# token comes on top), cycling.
+KV_TEST_ACCEPTED = [3, 0, 7, 1, 2]
+
+
+def _kv_blocks_run(config, num_drafts: int, steps: int = 12):
+    """vLLM's sync scheduler and KV manager over ``steps`` steps of four
+    requests whose drafts are accepted as KV_TEST_ACCEPTED says: per request and
+    step, (blocks held after scheduling, tokens the step needs slots for); and
+    the mean blocks held per request at the end, and for its computed tokens."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from tests.plugins.engine_summary import build_scheduler
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    sched = build_scheduler(config, num_blocks=1024)
+    # Prefix caching on (vLLM's default): blocks are hashed as the engine does.
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    block_hasher = get_request_block_hasher(16, hash_fn)
+    req_ids = [f"r{i}" for i in range(4)]
+    for i, req_id in enumerate(req_ids):
+        params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+        sched.add_request(
+            Request.from_engine_core_request(
+                EngineCoreRequest(
+                    request_id=req_id,
+                    prompt_token_ids=[5 + i] * (20 + 7 * i),
+                    mm_features=None,
+                    sampling_params=params,
+                    pooling_params=None,
+                    arrival_time=0.0,
+                    lora_request=None,
+                    cache_salt=None,
+                    data_parallel_rank=None,
+                ),
+                block_hasher=block_hasher,
+            )
+        )
+    manager, lookahead = sched.kv_cache_manager, sched.num_lookahead_tokens
+    records = []
+    for step in range(steps):
+        out = sched.schedule()
+        for req_id in req_ids:
+            # The scheduler has already counted the step's tokens as computed.
+            need = sched.requests[req_id].num_computed_tokens + lookahead
+            records.append((len(manager.get_block_ids(req_id)[0]), need))
+        accepted = KV_TEST_ACCEPTED[step % len(KV_TEST_ACCEPTED)]
+        sampled = []
+        for req_id in req_ids:
+            drafts = len(out.scheduled_spec_decode_tokens.get(req_id, []))
+            sampled.append([7] * (1 + min(accepted, drafts)))
+        sched.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+            ),
+        )
+        if num_drafts:
+            sched.update_draft_token_ids(
+                DraftTokenIds(req_ids, [[3] * num_drafts for _ in req_ids])
+            )
+    committed = [cdiv(sched.requests[r].num_computed_tokens, 16) for r in req_ids]
+    held = [len(manager.get_block_ids(r)[0]) for r in req_ids]
+    return records, sum(held) / len(held), sum(committed) / len(committed)
+
+
+def test_kv_blocks_follow_the_next_tree(models, cuda_platform):
+    """In every step a request holds exactly the blocks of its computed tokens,
+    the step's tree and the drafter's lookahead, prefix caching on: the blocks
+    of a step's rejected nodes are the next tree's, and nothing is held past
+    what a step needs (with one budget per request). Prints the blocks held per
+    running request."""
+    from vllm.utils.math_utils import cdiv
+
+    _, drafter = models
+    configs = {
+        "none": (None, 0),
+        "dflash": (
+            {"method": "dflash", "model": drafter, "num_speculative_tokens": 15},
+            15,
+        ),
+        "ddtree-15": ({"method": "ddtree", "model": drafter, "tree_budget": 15}, 15),
+        "ddtree-128": ({"method": "ddtree", "model": drafter, "tree_budget": 128}, 128),
+    }
+    report, checked = {}, 0
+    for name, (spec, drafts) in configs.items():
+        _, config = _engine_config(models, spec, max_num_batched_tokens=4096)
+        records, held, committed = _kv_blocks_run(config, drafts)
+        for held_now, slots in records:
+            assert held_now == cdiv(slots, 16), (name, held_now, slots)
+            checked += 1
+        report[name] = (held, committed)
+    print(
+        "blocks per running request after 12 steps (held / committed tokens'): "
+        + ", ".join(f"{n} {h:.2f} / {c:.2f}" for n, (h, c) in report.items())
+    )
+    assert checked >= 4 * 12 * 4
+    # A tree of 128 holds more than DFlash's chain; one of 15 as much.
+    assert report["ddtree-128"][0] > report["dflash"][0] >= report["none"][0]
+
+
 def test_scheduler_stats_sized_by_drafter_depth(models, cuda_platform):
     _, config = _engine_config(models, max_num_batched_tokens=4096)
     sched = _scheduler(config)
