@@ -1385,6 +1385,27 @@ class _StubBackend:
         return torch.zeros(max_num_seqs, self.words, dtype=torch.int32)
 
 
+def _request(req_id, prompt_token_ids, params, block_hasher=None):
+    """A scheduler request as the engine core makes one."""
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.request import Request
+
+    return Request.from_engine_core_request(
+        EngineCoreRequest(
+            request_id=req_id,
+            prompt_token_ids=prompt_token_ids,
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=0.0,
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        ),
+        block_hasher=block_hasher,
+    )
+
+
 def _sampled(sched, scheduler_output, token=7):
     """A model output that samples one token for every scheduled request."""
     from vllm.v1.outputs import ModelRunnerOutput
@@ -1406,9 +1427,7 @@ def test_structured_output_requests_decode_without_drafts(
     the grammar bitmask holds one row per request, not 1 + tree_budget."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.outputs import DraftTokenIds
-    from vllm.v1.request import Request
 
     from tests.plugins.engine_summary import build_scheduler
 
@@ -1427,20 +1446,7 @@ def test_structured_output_requests_decode_without_drafts(
             max_tokens=20,
             structured_outputs=None if so is None else StructuredOutputsParams(**so),
         )
-        request = Request.from_engine_core_request(
-            EngineCoreRequest(
-                request_id=req_id,
-                prompt_token_ids=[5 + i, 6, 7, 8],
-                mm_features=None,
-                sampling_params=params,
-                pooling_params=None,
-                arrival_time=0.0,
-                lora_request=None,
-                cache_salt=None,
-                data_parallel_rank=None,
-            ),
-            block_hasher=None,
-        )
+        request = _request(req_id, [5 + i, 6, 7, 8], params)
         if so is not None:
             request.structured_output_request.grammar = _stub_grammar()
         sched.add_request(request)
@@ -1484,9 +1490,7 @@ def _kv_blocks_run(config, num_drafts: int, steps: int = 12):
     step, (blocks held after scheduling, tokens the step needs slots for); and
     the mean blocks held per request at the end, and for its computed tokens."""
     from vllm.utils.math_utils import cdiv
-    from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
-    from vllm.v1.request import Request
 
     from tests.plugins.engine_summary import build_scheduler
 
@@ -1502,20 +1506,7 @@ def _kv_blocks_run(config, num_drafts: int, steps: int = 12):
     for i, req_id in enumerate(req_ids):
         params = SamplingParams(max_tokens=10_000, ignore_eos=True)
         sched.add_request(
-            Request.from_engine_core_request(
-                EngineCoreRequest(
-                    request_id=req_id,
-                    prompt_token_ids=[5 + i] * (20 + 7 * i),
-                    mm_features=None,
-                    sampling_params=params,
-                    pooling_params=None,
-                    arrival_time=0.0,
-                    lora_request=None,
-                    cache_salt=None,
-                    data_parallel_rank=None,
-                ),
-                block_hasher=block_hasher,
-            )
+            _request(req_id, [5 + i] * (20 + 7 * i), params, block_hasher)
         )
     manager, lookahead = sched.kv_cache_manager, sched.num_lookahead_tokens
     records = []
