@@ -35,10 +35,10 @@ Example (one request, root and two children of the root, greedy)::
     # [7, argmax(processed_logits[2])] and out.accepted_nodes[0, 0] == 2.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.v1.outputs import LogprobsTensors
@@ -215,16 +215,11 @@ class TreeRejectionSampler:
         max_bad_words: int,
     ) -> torch.Tensor:
         """``Sampler.apply_sampling_params`` with each row's penalties and bad
-        words read along its node's path. These go first: what the sampler
-        applies before them in a speculative step only masks tokens to -inf,
-        which penalties leave at -inf."""
+        words read along its node's path: for the call, the sampler's penalties
+        and bad-words states are replaced by steps that run the path kernels
+        where the sampler runs its own (in its order, on its copy of the
+        logits when raw logprobs need the originals)."""
         sampler = self.sampler
-        idx_mapping_np = input_batch.idx_mapping_np
-        penalized = logits
-        if sampler.logprobs_mode.startswith("raw_") and sampler.returns_logprobs(
-            idx_mapping_np
-        ):
-            penalized = logits.clone()  # raw logprobs read the logits as given
         if tree_rows is None:
             row_trees = _batch_rows(input_batch)
         elif tree_rows is input_batch.idx_mapping:
@@ -238,10 +233,22 @@ class TreeRejectionSampler:
             tree_parent_ids,
             input_ids,
         )
-        if use_penalties:
-            penalties = sampler.penalties_state
+
+        # The states themselves, read before their stand-ins take their place
+        # (a sampler without one never calls it).
+        saved = {
+            name: getattr(sampler, name)
+            for name in ("penalties_state", "bad_words_state")
+            if hasattr(sampler, name)
+        }
+        penalties, bad_words = (
+            saved.get("penalties_state"),
+            saved.get("bad_words_state"),
+        )
+
+        def penalize(logits: torch.Tensor) -> None:
             apply_tree_penalties(
-                penalized,
+                logits,
                 *rows,
                 penalties.repetition_penalty.gpu,
                 penalties.frequency_penalty.gpu,
@@ -250,11 +257,11 @@ class TreeRejectionSampler:
                 penalties.output_bin_counts,
                 self.max_depth,
             )
-        if max_bad_words:
-            bad_words = sampler.bad_words_state
+
+        def mask_bad_words(logits: torch.Tensor) -> None:
             req_states = bad_words.req_states
             apply_tree_bad_words(
-                penalized,
+                logits,
                 *rows,
                 bad_words.bad_word_token_ids.gpu,
                 bad_words.bad_word_offsets.gpu,
@@ -265,19 +272,18 @@ class TreeRejectionSampler:
                 max_bad_words,
                 self.max_depth,
             )
-        # The sampler's own (chain-order) steps are left out for the call.
-        saved = {
-            name: getattr(sampler, name)
-            for name in ("penalties_state", "bad_words_state")
-            if hasattr(sampler, name)
+
+        steps = {
+            "penalties_state": _PathStep(penalize if use_penalties else None),
+            "bad_words_state": _PathStep(mask_bad_words if max_bad_words else None),
         }
         for name in saved:
-            setattr(sampler, name, _PATH_STEPS_APPLIED)
+            setattr(sampler, name, steps[name])
         try:
             return sampler.apply_sampling_params(
-                penalized,
+                logits,
                 input_batch.expanded_idx_mapping,
-                idx_mapping_np,
+                input_batch.idx_mapping_np,
                 pos,
                 input_ids,
                 input_batch.expanded_local_pos,
@@ -446,19 +452,19 @@ def walk_trees(
     return TreeSampleOutput(sampled, num_sampled, accepted_nodes, num_accepted)
 
 
-class _PathStepsApplied:
-    """The sampler's penalties and bad-words states while it processes a tree
-    step's logits, whose penalties and bad words were applied along paths
-    (:func:`apply_tree_penalties`, :func:`apply_tree_bad_words`)."""
+class _PathStep:
+    """The sampler's penalties or bad-words state while it processes a tree
+    step's logits: its step runs ``fn`` on the logits (the path version of
+    the state's chain-order step), or nothing."""
 
-    def apply_penalties(self, *args, **kwargs) -> None:
-        pass
+    def __init__(self, fn: Callable[[torch.Tensor], None] | None):
+        self._fn = fn
 
-    def apply_bad_words(self, *args, **kwargs) -> None:
-        pass
+    def apply_penalties(self, logits: torch.Tensor, *args, **kwargs) -> None:
+        if self._fn is not None:
+            self._fn(logits)
 
-
-_PATH_STEPS_APPLIED = _PathStepsApplied()
+    apply_bad_words = apply_penalties
 
 
 def _batch_rows(input_batch: InputBatch) -> torch.Tensor:
