@@ -190,6 +190,26 @@ class Batch:
             tail_lse=tail_lse,
         )
 
+    def run_with_context(self, tree_mask, is_tree, context_attention, merge_states):
+        """The cascade form: context keys by ``context_attention``, then the
+        step's keys, merged by ``merge_states``."""
+        out = torch.full_like(self.q, float("nan"))
+        tta.tree_attention_with_context(
+            self.q,
+            self.key_cache,
+            self.value_cache,
+            out,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_table,
+            self.scale,
+            tree_mask,
+            is_tree,
+            context_attention,
+            merge_states,
+        )
+        return out
+
     def reference(self, visibility, **kwargs):
         return reference_attention(
             self.q,
@@ -669,9 +689,6 @@ def test_tail_only_attends_new_keys_and_returns_lse(case, dtype):
 def test_cascade_equals_tree_attention(case):
     """Context by a reference (non-causal over ctx_lens keys), new keys by the
     tail-only kernel, merged by log-sum-exp = the whole tree attention."""
-    from vllm.v1.attention.ops.triton_tree_attention import (
-        tree_attention_with_context,
-    )
 
     ctx_lens, q_lens, kinds = case
     trees = [
@@ -689,21 +706,7 @@ def test_cascade_equals_tree_attention(case):
         )
         return out.to(q.dtype), lse
 
-    out = torch.full_like(batch.q, float("nan"))
-    tree_attention_with_context(
-        batch.q,
-        batch.key_cache,
-        batch.value_cache,
-        out,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_table,
-        batch.scale,
-        mask,
-        is_tree,
-        context_attention,
-        torch_merge_states,
-    )
+    out = batch.run_with_context(mask, is_tree, context_attention, torch_merge_states)
     assert seen == [ctx_lens]
     ref = batch.reference(visibilities(trees, q_lens))
     torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
@@ -715,9 +718,6 @@ def test_tree_after_prompt_rows_in_the_same_step(mode):
     scheduler builds none today; a ``num_computed_tokens`` rollback could):
     the prompt rows are causal, and tree row t reads mask row t, seeing the
     prompt rows and its own path. Mixed with ordinary trees and prefills."""
-    from vllm.v1.attention.ops.triton_tree_attention import (
-        tree_attention_with_context,
-    )
 
     kinds = ["heap", "parents", None, "heap", "parents"]
     nodes = [15, 40, 0, 5, 9]
@@ -739,20 +739,8 @@ def test_tree_after_prompt_rows_in_the_same_step(mode):
             out, lse = batch.reference(visible, new_tokens=False, with_lse=True)
             return out.to(q.dtype), lse
 
-        out = torch.full_like(batch.q, float("nan"))
-        tree_attention_with_context(
-            batch.q,
-            batch.key_cache,
-            batch.value_cache,
-            out,
-            batch.query_start_loc,
-            batch.seq_lens,
-            batch.block_table,
-            batch.scale,
-            mask,
-            is_tree,
-            context_attention,
-            torch_merge_states,
+        out = batch.run_with_context(
+            mask, is_tree, context_attention, torch_merge_states
         )
     else:
         out = batch.run(mask, is_tree, num_splits=1 if mode == "one pass" else 4)
@@ -788,9 +776,6 @@ def test_cascade_with_flash_attention_gpu(dtype, budget):
     (seqused_k = ctx_lens, non-causal) and vLLM's merge_attn_states."""
     from vllm.v1.attention.backends.tree_attn import flash_context_attention
     from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
-    from vllm.v1.attention.ops.triton_tree_attention import (
-        tree_attention_with_context,
-    )
 
     trees = [random_tree("heap", budget, seed=s) for s in range(3)] + [None]
     q_lens = [budget + 1] * 3 + [1]
@@ -806,21 +791,7 @@ def test_cascade_with_flash_attention_gpu(dtype, budget):
         max(q_lens),
         max(ctx_lens) + max(q_lens),
     )
-    out = torch.full_like(batch.q, float("nan"))
-    tree_attention_with_context(
-        batch.q,
-        batch.key_cache,
-        batch.value_cache,
-        out,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_table,
-        batch.scale,
-        mask,
-        is_tree,
-        context,
-        merge_attn_states,
-    )
+    out = batch.run_with_context(mask, is_tree, context, merge_attn_states)
     ref = batch.reference(visibilities(trees, q_lens))
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
