@@ -7,7 +7,9 @@ on the GPU with vLLM's defaults (prefix caching, CUDA graphs, async scheduling,
 default ``max_num_seqs`` and capture sizes) and a fixed KV cache, so that they
 can share the GPU without memory profiling:
 
-* ``ddtree``: ``tree_budget`` 128 (the README's), 1 GiB of KV;
+* ``ddtree``: ``tree_budget`` 128 (the README's), 1 GiB of KV; with
+  ``DDTREE_LOAD_ADAPTIVE=1`` both DDTree servers run the adaptive budget
+  (``adaptive_budget`` true, 128 the per-request cap) instead;
 * ``ddtree_preempt``: the same with 12 MiB of KV (~3k tokens for ~60 running
   requests of up to 2048): vLLM preempts and recomputes. (On this tiny model a
   low ``gpu_memory_utilization`` would still leave gigabytes of KV; a fixed
@@ -71,6 +73,7 @@ pytestmark = pytest.mark.skipif(
 PAIR = ROOT / "benchmarks" / "models" / "pycode"
 SECONDS = float(os.environ.get("DDTREE_LOAD_SECONDS", "300"))
 BUDGET_S = float(os.environ.get("DDTREE_LOAD_BUDGET_S", "540"))
+ADAPTIVE = os.environ.get("DDTREE_LOAD_ADAPTIVE", "0") == "1"
 # Most seconds the references get after the streams end: the requests still
 # pending there (up to 512 tokens at the references' concurrency).
 REF_CATCH_UP_S = 40
@@ -391,6 +394,8 @@ def run_load(tmp: Path) -> dict:
     """The fixture's work: serve, stream, replay, and keep the outcome."""
     target, drafter = str(PAIR / "target"), str(PAIR / "drafter")
     spec = {"method": "ddtree", "model": drafter, "tree_budget": 128}
+    if ADAPTIVE:
+        spec["adaptive_budget"] = True
     specs = {
         "ddtree": (target, _args(KV_BYTES, spec)),
         "ddtree_preempt": (target, _args(PREEMPT_KV_BYTES, spec)),
@@ -697,20 +702,29 @@ def test_penalties_and_structured_outputs_served_like_no_speculation(load, name)
 
 @pytest.mark.parametrize("name", DDTREE)
 def test_ddtree_lines_in_vllm_log_format(load, name):
-    """With vLLM's defaults (largest CUDA graph 512 tokens) a budget of 128
-    leaves steps of 4 or more requests without graphs: the server's log says
-    so at WARNING, next to the budget line at INFO, both in vLLM's format."""
+    """With vLLM's defaults (largest CUDA graph 512 tokens) a fixed budget of
+    128 leaves steps of 4 or more requests without graphs: the server's log
+    says so at WARNING, next to the budget line at INFO. The adaptive budget
+    logs its cost prior and, every 10 s, what it chose (the calibration).
+    All in vLLM's format."""
     lines, bare = ddtree_log_lines(load["logs"][name])
     print("\n".join(f"{level} {message}" for level, message in lines))
     assert not bare, bare
     by_level = {
         level: [m for lv, m in lines if lv == level] for level in ("INFO", "WARNING")
     }
-    assert any(m.startswith("DDTree: fixed tree_budget=128,") for m in by_level["INFO"])
+    info, warning = by_level["INFO"], by_level["WARNING"]
+    if ADAPTIVE:
+        assert any(m.startswith("DDTree: adaptive (") for m in info)
+        assert any(m.startswith("DDTree: adaptive tree budget over") for m in info)
+        assert any(m.startswith("DDTree budget over ") for m in info)
+        assert not any("run without graphs" in m for m in warning), warning
+        return
+    assert any(m.startswith("DDTree: fixed tree_budget=128,") for m in info)
     assert any(
         m.startswith("DDTree: tree_budget=128 verifies 129 tokens")
         and "run without graphs" in m
-        for m in by_level["WARNING"]
+        for m in warning
     )
 
 
