@@ -717,7 +717,7 @@ def test_ddtree_lines_in_vllm_log_format(load, name):
     if ADAPTIVE:
         assert any(m.startswith("DDTree: adaptive (") for m in info)
         assert any(m.startswith("DDTree: adaptive tree budget over") for m in info)
-        assert any(m.startswith("DDTree budget over ") for m in info)
+        assert any(m.startswith("DDTree: budget over ") for m in info)
         assert not any("run without graphs" in m for m in warning), warning
         return
     assert any(m.startswith("DDTree: fixed tree_budget=128,") for m in info)

@@ -397,7 +397,7 @@ class TreeBudgetController:
         # its step shapes: what a budget chosen there was weighed against.
         common = max(log.by_bucket, key=log.by_bucket.__getitem__)
         logger.info(
-            "DDTree budget over %.0f s: %d decode steps, %.1f requests and %.1f "
+            "DDTree: budget over %.0f s: %d decode steps, %.1f requests and %.1f "
             "tree nodes per step, drafter ran in %.0f%% of steps; nodes per "
             "request (share of steps) %s%s; step periods learned for batches "
             "of up to %d: %s",
