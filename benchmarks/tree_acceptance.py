@@ -41,21 +41,17 @@ PAIR = ROOT / "benchmarks" / "models" / "pycode"
 BUDGETS = (1, 3, 7, 15, 31, 63, 127, 255, 511)
 
 
-def accepted_depths(
-    block_logits: torch.Tensor, labels: torch.Tensor, budgets
-) -> torch.Tensor:
-    """``[anchors, len(budgets)]``: per anchor and budget, the depth of the
-    deepest tree node on the label path. ``block_logits [anchors, depth,
-    vocab]``: the drafter's logits at depths 1..depth; ``labels [anchors,
-    depth]``: the target's tokens there."""
-    tree = build_ddtree_reference(block_logits, max(budgets))
+def tree_on_path(block_logits: torch.Tensor, labels: torch.Tensor, budget: int):
+    """The best-first tree of ``budget`` nodes per anchor, and ``on_path
+    [anchors, budget]``: node i's token is the label at its depth and its
+    parent is on the label path (the root always is). ``block_logits
+    [anchors, depth, vocab]``: the drafter's logits at depths 1..depth;
+    ``labels [anchors, depth]``: the target's tokens there."""
+    tree = build_ddtree_reference(block_logits, budget)
     tokens, parents, depths = tree.token_ids, tree.parent_ids, tree.depths
-    anchors, budget = tokens.shape
-    # on_path[a, i]: node i's token is the label at its depth and its parent is
-    # on the path (the root, index 0 of parent_ids, always is).
+    anchors = tokens.shape[0]
     on_path = torch.zeros(anchors, budget + 1, dtype=torch.bool)
     on_path[:, 0] = True
-    depth_of = torch.zeros(anchors, budget + 1, dtype=torch.long)
     rows = torch.arange(anchors)
     for i in range(budget):  # parents come before their children
         d = depths[:, i].long()
@@ -63,9 +59,18 @@ def accepted_depths(
         label = labels.gather(1, (d - 1).clamp(min=0)[:, None])[:, 0]
         ok = valid & (tokens[:, i] == label) & on_path[rows, parents[:, i].long()]
         on_path[:, i + 1] = ok
-        depth_of[:, i + 1] = torch.where(ok, d, torch.zeros_like(d))
+    return tree, on_path[:, 1:]
+
+
+def accepted_depths(
+    block_logits: torch.Tensor, labels: torch.Tensor, budgets
+) -> torch.Tensor:
+    """``[anchors, len(budgets)]``: per anchor and budget, the depth of the
+    deepest tree node on the label path (arguments as :func:`tree_on_path`)."""
+    tree, on_path = tree_on_path(block_logits, labels, max(budgets))
+    depth_of = torch.where(on_path, tree.depths.long(), 0)
     # The deepest on-path node among the first b nodes, per budget.
-    best = depth_of[:, 1:].cummax(dim=1).values
+    best = depth_of.cummax(dim=1).values
     return torch.stack([best[:, b - 1] for b in budgets], dim=1)
 
 
@@ -85,27 +90,25 @@ def walk(commits: torch.Tensor) -> tuple[int, int]:
     return tokens, steps
 
 
-def simulate(args) -> dict:
+def drafted_blocks(pair: Path, num_prompts: int, max_tokens: int):
+    """Per held-out prompt, ``(logits [anchors, depth, vocab], labels [anchors,
+    depth])`` over its greedy continuation, or None for a prompt that ended
+    within one block."""
     from benchmarks.train_pair.dflash import (
         draft_logits,
         load_pair,
         target_features,
     )
 
-    tok, target, drafter = load_pair(args.pair)
+    tok, target, drafter = load_pair(pair)
     block = drafter.shape.block_size
-    prompts = json.loads((args.pair / "eval_prompts.json").read_text())["prompts"]
-    budgets = sorted(set(args.budgets))
-    tree_tokens = [0] * len(budgets)
-    tree_steps = [0] * len(budgets)
-    chain = [0, 0]
-    anchors_total, skipped, start = 0, 0, time.monotonic()
+    prompts = json.loads((pair / "eval_prompts.json").read_text())["prompts"]
     with torch.no_grad():
-        for n, p in enumerate(prompts[: args.num_prompts], 1):
+        for p in prompts[:num_prompts]:
             ids = tok(p["text"], return_tensors="pt").input_ids
             seq = target.generate(
                 ids,
-                max_new_tokens=args.max_tokens,
+                max_new_tokens=max_tokens,
                 do_sample=False,
                 pad_token_id=tok.pad_token_id or 0,
             )
@@ -114,7 +117,7 @@ def simulate(args) -> dict:
             # positions of a sequence are not drafted).
             first, last = ids.shape[1] - 1, seq.shape[1] - block
             if last < first:  # ended within one block of the prompt
-                skipped += 1
+                yield None
                 continue
             anchors = torch.arange(first, last + 1)[None]
             feats = target_features(target, seq, drafter.shape.target_layer_ids)
@@ -126,25 +129,42 @@ def simulate(args) -> dict:
                 feats,
                 anchors,
             )
-            logits, labels = logits[0, :, 1:].float(), labels[0, :, 1:]
-            depths = accepted_depths(logits, labels, budgets)
-            for j in range(len(budgets)):
-                t, s = walk(1 + depths[:, j])
-                tree_tokens[j] += t
-                tree_steps[j] += s
-            t, s = walk(1 + chain_depths(logits, labels))
-            chain[0] += t
-            chain[1] += s
-            anchors_total += anchors.shape[1]
-            print(
-                f"tree_acceptance: prompt {n}/{args.num_prompts}, "
-                f"{anchors_total} anchors, {time.monotonic() - start:.0f} s",
-                flush=True,
-            )
+            yield logits[0, :, 1:].float(), labels[0, :, 1:]
+
+
+def simulate(args) -> dict:
+    budgets = sorted(set(args.budgets))
+    tree_tokens = [0] * len(budgets)
+    tree_steps = [0] * len(budgets)
+    chain = [0, 0]
+    anchors_total, skipped, start = 0, 0, time.monotonic()
+    blocks = drafted_blocks(args.pair, args.num_prompts, args.max_tokens)
+    for n, drafted in enumerate(blocks, 1):
+        if drafted is None:
+            skipped += 1
+            continue
+        logits, labels = drafted
+        depths = accepted_depths(logits, labels, budgets)
+        for j in range(len(budgets)):
+            t, s = walk(1 + depths[:, j])
+            tree_tokens[j] += t
+            tree_steps[j] += s
+        t, s = walk(1 + chain_depths(logits, labels))
+        chain[0] += t
+        chain[1] += s
+        anchors_total += logits.shape[0]
+        print(
+            f"tree_acceptance: prompt {n}/{args.num_prompts}, "
+            f"{anchors_total} anchors, {time.monotonic() - start:.0f} s",
+            flush=True,
+        )
+    num_prompts = len(
+        json.loads((args.pair / "eval_prompts.json").read_text())["prompts"]
+    )
     return {
         "command": "python " + " ".join([sys.argv[0], *(args.argv or sys.argv[1:])]),
         "pair": str(args.pair),
-        "prompts": min(args.num_prompts, len(prompts)) - skipped,
+        "prompts": min(args.num_prompts, num_prompts) - skipped,
         "skipped_prompts": skipped,
         "anchors": anchors_total,
         "max_tokens": args.max_tokens,

@@ -14,9 +14,9 @@ estimate is a calibration map learned from what the tree walk accepted:
   1 = sampled) and per bin of ``log q`` (64 bins over ``[-16, 0]``), decayed
   counts of verified and accepted nodes, and ``rate`` = P(accepted | class,
   bin): their ratio pulled towards the prior ``q`` at the bin centre, then made
-  non-decreasing in ``log q`` by a suffix minimum (a well-populated
-  high-probability bin caps the sparse bins below it, never the reverse). A
-  node's value is ``rate`` interpolated linearly between bin centres.
+  non-decreasing in ``log q`` by a weighted isotonic fit (bins out of order are
+  pooled, each weighted by its nodes). A node's value is ``rate`` interpolated
+  linearly between bin centres.
   :meth:`~TreeAcceptanceCalibration.update` (two launches after the walk) adds
   the step's nodes and refits.
 * :func:`assign_tree_nodes` (one launch): the first ``N`` nodes of the batch
@@ -130,8 +130,10 @@ class TreeAcceptanceCalibration:
         its (class, bin), and one accepted count when it is on the accepted
         path; ``totals`` gain the nodes' values under the current ``rate``.
         Then ``counts = decay * counts + pending``, and per bin ``raw = (acc +
-        s * prior) / (verified + s)`` (``s = prior_strength``), ``rate[b] =
-        min(raw[b:])`` clamped to ``[0, 1]``.
+        s * prior) / (verified + s)`` (``s = prior_strength``); ``rate`` is
+        the non-decreasing fit of ``raw`` with weights ``verified + s`` that is
+        closest in weighted squares (what pooling adjacent violators gives),
+        clamped to ``[0, 1]``.
         """
         num_reqs = idx_mapping.shape[0]
         if num_reqs == 0:
@@ -534,10 +536,30 @@ def _finalize_calibration_kernel(
     tl.store(pending_ptr + 2 * slot, zero)
     tl.store(pending_ptr + 2 * slot + 1, zero)
     prior = tl.load(prior_ptr + bins)[None, :]
-    raw = tl.math.div_rn(accepted + prior_strength * prior, verified + prior_strength)
-    # rate[c, b] = min(raw[c, b:]): [class, bin, later bin].
-    later = bins[None, None, :] >= bins[None, :, None]
-    rate = tl.min(tl.where(later, raw[:, None, :], float("inf")), axis=2)
+    # Each bin's estimate is (accepted + s * prior) / (verified + s); the rate
+    # is their weighted isotonic (non-decreasing) fit, weights verified + s, by
+    # the max-min formula rate[b] = max_{i <= b} min_{j >= b} mean(i..j). Bins
+    # with few nodes are pooled with their neighbours instead of capped by the
+    # lowest later estimate, whose noise would pull the rate down while the
+    # counts are small (a fresh engine, a single request).
+    num = accepted + prior_strength * prior
+    den = verified + prior_strength
+    row = bins[None, :, None]  # [1, b, 1]
+    col = bins[None, None, :]  # [1, 1, j]
+    rate = tl.full([NUM_CLASSES, NUM_BINS], float("-inf"), dtype=tl.float32)
+    for i in range(NUM_BINS):
+        # mean(i..j) for j >= i, from sums that start at bin i (no differences
+        # of large running sums).
+        tail = bins[None, :] >= i
+        # (Bins before i: 0 / prior_strength, never read.)
+        mean = tl.math.div_rn(
+            tl.cumsum(tl.where(tail, num, 0.0), axis=1),
+            tl.maximum(tl.cumsum(tl.where(tail, den, 0.0), axis=1), prior_strength),
+        )
+        # min_{j >= max(b, i)} mean(i..j), then kept for b >= i only.
+        later = (col >= row) & (col >= i)
+        low = tl.min(tl.where(later, mean[:, None, :], float("inf")), axis=2)
+        rate = tl.maximum(rate, tl.where(bins[None, :] >= i, low, float("-inf")))
     tl.store(rate_ptr + slot, tl.minimum(tl.maximum(rate, 0.0), 1.0))
 
 
