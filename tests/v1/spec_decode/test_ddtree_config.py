@@ -13,7 +13,7 @@ from tests.log_records import log_records
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.spec_decode import ddtree_config as ddt
-from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+from vllm.v1.spec_decode.ddtree_config import DDTreeConfig, engine_tree_slots
 
 CFG = DDTreeConfig(tree_budget=128, draft_depth=15)
 
@@ -1555,6 +1555,17 @@ def test_kv_blocks_follow_the_next_tree(models, cuda_platform):
         ),
         "ddtree-15": ({"method": "ddtree", "model": drafter, "tree_budget": 15}, 15),
         "ddtree-128": ({"method": "ddtree", "model": drafter, "tree_budget": 128}, 128),
+        # The adaptive budget: the scheduler gives its slots for 4 requests (the
+        # worker verifies at most that many nodes per request, often fewer).
+        "ddtree-adaptive-128": (
+            {
+                "method": "ddtree",
+                "model": drafter,
+                "tree_budget": 128,
+                "adaptive_budget": True,
+            },
+            None,
+        ),
     }
     report, checked = {}, 0
     for name, (spec, drafts) in configs.items():
@@ -1568,20 +1579,28 @@ def test_kv_blocks_follow_the_next_tree(models, cuda_platform):
             assert config.speculative_config is None
         else:
             _, config = _engine_config(models, spec, max_num_batched_tokens=4096)
+        if drafts is None:
+            cfg = DDTreeConfig.from_vllm_config(config)
+            drafts = engine_tree_slots(cfg, config)[4]
+            report["adaptive slots at 4 requests"] = drafts
         records, held, committed = _kv_blocks_run(config, drafts)
         for held_now, slots in records:
             assert held_now == cdiv(slots, 16), (name, held_now, slots)
             checked += 1
         report[name] = (held, committed)
+    slots = report.pop("adaptive slots at 4 requests")
     print(
         "blocks per running request after 12 steps (held / committed tokens'): "
         + ", ".join(f"{n} {h:.2f} / {c:.2f}" for n, (h, c) in report.items())
+        + f"; adaptive slots per request at 4 requests: {slots}"
     )
-    assert checked >= 4 * 12 * 4
+    assert checked >= 4 * 12 * 5
     # Blocks past the computed tokens': a tree of 15 holds what DFlash's chain
-    # of 15 holds, one of 128 more; no speculation none.
+    # of 15 holds, one of 128 more; no speculation none. The adaptive budget
+    # holds its slots' worth, whatever budget the worker then verifies.
     over = {n: h - c for n, (h, c) in report.items()}
     assert over["ddtree-128"] > over["ddtree-15"] == over["dflash"] > over["none"]
+    assert over["ddtree-adaptive-128"] >= cdiv(slots + 16, 16) - 1
 
 
 def test_scheduler_stats_sized_by_drafter_depth(models, cuda_platform):
