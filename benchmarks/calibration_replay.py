@@ -19,7 +19,6 @@ calibration, from its prior, as a server's requests do.
     python benchmarks/calibration_replay.py --out benchmarks/results/calibration_replay
 """
 
-import argparse
 import json
 import sys
 import time
@@ -29,7 +28,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.tree_acceptance import PAIR, drafted_blocks, tree_on_path  # noqa: E402
+from benchmarks.tree_acceptance import (  # noqa: E402
+    drafted_blocks,
+    pair_parser,
+    tree_on_path,
+)
 from vllm.v1.spec_decode.ddtree_budget import TreeAcceptanceCalibration  # noqa: E402
 
 BUDGETS = (15, 127, 511)
@@ -82,12 +85,7 @@ def summarize(history: list[tuple[float, float]]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--pair", type=Path, default=PAIR)
-    p.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=256)
+    p = pair_parser(__doc__, BUDGETS, 16)
     args = p.parse_args(argv)
     if min(args.budgets) < 1 or max(args.budgets) > 1024:
         p.error("--budgets must be in 1..1024")

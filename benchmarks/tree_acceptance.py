@@ -199,13 +199,19 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def pair_parser(doc: str, budgets, num_prompts: int) -> argparse.ArgumentParser:
+    """The options of a simulation over the pair's held-out prompts."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--pair", type=Path, default=PAIR)
-    p.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
-    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--budgets", type=int, nargs="+", default=list(budgets))
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
     p.add_argument("--max-tokens", type=int, default=256)
+    return p
+
+
+def main(argv=None) -> int:
+    p = pair_parser(__doc__, BUDGETS, 24)
     args = p.parse_args(argv)
     if min(args.budgets) < 1:
         p.error("--budgets must be >= 1")
