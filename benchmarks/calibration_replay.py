@@ -99,6 +99,8 @@ def main(argv=None) -> int:
             tree, on_path = tree_on_path(logits, labels, max(args.budgets))
             trees.append((tree.log_probs, on_path))
         print(f"calibration_replay: prompt {n}, {time.monotonic() - start:.0f} s")
+    if not trees:
+        p.error("no prompt was long enough to draft a block")
     result = {
         "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
         "prompts": len(trees),

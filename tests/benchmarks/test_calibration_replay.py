@@ -5,6 +5,7 @@ where the last step ended, the observation is the accepted paths' length, the
 prediction the nodes' values under the rate before each step, and the windows
 difference the running totals."""
 
+import itertools
 import math
 
 import pytest
@@ -30,23 +31,32 @@ def test_replay_walks_and_feeds_the_calibration():
     history = cr.replay(_trees(), budget=3, depth=4)
     # Steps at anchors 0, 3, 4: observed 2, 0, 1 accepted nodes.
     assert [round(o) for _, o in history] == [2, 2, 3]
-    # The first prediction uses the prior: exp of the bin centres, as the
-    # calibration's own interpolation gives (the same three values each step
-    # until the rate moves).
-    fresh = TreeAcceptanceCalibration(torch.device("cpu"))
-    assert math.isclose(history[0][0], _values(fresh), rel_tol=1e-5)
-    assert history[1][0] > history[0][0] and history[2][0] > history[1][0]
+    # Each step's prediction is its tree's values under the rate the earlier
+    # steps left: the same calibration fed the same steps says so.
+    calib = TreeAcceptanceCalibration(torch.device("cpu"))
+    want = []
+    for accepted in ([1, 3], [], [1]):
+        want.append(_values(calib, accepted))
+    got = [history[0][0]] + [b[0] - a[0] for a, b in itertools.pairwise(history)]
+    for g, w in zip(got, want):
+        assert math.isclose(g, w, rel_tol=1e-5), (got, want)
+    # The rate moved: the node on no accepted path (node 2) now counts less.
+    assert not math.isclose(want[0], want[2], rel_tol=1e-3)
 
 
-def _values(calib) -> float:
+def _values(calib, accepted) -> float:
+    """Feed one step of the hand-made tree (``accepted`` 1-based nodes); return
+    the prediction it adds."""
     before = calib.totals[0].item()
+    nodes = torch.zeros(1, 4, dtype=torch.int32)
+    nodes[0, : len(accepted)] = torch.tensor(accepted, dtype=torch.int32)
     calib.update(
         torch.tensor([[-0.1, -0.5, -1.0]]),
         torch.zeros(1, dtype=torch.int64),
         torch.zeros(1),
         torch.tensor([0, 4], dtype=torch.int32),
-        torch.zeros(1, 4, dtype=torch.int32),
-        torch.zeros(1, dtype=torch.int32),
+        nodes,
+        torch.tensor([len(accepted)], dtype=torch.int32),
     )
     return calib.totals[0].item() - before
 

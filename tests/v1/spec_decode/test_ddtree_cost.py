@@ -363,6 +363,8 @@ def test_log_reports_budgets_and_calibration():
     with log_records("vllm.v1.spec_decode.ddtree_cost") as records:
         controller.step_started()
     text = "\n".join(r.getMessage() for r in records)
+    # Every DDTree line starts so (the e2e tests pick DDTree's lines by it).
+    assert text.startswith("DDTree: budget over ")
     assert "1 decode steps" in text and "drafter ran in 100%" in text
     # Since start-up: 19 predicted vs 22 accepted nodes over 8 trees.
     assert "accepted 2.75 per tree, predicted 2.38 (-13.6%)" in text

@@ -29,7 +29,8 @@ estimate is a calibration map learned from what the tree walk accepted:
 Slow references live in ``tests/v1/spec_decode/test_ddtree_budget.py``. No
 launch reads anything back to the host, and the state is allocated once, so all
 of it can run inside a CUDA graph. The kernels are compiled without FMA
-contraction so that values, keys and rates match a float32 reference bit for bit.
+contraction so that values and keys match a float32 reference bit for bit; rates
+agree with a float64 reference of the fit to the rounding of its sums.
 """
 
 import torch
@@ -511,6 +512,11 @@ def _update_calibration_kernel(
 
 
 @triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
 def _finalize_calibration_kernel(
     # [NUM_CLASSES, NUM_BINS, 2]
     counts_ptr,
@@ -544,22 +550,22 @@ def _finalize_calibration_kernel(
     # counts are small (a fresh engine, a single request).
     num = accepted + prior_strength * prior
     den = verified + prior_strength
-    row = bins[None, :, None]  # [1, b, 1]
-    col = bins[None, None, :]  # [1, 1, j]
-    rate = tl.full([NUM_CLASSES, NUM_BINS], float("-inf"), dtype=tl.float32)
-    for i in range(NUM_BINS):
-        # mean(i..j) for j >= i, from sums that start at bin i (no differences
-        # of large running sums).
-        tail = bins[None, :] >= i
-        # (Bins before i: 0 / prior_strength, never read.)
-        mean = tl.math.div_rn(
-            tl.cumsum(tl.where(tail, num, 0.0), axis=1),
-            tl.maximum(tl.cumsum(tl.where(tail, den, 0.0), axis=1), prior_strength),
-        )
-        # min_{j >= max(b, i)} mean(i..j), then kept for b >= i only.
-        later = (col >= row) & (col >= i)
-        low = tl.min(tl.where(later, mean[:, None, :], float("inf")), axis=2)
-        rate = tl.maximum(rate, tl.where(bins[None, :] >= i, low, float("-inf")))
+    # [class, i, j]: mean(i..j) for j >= i, from sums that start at bin i (no
+    # differences of large running sums); j < i is 0 / prior_strength, unread.
+    first = bins[None, :, None]
+    last = bins[None, None, :]
+    span = last >= first
+    mean = tl.math.div_rn(
+        tl.cumsum(tl.where(span, num[:, None, :], 0.0), axis=2),
+        tl.maximum(
+            tl.cumsum(tl.where(span, den[:, None, :], 0.0), axis=2), prior_strength
+        ),
+    )
+    # min over j' >= j of mean(i..j'), then the max over i <= b at j = b.
+    low = tl.associative_scan(
+        tl.where(span, mean, float("inf")), 2, _minimum, reverse=True
+    )
+    rate = tl.max(tl.where(span, low, float("-inf")), axis=1)
     tl.store(rate_ptr + slot, tl.minimum(tl.maximum(rate, 0.0), 1.0))
 
 
