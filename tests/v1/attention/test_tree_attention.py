@@ -163,6 +163,19 @@ class Batch:
         )
         self.scale = head_size**-0.5
 
+    def _operands(self, out):
+        """The kernels' leading arguments: query, caches, output, layout, scale."""
+        return (
+            self.q,
+            self.key_cache,
+            self.value_cache,
+            out,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_table,
+            self.scale,
+        )
+
     def run(
         self,
         tree_mask=None,
@@ -175,14 +188,7 @@ class Batch:
         if out is None:
             out = torch.full_like(self.q, float("nan"))
         return tree_attention(
-            self.q,
-            self.key_cache,
-            self.value_cache,
-            out,
-            self.query_start_loc,
-            self.seq_lens,
-            self.block_table,
-            self.scale,
+            *self._operands(out),
             tree_mask=tree_mask,
             is_tree=is_tree,
             num_splits=num_splits,
@@ -195,14 +201,7 @@ class Batch:
         step's keys, merged by ``merge_states``."""
         out = torch.full_like(self.q, float("nan"))
         tta.tree_attention_with_context(
-            self.q,
-            self.key_cache,
-            self.value_cache,
-            out,
-            self.query_start_loc,
-            self.seq_lens,
-            self.block_table,
-            self.scale,
+            *self._operands(out),
             tree_mask,
             is_tree,
             context_attention,

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.v1.outputs import LogprobsTensors
