@@ -137,9 +137,10 @@ def simulate(args) -> dict:
     tree_tokens = [0] * len(budgets)
     tree_steps = [0] * len(budgets)
     chain = [0, 0]
-    anchors_total, skipped, start = 0, 0, time.monotonic()
+    anchors_total, read, skipped, start = 0, 0, 0, time.monotonic()
     blocks = drafted_blocks(args.pair, args.num_prompts, args.max_tokens)
     for n, drafted in enumerate(blocks, 1):
+        read = n
         if drafted is None:
             skipped += 1
             continue
@@ -158,13 +159,10 @@ def simulate(args) -> dict:
             f"{anchors_total} anchors, {time.monotonic() - start:.0f} s",
             flush=True,
         )
-    num_prompts = len(
-        json.loads((args.pair / "eval_prompts.json").read_text())["prompts"]
-    )
     return {
         "command": "python " + " ".join([sys.argv[0], *(args.argv or sys.argv[1:])]),
         "pair": str(args.pair),
-        "prompts": min(args.num_prompts, num_prompts) - skipped,
+        "prompts": read - skipped,
         "skipped_prompts": skipped,
         "anchors": anchors_total,
         "max_tokens": args.max_tokens,
