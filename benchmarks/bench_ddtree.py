@@ -60,15 +60,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_ddtree_report import (  # noqa: E402
+    ADAPTIVE_SUFFIX,
     AUTO_CONFIG,
     REPORT_FILE,
     RESULTS_FILE,
     SCHEDULE_CONFIG,
     SETUP_FILE,
     append_row,
+    base_config,
     budget_of,
     check_setup,
     config_order,
+    is_adaptive,
     load_rows,
     markdown_report,
     merge_rows,
@@ -234,7 +237,9 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
         default="none,dflash,ddtree",
         help="comma list of none, dflash, ddtree (= every --budgets), "
         f'ddtree-<B>, {AUTO_CONFIG} (tree_budget "auto"), '
-        f"{SCHEDULE_CONFIG} (needs --schedule)",
+        f"{SCHEDULE_CONFIG} (needs --schedule); a DDTree config with "
+        f"{ADAPTIVE_SUFFIX} runs with adaptive_budget true (e.g. "
+        f"{AUTO_CONFIG}{ADAPTIVE_SUFFIX})",
     )
     p.add_argument(
         "--budgets",
@@ -426,7 +431,12 @@ def parse_configs(text: str, budgets: list[int], schedule=None) -> list[str]:
     needs a schedule."""
     names: set[str] = set()
     for raw in (t.strip() for t in text.split(",")):
-        if raw in ("none", "dflash", AUTO_CONFIG):
+        if is_adaptive(raw):
+            base = parse_configs(base_config(raw), budgets, schedule)
+            if len(base) != 1 or base[0] in ("none", "dflash"):
+                raise ValueError(f"{raw}: only a DDTree config takes -adaptive")
+            names.add(raw)
+        elif raw in ("none", "dflash", AUTO_CONFIG):
             names.add(raw)
         elif raw == SCHEDULE_CONFIG:
             if schedule is None:
@@ -441,7 +451,8 @@ def parse_configs(text: str, budgets: list[int], schedule=None) -> list[str]:
         else:
             raise ValueError(
                 f"unknown config {raw!r}; use none, dflash, ddtree (every "
-                f"--budgets), ddtree-<budget>, {AUTO_CONFIG} or {SCHEDULE_CONFIG}"
+                f"--budgets), ddtree-<budget>, {AUTO_CONFIG} or {SCHEDULE_CONFIG}, "
+                f"each DDTree one also with {ADAPTIVE_SUFFIX}"
             )
     return sorted(names, key=config_order)
 
@@ -635,6 +646,7 @@ def interleave_memory(args) -> float:
 def _schedule_field(args, config: str) -> dict:
     """Rows of ddtree-schedule and ddtree-auto carry their schedule (resumed runs
     may differ; the auto table may change between commits)."""
+    config = base_config(config)
     if config == AUTO_CONFIG:
         return {"tree_budget_per_batch_size": auto_schedule()}
     if config != SCHEDULE_CONFIG:
@@ -689,11 +701,11 @@ def speculative_config(
     budget (``adaptive_budget`` false), as the cost mode measures one tree size;
     ``adaptive``: each step's trees sized by DDTree's cost model, the config's
     budget a per-request cap (``--adaptive-budget``); else DDTree's default."""
-    spec = _speculative_config(config, drafter, schedule)
+    spec = _speculative_config(base_config(config), drafter, schedule)
     if spec is not None and spec["method"] == "ddtree":
         if fixed:
             spec["adaptive_budget"] = False
-        elif adaptive:
+        elif adaptive or is_adaptive(config):
             spec["adaptive_budget"] = True
     return spec
 
@@ -719,7 +731,9 @@ def _speculative_config(config: str, drafter: Path, schedule=None) -> dict | Non
 
 
 def step_tokens(config: str, batch: int, schedule=None) -> int:
-    """Target tokens one uniform decode step verifies."""
+    """Target tokens one uniform decode step verifies (with the adaptive
+    budget: at most)."""
+    config = base_config(config)
     if config == "none":
         return batch
     if config == "dflash":
@@ -1211,7 +1225,7 @@ def worker_spec(args, config, max_batch, runs, prompts, rid) -> dict:
             "settings": settings_of(args),
             "config": config,
             "run_id": rid,
-            "tree_budget": budget_of(config),
+            "tree_budget": budget_of(base_config(config)),
             "max_tokens": args.max_tokens,
             "engine_process": engine_process_of(args),
             **_schedule_field(args, config),
@@ -1668,7 +1682,9 @@ def serve_row_labels(args, config, rid, batch, temperature) -> dict:
         batch=batch,
         temperature=float(temperature),
         max_tokens=args.max_tokens,
-        tree_budget=budget_of(config),
+        tree_budget=budget_of(base_config(config)),
+        adaptive_budget=is_adaptive(config)
+        or bool(getattr(args, "adaptive_budget", False)),
         **_schedule_field(args, config),
         **pin_cpus_field(args),
         time=time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -192,19 +192,34 @@ def _sort_key(key: tuple[str, int, float]):
 # DDTree with a tree_budget_per_batch_size schedule (bench_ddtree.py --schedule).
 SCHEDULE_CONFIG = "ddtree-schedule"
 AUTO_CONFIG = "ddtree-auto"
+# A DDTree config with this suffix runs with adaptive_budget true, its budget
+# the per-request cap: e.g. ddtree-auto-adaptive next to ddtree-auto.
+ADAPTIVE_SUFFIX = "-adaptive"
 
 
-def config_order(config: str) -> tuple[int, int]:
-    """none, dflash, ddtree by budget, then ddtree with a schedule, then auto."""
+def base_config(config: str) -> str:
+    """``config`` without the adaptive suffix."""
+    return config.removesuffix(ADAPTIVE_SUFFIX)
+
+
+def is_adaptive(config: str) -> bool:
+    return config.startswith("ddtree-") and config.endswith(ADAPTIVE_SUFFIX)
+
+
+def config_order(config: str) -> tuple[int, int, int]:
+    """none, dflash, ddtree by budget, then ddtree with a schedule, then auto;
+    each adaptive config after its fixed one."""
+    adaptive = int(is_adaptive(config))
+    config = base_config(config)
     if config == "none":
-        return (0, 0)
+        return (0, 0, 0)
     if config == "dflash":
-        return (1, 0)
+        return (1, 0, 0)
     if config == SCHEDULE_CONFIG:
-        return (3, 0)
+        return (3, 0, adaptive)
     if config == AUTO_CONFIG:
-        return (3, 1)
-    return (2, budget_of(config) or 0)
+        return (3, 1, adaptive)
+    return (2, budget_of(config) or 0, adaptive)
 
 
 def schedule_budget(schedule: list[list[int]], batch: int) -> int:
@@ -318,7 +333,8 @@ def target_checks(rows: Sequence[Mapping], mode: str) -> list[str]:
     for r in rows:
         config, batch, temperature = row_key(r)
         b1 = batch == 1 and temperature == 0.0
-        if config == AUTO_CONFIG and mode != "cost":
+        config_base = base_config(config)
+        if config_base == AUTO_CONFIG and mode != "cost":
             tput = r.get("tok_s_vs_dflash")
             if tput is not None:
                 want = AUTO_B1_TARGET if b1 else AUTO_TARGET
@@ -328,8 +344,8 @@ def target_checks(rows: Sequence[Mapping], mode: str) -> list[str]:
                     f"{tput:.3f} x DFlash's (target >= {want:g}): {verdict}"
                     f"{_range_note(r, 'tok_s_vs_dflash', want, True)}{_run_note(r)}"
                 )
-        budget = budget_of(config)
-        if (budget is None and config != AUTO_CONFIG) or not b1:
+        budget = budget_of(config_base)
+        if (budget is None and config_base != AUTO_CONFIG) or not b1:
             continue
         if mode == "cost":
             limit = STEP_TARGETS.get(budget)

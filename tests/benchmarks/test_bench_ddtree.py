@@ -267,6 +267,38 @@ def test_speculative_configs():
         "model": "/d",
         "num_speculative_tokens": 15,
     }
+    # One command can run a config with and without the adaptive budget.
+    assert bd.speculative_config("ddtree-128-adaptive", drafter) == {
+        "method": "ddtree",
+        "model": "/d",
+        "tree_budget": 128,
+        "adaptive_budget": True,
+    }
+    assert bd.speculative_config("ddtree-128-adaptive", drafter, fixed=True) == {
+        "method": "ddtree",
+        "model": "/d",
+        "tree_budget": 128,
+        "adaptive_budget": False,
+    }
+
+
+def test_adaptive_configs_parse_and_sort():
+    names = bd.parse_configs(
+        "ddtree-auto-adaptive,ddtree-128-adaptive,ddtree-auto,dflash,none,ddtree-128",
+        [128],
+    )
+    assert names == [
+        "none",
+        "dflash",
+        "ddtree-128",
+        "ddtree-128-adaptive",
+        "ddtree-auto",
+        "ddtree-auto-adaptive",
+    ]
+    assert bd.step_tokens("ddtree-128-adaptive", 8) == 8 * 129
+    for bad in ("dflash-adaptive", "none-adaptive", "ddtree-2000-adaptive"):
+        with pytest.raises(ValueError):
+            bd.parse_configs(bad, [128])
 
 
 def test_step_tokens_and_skipped_batches():
