@@ -42,6 +42,7 @@ def _budget(choice):
 
     controller.choose = choose
     budget.drafted_last = True
+    budget.full_step_pending = False  # past the engine's warm-up
     return budget, calls
 
 
@@ -102,6 +103,37 @@ def test_plan_without_drafts_or_trees():
     budget.drafted_last = False
     budget.plan(_output({"a": 8}, {"a": 7}))
     assert calls == [(1, 7, False, True)]
+
+
+def test_the_first_steps_draft_and_verify_every_slot():
+    """vLLM's kernel warm-up (a prefill, then a decode step) must reach the
+    verification kernels even where the cost model would not speculate: else
+    they first compile inside a user's request."""
+    budget = AdaptiveTreeBudget(CFG, _vllm_config(), 8, DEVICE)
+    controller = budget._controller()
+    controller.should_draft = lambda num_reqs, max_budget: False
+    calls = []
+
+    def choose(num_reqs, max_budget, has_trees, timed):
+        calls.append((num_reqs, max_budget, has_trees, timed))
+        return 0
+
+    controller.choose = choose
+    out = _output({"a": 8, "b": 8}, {"a": 7, "b": 7})
+    # No tree yet (the prefill step's plan): nothing forced.
+    budget.plan(_output({"a": 2, "b": 2}, {}))
+    assert budget.full_step_pending
+    assert budget.should_draft(2) and budget.drafted_last
+    assert budget.plan(out) is out and calls == []
+    plan = budget._plan
+    assert (plan.num_reqs, plan.budget, plan.cap) == (2, 7, 7)
+    assert not budget.full_step_pending
+    # Then the controller decides, both whether to draft and the budget.
+    assert not budget.should_draft(2)
+    budget.drafted_last = True
+    trimmed = budget.plan(out)
+    assert calls == [(2, 7, True, True)]
+    assert trimmed.total_num_scheduled_tokens == 2
 
 
 # ---------------------------------------------------------------------------

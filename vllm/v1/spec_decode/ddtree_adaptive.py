@@ -126,6 +126,12 @@ class AdaptiveTreeBudget:
         # Whether the drafter ran at the end of the last step: the trees the
         # next step can verify.
         self.drafted_last = False
+        # Until the first decode step with trees: draft, and verify every
+        # slot. vLLM's kernel warm-up (a prefill step, then a decode step)
+        # runs the engine's own step, whose verification kernels (tree inputs,
+        # walk, KV compaction) would otherwise first compile inside a user's
+        # request, as the cost model's first choice there is a plain step.
+        self.full_step_pending = True
 
     # -- start-up -------------------------------------------------------------
 
@@ -151,9 +157,9 @@ class AdaptiveTreeBudget:
             spec.block_tables.get_dummy_slot_mappings(desc.num_tokens)
 
         start = time.perf_counter()
-        target = _time_graphs(runner.cudagraph_manager, dummy_inputs)
+        target, target_gpu = _time_graphs(runner.cudagraph_manager, dummy_inputs)
         target_seconds = time.perf_counter() - start
-        drafter = _time_graphs(
+        drafter, drafter_gpu = _time_graphs(
             getattr(spec, "query_cudagraph_manager", None), dummy_draft_inputs
         )
         drafter = {
@@ -174,7 +180,8 @@ class AdaptiveTreeBudget:
         logger.info(
             "DDTree: adaptive tree budget over %s nodes per request; step-cost "
             "prior from %d target graph shapes (%s) and %d drafter graph shapes "
-            "(%s), timed in %.1f s (the target's in %.1f s)",
+            "(%s), timed in %.1f s (the target's in %.1f s; their replays "
+            "kept the GPU busy %.1f s, the drafter's %.1f s)",
             list(self.cfg.ladder),
             len(target),
             _time_range(target, "tokens"),
@@ -182,6 +189,8 @@ class AdaptiveTreeBudget:
             _time_range(drafter, "requests"),
             time.perf_counter() - start,
             target_seconds,
+            target_gpu,
+            drafter_gpu,
         )
 
     @torch.inference_mode()
@@ -272,6 +281,11 @@ class AdaptiveTreeBudget:
         pure = len(num_tokens) == num_reqs and (
             scheduler_output.total_num_scheduled_tokens == num_reqs + num_slots
         )
+        if self.full_step_pending and self.drafted_last:
+            # The warm-up's decode step: every slot, neither timed nor logged.
+            self.full_step_pending = False
+            self._plan = StepPlan(num_reqs, most, cap, pure)
+            return scheduler_output
         b = controller.choose(num_reqs, cap, has_trees=self.drafted_last, timed=pure)
         self._plan = StepPlan(num_reqs, b, cap, pure)
         if b == most:
@@ -377,9 +391,10 @@ class AdaptiveTreeBudget:
         """Whether the drafter runs for the next step (the controller's call,
         for a batch of the same size)."""
         controller = self._controller()
-        did = controller.should_draft(
-            num_reqs, self.slots[min(num_reqs, len(self.slots) - 1)]
-        )
+        max_budget = self.slots[min(num_reqs, len(self.slots) - 1)]
+        did = controller.should_draft(num_reqs, max_budget)
+        if self.full_step_pending and max_budget > 0:
+            did = True
         controller.drafted(did)
         self.drafted_last = did
         return did
@@ -469,34 +484,38 @@ class AdaptiveTreeBudget:
         )
 
 
-def _time_graphs(manager, prepare=None) -> dict[int, float]:
+def _time_graphs(manager, prepare=None) -> tuple[dict[int, float], float]:
     """Seconds per replay of every FULL graph of a MRv2 graph manager, by
     token count: the fastest replay of the fastest graph of each count (a
-    lower bound of a step's cost, whatever else the GPU did meanwhile).
-    ``prepare(desc)`` fills the graph's input buffers first. The replays are
-    queued with an event pair each and read after one sync at the end."""
+    lower bound of a step's cost, whatever else the GPU did meanwhile), and
+    the GPU seconds of all replays. ``prepare(desc)`` fills the graph's input
+    buffers first. The replays are queued with an event pair each and read
+    after one sync at the end."""
     if manager is None:
-        return {}
+        return {}, 0.0
     timed = []
     for desc in list(manager.graphs):
         if desc.cg_mode != CUDAGraphMode.FULL:
             continue
         if prepare is not None:
             prepare(desc)
-        manager.run_fullgraph(desc)  # warm
-        for _ in range(_PROFILE_REPLAYS):
+        # The first replay warms up; it is timed only for the GPU total.
+        for replay in range(1 + _PROFILE_REPLAYS):
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
             manager.run_fullgraph(desc)
             end.record()
-            timed.append((desc.num_tokens, start, end))
+            timed.append((desc.num_tokens, replay > 0, start, end))
     torch.cuda.synchronize()
     times: dict[int, float] = {}
-    for num_tokens, start, end in timed:
+    gpu_seconds = 0.0
+    for num_tokens, counts, start, end in timed:
         seconds = start.elapsed_time(end) / 1000
-        times[num_tokens] = min(times.get(num_tokens, seconds), seconds)
-    return times
+        gpu_seconds += seconds
+        if counts:
+            times[num_tokens] = min(times.get(num_tokens, seconds), seconds)
+    return times, gpu_seconds
 
 
 def _never_faster_when_larger(times: dict[int, float]) -> dict[int, float]:
