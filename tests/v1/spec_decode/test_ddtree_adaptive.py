@@ -6,6 +6,7 @@ requests, against MRv2's own input writers run on the split a brute-force
 ranking gives (CPU: Triton interpreter)."""
 
 import copy
+import dataclasses
 import types
 
 import numpy as np
@@ -350,3 +351,58 @@ def test_start_up_times_never_fall_with_the_batch():
     fixed = _never_faster_when_larger(times)
     assert fixed == {1: 2e-4, 2: 3e-4, 4: 3.5e-4, 8: 3.5e-4, 16: 3.5e-4, 32: 9e-4}
     assert _never_faster_when_larger({}) == {}
+
+
+def test_graph_timing_keeps_the_fastest_timed_replay(monkeypatch):
+    """The start-up times of ``_time_graphs``: FULL graphs only, the ones
+    ``keep`` picks, each prepared before its replays; the warm-up replay
+    counts in the GPU total only. Replays are timed by fake events that read
+    the seconds a fake graph manager gives each replay."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.spec_decode import ddtree_adaptive
+
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = clock[0]
+
+        def elapsed_time(self, end):
+            return 1e3 * (end.at - self.at)
+
+    monkeypatch.setattr(ddtree_adaptive.torch.cuda, "Event", Event)
+    monkeypatch.setattr(ddtree_adaptive.torch.cuda, "synchronize", lambda: None)
+
+    @dataclasses.dataclass(frozen=True)
+    class Desc:  # MRv2's BatchExecutionDescriptor keys the graphs
+        num_tokens: int
+        cg_mode: CUDAGraphMode = CUDAGraphMode.FULL
+
+    graphs = [Desc(16), Desc(32), Desc(48), Desc(64), Desc(16, CUDAGraphMode.NONE)]
+    # Seconds of each replay of each graph, the warm one first.
+    replays = {16: [5.0, 3e-4, 2e-4, 4e-4], 32: [2.0, 6e-4, 5e-4, 7e-4]}
+    replays[64] = [1.0, 9e-4, 8e-4, 9e-4]
+    order, prepared = [], []
+
+    class Manager:
+        def __init__(self):
+            self.graphs = {g: None for g in graphs}
+
+        def run_fullgraph(self, d):
+            assert d.cg_mode == CUDAGraphMode.FULL
+            order.append(d.num_tokens)
+            clock[0] += replays[d.num_tokens][order.count(d.num_tokens) - 1]
+
+    times, gpu = ddtree_adaptive._time_graphs(
+        Manager(), prepared.append, keep=lambda n: n != 48
+    )
+    assert [d.num_tokens for d in prepared] == [16, 32, 64]
+    assert order == [16] * 4 + [32] * 4 + [64] * 4
+    assert times == pytest.approx({16: 2e-4, 32: 5e-4, 64: 8e-4})
+    assert gpu == pytest.approx(sum(sum(v) for v in replays.values()))
+    assert ddtree_adaptive._time_graphs(None) == ({}, 0.0)
+    powers = [n for n in range(1, 40) if ddtree_adaptive._is_power_of_two(n)]
+    assert powers == [1, 2, 4, 8, 16, 32]

@@ -159,8 +159,18 @@ class AdaptiveTreeBudget:
         start = time.perf_counter()
         target, target_gpu = _time_graphs(runner.cudagraph_manager, dummy_inputs)
         target_seconds = time.perf_counter() - start
+        # The drafter's graphs at 1, 2, 4, ... requests and the largest: its
+        # time barely grows with the batch (interpolated between them), and
+        # timing every one of them here took 2-3 s a graph, where a step's
+        # replay takes a fraction of a millisecond (cause not yet known; the
+        # log line below gives the replays' GPU time).
+        manager = getattr(spec, "query_cudagraph_manager", None)
+        drafter_sizes = {d.num_tokens for d in getattr(manager, "graphs", ())}
+        largest = max(drafter_sizes, default=0)
         drafter, drafter_gpu = _time_graphs(
-            getattr(spec, "query_cudagraph_manager", None), dummy_draft_inputs
+            manager,
+            dummy_draft_inputs,
+            keep=lambda n: n == largest or _is_power_of_two(n // self.cfg.draft_len),
         )
         drafter = {
             n // self.cfg.draft_len: t
@@ -484,18 +494,25 @@ class AdaptiveTreeBudget:
         )
 
 
-def _time_graphs(manager, prepare=None) -> tuple[dict[int, float], float]:
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _time_graphs(manager, prepare=None, keep=None) -> tuple[dict[int, float], float]:
     """Seconds per replay of every FULL graph of a MRv2 graph manager, by
     token count: the fastest replay of the fastest graph of each count (a
     lower bound of a step's cost, whatever else the GPU did meanwhile), and
     the GPU seconds of all replays. ``prepare(desc)`` fills the graph's input
-    buffers first. The replays are queued with an event pair each and read
-    after one sync at the end."""
+    buffers first; ``keep(num_tokens)``, if given, picks the graphs timed.
+    The replays are queued with an event pair each and read after one sync at
+    the end."""
     if manager is None:
         return {}, 0.0
     timed = []
     for desc in list(manager.graphs):
         if desc.cg_mode != CUDAGraphMode.FULL:
+            continue
+        if keep is not None and not keep(desc.num_tokens):
             continue
         if prepare is not None:
             prepare(desc)
