@@ -6,7 +6,8 @@ A kernel variant first met by a user's request stalls that step for the compile
 (or the on-disk cache load): seconds at batch 1. Two servers of the trained pair
 (``benchmarks/models/pycode``) start side by side with vLLM's defaults (a fixed KV
 cache, so they can share the GPU): DDTree with ``tree_budget`` "auto" (the
-default: budgets 31 and 15) and DFlash. Every process of each records the Triton
+default: budgets 31 and 15), DDTree with the adaptive budget (cap 128) and
+DFlash. Every process of each records the Triton
 variants it meets for the first time (``tests/e2e/triton_compile_log``). Once
 ``/health`` answers, both get the same traffic, twice: single requests (greedy,
 seeded T=1, T=0.8 with top-k/top-p, logprobs), a one-token prompt joining a
@@ -15,8 +16,8 @@ prefill next to trees, both budgets of "auto"), a long prompt next to decoding
 requests, and an aborted stream. Checks: no DDTree kernel (tree builder, walk,
 compaction, tree attention, step-input writers) is met after ready; every stock
 vLLM kernel met after ready under DDTree is one DFlash also meets after ready
-(vLLM's own lazy compiles are reported, not DDTree's to fix). About 3 minutes on
-one H200.
+(vLLM's own lazy compiles are reported, not DDTree's to fix). About 5 minutes on
+one H200 (the adaptive server's start-up).
 """
 
 import json
@@ -141,12 +142,20 @@ def compiles(tmp_path_factory):
     target, drafter = str(PAIR / "target"), str(PAIR / "drafter")
     specs = {
         "ddtree": {"method": "ddtree", "model": drafter},
+        # The adaptive budget's steps: trees of any ladder size, plain steps,
+        # the batch-wide split (its first steps must warm up like the rest).
+        "ddtree-adaptive": {
+            "method": "ddtree",
+            "model": drafter,
+            "tree_budget": 128,
+            "adaptive_budget": True,
+        },
         "dflash": {"method": "dflash", "model": drafter, "num_speculative_tokens": 15},
     }
     # At `vllm serve`'s H200 defaults (8192 batched tokens, 1024 sequences) vLLM
     # refuses 15 draft slots per sequence; 256 sequences is what a DFlash user
     # must set there. DDTree starts with the defaults unchanged.
-    flags = {"ddtree": {}, "dflash": {"max_num_seqs": 256}}
+    flags = {"ddtree": {}, "ddtree-adaptive": {}, "dflash": {"max_num_seqs": 256}}
     servers, logs = {}, {}
     try:
         for name, spec in specs.items():
@@ -205,17 +214,20 @@ def test_ddtree_kernels_compile_before_ready(compiles):
             + "; after the first round: "
             + ", ".join(sorted(r["after_first_round"]))
         )
-    assert compiles["ddtree"]["total_variants"] > 0  # the recorder saw the start-up
-    late = {
-        k: v
-        for k, v in compiles["ddtree"]["after_ready"].items()
-        if k.startswith(DDTREE_MODULES)
-    }
-    assert not late, late
+    for name in ("ddtree", "ddtree-adaptive"):
+        # The recorder saw the start-up.
+        assert compiles[name]["total_variants"] > 0, name
+        late = {
+            k: v
+            for k, v in compiles[name]["after_ready"].items()
+            if k.startswith(DDTREE_MODULES)
+        }
+        assert not late, (name, late)
 
 
 def test_stock_kernels_after_ready_are_vllms_own(compiles):
-    ddtree = set(compiles["ddtree"]["after_ready"])
     dflash = set(compiles["dflash"]["after_ready"])
-    stock = {k for k in ddtree if not k.startswith(DDTREE_MODULES)}
-    assert stock <= dflash, stock - dflash
+    for name in ("ddtree", "ddtree-adaptive"):
+        ddtree = set(compiles[name]["after_ready"])
+        stock = {k for k in ddtree if not k.startswith(DDTREE_MODULES)}
+        assert stock <= dflash, (name, stock - dflash)
