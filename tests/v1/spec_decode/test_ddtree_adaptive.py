@@ -125,9 +125,10 @@ def test_the_first_steps_draft_and_verify_every_slot():
     budget.plan(_output({"a": 2, "b": 2}, {}))
     assert budget.full_step_pending
     assert budget.should_draft(2) and budget.drafted_last
-    assert budget.plan(out) is out and calls == []
-    plan = budget._plan
-    assert (plan.num_reqs, plan.budget, plan.cap) == (2, 7, 7)
+    # Requests with fewer slots keep theirs: the step runs as scheduled.
+    uneven = _output({"a": 8, "b": 4}, {"a": 7, "b": 3})
+    assert budget.plan(uneven) is uneven and calls == []
+    assert budget._plan is None  # nothing for reallocate to split
     assert not budget.full_step_pending
     # Then the controller decides, both whether to draft and the budget.
     assert not budget.should_draft(2)

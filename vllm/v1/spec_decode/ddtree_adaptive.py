@@ -292,9 +292,10 @@ class AdaptiveTreeBudget:
             scheduler_output.total_num_scheduled_tokens == num_reqs + num_slots
         )
         if self.full_step_pending and self.drafted_last:
-            # The warm-up's decode step: every slot, neither timed nor logged.
+            # The warm-up's decode step: every slot as scheduled (no split),
+            # neither timed nor logged.
             self.full_step_pending = False
-            self._plan = StepPlan(num_reqs, most, cap, pure)
+            self._plan = None
             return scheduler_output
         b = controller.choose(num_reqs, cap, has_trees=self.drafted_last, timed=pure)
         self._plan = StepPlan(num_reqs, b, cap, pure)
