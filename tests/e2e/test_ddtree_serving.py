@@ -12,7 +12,10 @@ and the same explicit settings for every configuration: 16 sequences, a
 trees of 129 tokens do not fit, so budget 128 also runs trimmed trees) and a
 fixed KV cache. Configurations: ``ref`` (no speculation) and ``ddtree_<B>`` for
 B in {8, 64, 128} and ``auto``, each running the same scenarios, stepped by hand
-(``tests.e2e.generate``):
+(``tests.e2e.generate``); with ``DDTREE_SERVING_ADAPTIVE=1`` every DDTree
+configuration runs the adaptive budget instead (``adaptive_budget`` true, B the
+per-request cap: plain steps without the drafter, trees of every ladder size and
+the batch-wide split on these paths):
 
 * ``continuous``: 40 greedy requests of mixed lengths into 16 slots, so new
   requests join while others decode;
@@ -45,6 +48,7 @@ one H200 with ``DDTREE_E2E_PARALLEL=5``.
 
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -78,6 +82,7 @@ DIST = {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "max_tokens": 3}
 # Fraction of the reference's tokens a greedy or seeded comparison must cover
 # (it stops at a request's first numerical tie).
 COMPARED_FLOOR = 0.6
+ADAPTIVE = os.environ.get("DDTREE_SERVING_ADAPTIVE", "0") == "1"
 
 
 def _greedy(max_tokens: int, **extra) -> dict:
@@ -271,9 +276,12 @@ def _llm(spec: dict | None, **extra) -> dict:
     return kwargs
 
 
-def _spec(budget) -> dict:
+def _spec(budget, adaptive: bool = ADAPTIVE) -> dict:
     value = budget if budget == "auto" else int(budget)
-    return {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": value}
+    spec = {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": value}
+    if adaptive:
+        spec["adaptive_budget"] = True
+    return spec
 
 
 # About 3000 tokens of target + drafter KV: far less than 16 requests need.
@@ -291,7 +299,9 @@ def _configs(ids, newline) -> dict[str, dict]:
             runs.append(_dist_run(ids, 4 * 10**6))
         configs[f"ddtree_{budget}"] = {"llm": _llm(_spec(budget)), "runs": runs}
     configs["biased_128"] = {
-        "llm": _llm(_spec("128")),
+        # Fixed in every run: the test's power against a wrong verifier needs
+        # every step to verify a tree.
+        "llm": _llm(_spec("128", adaptive=False)),
         "verifier": "biased",
         "runs": [_dist_run(ids, 5 * 10**6)],
     }
@@ -304,7 +314,8 @@ def _configs(ids, newline) -> dict[str, dict]:
 
 
 def _profiled_config(ids) -> dict:
-    spec = _spec("512")
+    # The fixed budget: vLLM's default max_num_seqs fitted to 513-token trees.
+    spec = _spec("512", adaptive=False)
     llm = {
         "model": str(PAIR / "target"),
         "max_model_len": MAX_MODEL_LEN,
