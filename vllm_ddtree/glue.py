@@ -500,19 +500,28 @@ def _finish_engine_config(original, self, *args, **kwargs):
     if (
         cfg is not None
         and cfg.step_budgets
-        and not cfg.adaptive
         and vllm_config.speculative_config.uses_dynamic_speculative_decoding()
         and not vllm_config.scheduler_config.async_scheduling
     ):
         # vLLM 0.26 applies a per-batch-size draft count only through the async
         # scheduler's draft placeholders.
-        logger.warning(
-            "DDTree: a budget per batch size (tree_budget_per_batch_size or "
-            "tree_budget 'auto') takes effect with async scheduling only; without "
-            "it every step verifies tree_budget=%d nodes (set an integer "
-            "tree_budget to choose one for every batch size)",
-            cfg.tree_budget,
-        )
+        if cfg.adaptive:
+            logger.warning(
+                "DDTree: the adaptive budget's draft slots per batch size take "
+                "effect with async scheduling only; without it the scheduler "
+                "gives every request tree_budget=%d slots (their KV and step "
+                "tokens, so fewer requests run at once) whatever budget a step "
+                "then verifies (use async scheduling, or a smaller tree_budget)",
+                cfg.tree_budget,
+            )
+        else:
+            logger.warning(
+                "DDTree: a budget per batch size (tree_budget_per_batch_size or "
+                "tree_budget 'auto') takes effect with async scheduling only; "
+                "without it every step verifies tree_budget=%d nodes (set an "
+                "integer tree_budget to choose one for every batch size)",
+                cfg.tree_budget,
+            )
     if cfg is not None:
         _warn_ungraphed_trees(vllm_config, cfg)
     return vllm_config

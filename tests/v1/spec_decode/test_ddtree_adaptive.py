@@ -130,6 +130,15 @@ def test_the_first_steps_draft_and_verify_every_slot():
     assert budget.plan(uneven) is uneven and calls == []
     assert budget._plan is None  # nothing for reallocate to split
     assert not budget.full_step_pending
+    # Its walk (over vLLM's dummy prompts) does not teach the calibration;
+    # the next step's does.
+    updates = []
+    budget.calibration = types.SimpleNamespace(update=lambda *a: updates.append(a))
+    batch = types.SimpleNamespace(idx_mapping="idx", cu_num_logits="cu")
+    budget.observe_walk("lp", batch, "t", "nodes", "n")
+    assert updates == []
+    budget.observe_walk("lp", batch, "t", "nodes", "n")
+    assert updates == [("lp", "idx", "t", "cu", "nodes", "n")]
     # Then the controller decides, both whether to draft and the budget.
     assert not budget.should_draft(2)
     budget.drafted_last = True
@@ -407,3 +416,62 @@ def test_graph_timing_keeps_the_fastest_timed_replay(monkeypatch):
     assert ddtree_adaptive._time_graphs(None) == ({}, 0.0)
     powers = [n for n in range(1, 40) if ddtree_adaptive._is_power_of_two(n)]
     assert powers == [1, 2, 4, 8, 16, 32]
+
+
+def test_warm_up_compiles_the_split_for_every_cap_block(monkeypatch):
+    """A step's cap is the fewest slots a request got (the scheduler trims a
+    request near max_model_len to any count), and the split's kernel is
+    compiled per power-of-two block of it: the warm-up launches one cap of
+    every block up to the largest slot count. The kernels are stubbed; the
+    calls are what is checked."""
+    from vllm.v1.spec_decode import ddtree_adaptive
+
+    from vllm.v1.spec_decode.ddtree_cost import budget_ladder
+
+    cfg = DDTreeConfig(128, 15, budget_ladder(128)[1:-1], adaptive=True)
+    budget = AdaptiveTreeBudget(cfg, _vllm_config(tokens=8192), 8, DEVICE)
+    assert max(budget.slots) == 128
+    caps, widths = [], []
+    monkeypatch.setattr(
+        ddtree_adaptive,
+        "assign_tree_nodes",
+        lambda lp, idx, t, s, cap, *a: caps.append(cap),
+    )
+    monkeypatch.setattr(
+        ddtree_adaptive, "build_ddtree", lambda logits, width, out: widths.append(width)
+    )
+    monkeypatch.setattr(ddtree_adaptive, "expected_accepted_nodes", lambda *a: None)
+
+    class Scratch:
+        def __init__(self, device):
+            pass
+
+        def update(self, *a):
+            pass
+
+    monkeypatch.setattr(ddtree_adaptive, "TreeAcceptanceCalibration", Scratch)
+    trees = types.SimpleNamespace(
+        scatter_=lambda *a: None, reset_=lambda slot: None, log_probs=None
+    )
+    spec = types.SimpleNamespace(
+        state=types.SimpleNamespace(trees=trees),
+        hidden_size=4,
+        dtype=torch.float32,
+        model=types.SimpleNamespace(compute_logits=lambda h: h),
+        _batch_trees=lambda n, w: types.SimpleNamespace(log_probs=None),
+        draft_tokens=None,
+    )
+    temperature = types.SimpleNamespace(gpu=torch.zeros(8))
+    runner = types.SimpleNamespace(
+        speculator=spec,
+        sampler=types.SimpleNamespace(
+            sampling_states=types.SimpleNamespace(temperature=temperature)
+        ),
+    )
+    budget.warm_up(runner)
+    blocks = {1 << (c - 1).bit_length() for c in caps}
+    needed = {1 << (c - 1).bit_length() for c in range(1, 129)}
+    assert blocks == needed and len(caps) == len(needed) == 8
+    assert max(caps) == 128 and sorted(set(widths)) == sorted(
+        {max(1, k) for k in budget.slots[1:]}
+    )

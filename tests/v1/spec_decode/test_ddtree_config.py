@@ -219,6 +219,24 @@ def test_parse_budget_schedule_maps_onto_dynamic_sd():
     assert listed == [64, 63, 31, 16, 15, 7, 4, 3, 1, 0]
 
 
+def test_adaptive_ladder_of_at_most_sixteen_budgets():
+    """The budget kernels estimate up to 16 budgets at once: a schedule whose
+    caps make more is refused when the config is parsed, not at start-up."""
+    caps = [1000, 900, 800, 700, 600, 500, 400]
+    schedule = [[i + 1, i + 1, c] for i, c in enumerate(caps)]
+    raw = {"method": "ddtree", "model": "d", "tree_budget_per_batch_size": schedule}
+    with pytest.raises(ValueError, match=r"17 budgets to choose from .*at most 16"):
+        ddt.parse_speculative_config({**raw, **ADAPTIVE})
+    # Fixed budgets have no ladder; six caps fit.
+    assert not ddt.parse_speculative_config(raw).adaptive
+    six = [[i + 1, i + 1, c] for i, c in enumerate(caps[1:])]
+    ok = {**raw, "tree_budget_per_batch_size": six, **ADAPTIVE}
+    listed = ddt.parse_speculative_config(ok).dflash[
+        "num_speculative_tokens_per_batch_size"
+    ]
+    assert len(listed) == 16
+
+
 @pytest.mark.parametrize(
     "schedule, match",
     [
@@ -962,6 +980,19 @@ def test_budget_schedule_without_async_scheduling_warns(
         for w in warnings
     ), warnings
     warnings.clear()
+    # The adaptive budget's slots too (it would schedule tree_budget slots).
+    spec = {"method": "ddtree", "model": drafter, "adaptive_budget": True}
+    _engine_config(models, spec, max_num_batched_tokens=4096, async_scheduling=False)
+    assert any(
+        "adaptive budget's draft slots per batch size take effect with async "
+        "scheduling only"
+        in w
+        and "tree_budget=1024 slots" in w
+        for w in warnings
+    ), warnings
+    warnings.clear()
+    _engine_config(models, spec, max_num_batched_tokens=4096)
+    assert not any("async scheduling" in w for w in warnings)
     _engine_config(models, max_num_batched_tokens=4096, async_scheduling=False)
     assert not any("async scheduling" in w for w in warnings)
 

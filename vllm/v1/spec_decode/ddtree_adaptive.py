@@ -132,6 +132,10 @@ class AdaptiveTreeBudget:
         # walk, KV compaction) would otherwise first compile inside a user's
         # request, as the cost model's first choice there is a plain step.
         self.full_step_pending = True
+        # That step's walk accepts over vLLM's dummy prompts: it must not
+        # teach the calibration (a pessimistic start would keep requests from
+        # ever verifying a tree, and only verified trees correct it).
+        self._skip_walk = False
 
     # -- start-up -------------------------------------------------------------
 
@@ -244,7 +248,12 @@ class AdaptiveTreeBudget:
                 self._estimate,
             )
             launches += 3
-        for cap in sorted({k for k in self.slots[1:] if k > 0}):
+        # The step's cap is the fewest slots a request got, which the
+        # scheduler trims near max_model_len: any value up to the largest, so
+        # every power-of-two block of the split's kernel up to it.
+        most = max(self.slots[1:], default=0)
+        caps = {min(1 << k, most) for k in range(most.bit_length() + 1)}
+        for cap in sorted(c for c in caps if c > 0):
             assign_tree_nodes(
                 state.trees.log_probs,
                 idx,
@@ -295,6 +304,7 @@ class AdaptiveTreeBudget:
             # The warm-up's decode step: every slot as scheduled (no split),
             # neither timed nor logged.
             self.full_step_pending = False
+            self._skip_walk = True
             self._plan = None
             return scheduler_output
         b = controller.choose(num_reqs, cap, has_trees=self.drafted_last, timed=pure)
@@ -389,6 +399,9 @@ class AdaptiveTreeBudget:
         # [num_reqs] int32
         num_accepted: torch.Tensor,
     ) -> None:
+        if self._skip_walk:
+            self._skip_walk = False
+            return
         self.calibration.update(
             tree_log_probs,
             input_batch.idx_mapping,

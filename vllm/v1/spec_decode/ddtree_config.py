@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from vllm.v1.spec_decode.ddtree_budget import MAX_BUDGETS as MAX_LADDER
 from vllm.v1.spec_decode.ddtree_cost import budget_ladder
 from vllm.v1.spec_decode.dflash_tree_builder import MAX_BUDGET, MAX_DEPTH
 
@@ -301,6 +302,14 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> ParsedSpeculativeConfig:
         # decode graphs for every budget it lists. The scheduler's own lookup
         # from it is replaced (glue, Scheduler.__init__).
         ladder = adaptive_ladder(budget, ranges)[::-1]
+        if len(ladder) > MAX_LADDER:
+            raise ValueError(
+                f"DDTree: with adaptive_budget, tree_budget {budget} and the "
+                f"caps of tree_budget_per_batch_size give {len(ladder)} "
+                f"budgets to choose from ({sorted(ladder)}); at most "
+                f"{MAX_LADDER}: use fewer distinct caps, or caps of the form "
+                "2**k - 1"
+            )
         dflash["num_speculative_tokens_per_batch_size"] = [
             [i + 1, i + 1, b] for i, b in enumerate(ladder)
         ]
