@@ -417,7 +417,9 @@ class AdaptiveTreeBudget:
         controller = self._controller()
         max_budget = self.slots[min(num_reqs, len(self.slots) - 1)]
         did = controller.should_draft(num_reqs, max_budget)
-        if self.full_step_pending and max_budget > 0:
+        if self.full_step_pending:
+            # Even where the batch gets no slots (vLLM's warm-up decode step
+            # schedules every request tree_budget placeholders regardless).
             did = True
         controller.drafted(did)
         self.drafted_last = did
