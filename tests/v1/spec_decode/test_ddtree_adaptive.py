@@ -479,3 +479,24 @@ def test_warm_up_compiles_the_split_for_every_cap_block(monkeypatch):
     assert max(caps) == 128 and sorted(set(widths)) == sorted(
         {max(1, k) for k in budget.slots[1:]}
     )
+
+
+def test_tensor_parallel_without_graphs_warns(monkeypatch):
+    """Under tensor parallelism periods are not learned (ranks must agree), so
+    an engine without captured graphs would never speculate: it says so."""
+    from vllm.v1.spec_decode import ddtree_adaptive
+
+    warnings = []
+    monkeypatch.setattr(
+        ddtree_adaptive.logger, "warning", lambda msg, *a: warnings.append(msg % a)
+    )
+    config = _vllm_config()
+    config.parallel_config.tensor_parallel_size = 2
+    budget = AdaptiveTreeBudget(CFG, config, 8, DEVICE)
+    controller = budget._controller()
+    assert not controller.learn and controller.best_budget(1, 7) == 0
+    assert len(warnings) == 1 and "captured none" in warnings[0]
+    budget._controller()
+    assert len(warnings) == 1
+    AdaptiveTreeBudget(CFG, _vllm_config(), 8, DEVICE)._controller()
+    assert len(warnings) == 1

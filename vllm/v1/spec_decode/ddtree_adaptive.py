@@ -463,6 +463,15 @@ class AdaptiveTreeBudget:
         if self.controller is None:
             # Engines that never captured (eager) learn every period online.
             self.controller = self._new_controller({}, {})
+            if self.tp_size > 1:
+                # Ranks must choose alike, so timed periods are not learned
+                # there, and the near-zero prior never pays for a tree.
+                logger.warning(
+                    "DDTree: the adaptive budget with tensor parallelism sizes "
+                    "trees from the step times of CUDA graphs, and this engine "
+                    "captured none: its steps will not speculate (drop "
+                    "enforce_eager, or set adaptive_budget false)"
+                )
         return self.controller
 
     def _new_controller(
