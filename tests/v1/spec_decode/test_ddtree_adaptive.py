@@ -500,3 +500,49 @@ def test_tensor_parallel_without_graphs_warns(monkeypatch):
     assert len(warnings) == 1
     AdaptiveTreeBudget(CFG, _vllm_config(), 8, DEVICE)._controller()
     assert len(warnings) == 1
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_estimates_reach_the_plan_that_may_read_them(monkeypatch, tp_size):
+    """The GPU's estimate of the trees just built reaches a later step's plan
+    through a pinned host copy: on one rank as soon as it landed (here at
+    once: no events on the CPU); under tensor parallelism, alike on every
+    rank, the newest copy made before the previous step began, also after a
+    long stretch without drafting (a probe's trees)."""
+    from vllm.v1.spec_decode import ddtree_adaptive
+
+    def estimate(lp, t, idx, calibration, width, nodes, out):
+        out.fill_(float(lp[0, 0]))
+
+    monkeypatch.setattr(ddtree_adaptive, "expected_accepted_nodes", estimate)
+    config = _vllm_config()
+    config.parallel_config.tensor_parallel_size = tp_size
+    budget = AdaptiveTreeBudget(CFG, config, 8, DEVICE)
+    controller = budget._controller()
+    idle = _output({}, {})
+
+    def trees(marker):
+        lp = torch.full((2, 7), float(marker), device=DEVICE)
+        budget.observe_trees(lp, torch.zeros(8, device=DEVICE), torch.arange(2))
+
+    def read():
+        budget.plan(idle)
+        curve = controller._curve
+        return None if curve is None else curve.per_request[1] * curve.num_reqs
+
+    seen = []
+    budget.plan(idle)
+    trees(10)  # drafted every step: one copy per step
+    seen.append(read())
+    trees(20)
+    seen.append(read())
+    seen.append(read())
+    for _ in range(30):  # no drafting, then a probe
+        read()
+    trees(30)
+    seen.append(read())
+    seen.append(read())
+    if tp_size == 1:
+        assert seen == [10, 20, 20, 30, 30]
+    else:
+        assert seen == [None, 10, 20, 20, 30]

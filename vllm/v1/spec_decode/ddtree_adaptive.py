@@ -116,6 +116,11 @@ class AdaptiveTreeBudget:
         on_gpu = device.type == "cuda"
         self._host = [torch.zeros(len(ladder) + 4, pin_memory=on_gpu) for _ in range(2)]
         self._host_reqs = [0, 0]
+        # Steps planned so far, and at which count each host copy was made:
+        # under tensor parallelism a copy is read once two steps have
+        # started since (the same step on every rank).
+        self._plans = 0
+        self._host_plan = [0, 0]
         # CPU runs (tests) copy synchronously and need no events.
         self._host_ready = (
             [torch.cuda.Event(), torch.cuda.Event()] if on_gpu else [None, None]
@@ -288,6 +293,7 @@ class AdaptiveTreeBudget:
         scheduler's own object is left as it is: it counts rejections against
         the slots it gave)."""
         controller = self._controller()
+        self._plans += 1
         self._read_estimate(controller)
         controller.step_started()
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -454,6 +460,7 @@ class AdaptiveTreeBudget:
         if ready is not None:
             ready.record()
         self._host_reqs[slot] = num_reqs
+        self._host_plan[slot] = self._plans
         self._host_pending[slot] = True
         self._slot ^= 1
 
@@ -488,8 +495,9 @@ class AdaptiveTreeBudget:
 
     def _read_estimate(self, controller: TreeBudgetController) -> None:
         """The newest estimate whose copy has landed. With tensor parallelism
-        every rank must choose alike: there, the one copied two trees ago
-        (its step is done, so the wait returns at once)."""
+        every rank must choose alike: there, the newest copied before the
+        step before this one began (its step is done, so the wait returns at
+        once), however many steps ago the drafter last ran."""
         newest, older = self._slot ^ 1, self._slot
         if self.tp_size == 1:
             for slot in (newest, older):
@@ -499,8 +507,12 @@ class AdaptiveTreeBudget:
             else:
                 return
         else:
-            slot = older
-            if not self._host_pending[slot]:
+            for slot in (newest, older):
+                if self._host_pending[slot] and (
+                    self._plans - self._host_plan[slot] >= 2
+                ):
+                    break
+            else:
                 return
             if self._host_ready[slot] is not None:
                 self._host_ready[slot].synchronize()
