@@ -170,10 +170,10 @@ class AdaptiveTreeBudget:
         target_seconds = time.perf_counter() - start
         # The drafter's graphs at 1, 2, 4, ... requests and the largest: its
         # time barely grows with the batch (interpolated between them), and
-        # with all of them this phase took about 2 s a graph where a replay
-        # takes a fraction of a millisecond. Whether the GPU (these replays,
-        # or the target's queued before them) or the host took it is not
-        # known yet: the log line below gives each group's GPU time.
+        # with all of them this phase took about 2 s a graph where a timed
+        # replay takes a fraction of a millisecond. Whether warm replays or
+        # the host took it is not known yet: the log line below gives each
+        # group's GPU time.
         manager = getattr(spec, "query_cudagraph_manager", None)
         drafter_sizes = {d.num_tokens for d in getattr(manager, "graphs", ())}
         largest = max(drafter_sizes, default=0)
