@@ -183,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="write the merged results.jsonl and results.md here",
     )
+    p.add_argument(
+        "--rounds",
+        action="store_true",
+        help="each directory is one round of the same sweep (e.g. one per GPU "
+        "command): write rounds.md and rounds.json (median and range over the "
+        "rounds) to --out instead of merging",
+    )
     return parser
 
 
@@ -2251,6 +2258,13 @@ def report_main(args) -> int:
     ]
     for other, d in zip(setups[1:], args.dirs[1:]):
         check_setup(setups[0], other, str(d))
+    if getattr(args, "rounds", False):
+        if args.out is None:
+            raise ValueError("report --rounds needs --out")
+        args.out.mkdir(parents=True, exist_ok=True)
+        mode = setups[0]["mode"] if setups else "serve"
+        print(write_rounds_report(args.out, args.dirs, mode))
+        return 0
     rows = merge_rows(load_rows(args.dirs))
     mode = setups[0]["mode"] if setups else str(rows[0].get("mode", "e2e"))
     text = markdown_report(rows, mode, setups[0] if setups else None)

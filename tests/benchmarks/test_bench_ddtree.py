@@ -1240,6 +1240,24 @@ def test_report_merges_parts(tmp_path, fake_runs):
     assert bd.main(["report", str(tmp_path / "none")]) == 2
 
 
+def test_report_of_rounds_run_by_separate_commands(tmp_path, fake_runs):
+    """Rounds run one per command (order reversed by hand) give the same
+    rounds.md as ``--rounds``: the median over the rounds."""
+    dirs = [tmp_path / "r1", tmp_path / "r2"]
+    for d, configs in zip(dirs, ("none,dflash", "dflash,none")):
+        bd.main(["cost", "--out", str(d), "--configs", configs, "--batches", "1"])
+    out = tmp_path / "rounds"
+    assert bd.main(["report", *map(str, dirs), "--rounds", "--out", str(out)]) == 0
+    summary = json.loads((out / rep.ROUNDS_FILE).read_text())
+    assert (
+        (out / rep.ROUNDS_REPORT)
+        .read_text()
+        .startswith("# bench_ddtree: cost, 2 rounds")
+    )
+    assert {(r["config"], r["batch"]) for r in summary} == {("none", 1), ("dflash", 1)}
+    assert bd.main(["report", *map(str, dirs), "--rounds"]) == 2
+
+
 # ---------------------------------------------------------------------------
 # Ratios, targets, tables
 # ---------------------------------------------------------------------------
