@@ -106,10 +106,12 @@ def test_plan_without_drafts_or_trees():
     assert calls == [(1, 7, False, True)]
 
 
-def test_the_first_steps_draft_and_verify_every_slot():
+def test_the_first_steps_draft_and_verify_every_slot(monkeypatch):
     """vLLM's kernel warm-up (a prefill, then a decode step) must reach the
     verification kernels even where the cost model would not speculate: else
     they first compile inside a user's request."""
+    from vllm.v1.spec_decode import ddtree_adaptive
+
     budget = AdaptiveTreeBudget(CFG, _vllm_config(), 8, DEVICE)
     controller = budget._controller()
     controller.should_draft = lambda num_reqs, max_budget: False
@@ -134,6 +136,18 @@ def test_the_first_steps_draft_and_verify_every_slot():
     assert budget.plan(uneven) is uneven and calls == []
     assert budget._plan is None  # nothing for reallocate to split
     assert not budget.full_step_pending
+    # Nor do the trees drafted before and right after it estimate anything
+    # for the controller (it keeps its prior until a user's trees).
+    marked = []
+    monkeypatch.setattr(
+        ddtree_adaptive, "expected_accepted_nodes", lambda *a: marked.append(a)
+    )
+    lp, temp = torch.zeros(2, 7, device=DEVICE), torch.zeros(8, device=DEVICE)
+    budget.observe_trees(lp, temp, torch.arange(2))
+    assert marked == [] and not any(budget._host_pending)
+    budget.plan(_output({}, {}))  # the next step's plan: a user's trees now
+    budget.observe_trees(lp, temp, torch.arange(2))
+    assert len(marked) == 1 and budget._host_pending[0]
     # Its walk (over vLLM's dummy prompts) does not teach the calibration;
     # the next step's does.
     updates = []
@@ -518,6 +532,7 @@ def test_estimates_reach_the_plan_that_may_read_them(monkeypatch, tp_size):
     config = _vllm_config()
     config.parallel_config.tensor_parallel_size = tp_size
     budget = AdaptiveTreeBudget(CFG, config, 8, DEVICE)
+    budget.full_step_pending = False  # past the engine's warm-up
     controller = budget._controller()
     idle = _output({}, {})
 

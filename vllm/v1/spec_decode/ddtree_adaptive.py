@@ -141,6 +141,10 @@ class AdaptiveTreeBudget:
         # teach the calibration (a pessimistic start would keep requests from
         # ever verifying a tree, and only verified trees correct it).
         self._skip_walk = False
+        # Nor do the trees drafted for it and right after it (the plan count
+        # of that step): the first estimate the controller reads is of a
+        # user's trees, until then its prior.
+        self._warm_plan = -1
 
     # -- start-up -------------------------------------------------------------
 
@@ -312,6 +316,7 @@ class AdaptiveTreeBudget:
             # neither timed nor logged.
             self.full_step_pending = False
             self._skip_walk = True
+            self._warm_plan = self._plans
             self._plan = None
             return scheduler_output
         b = controller.choose(num_reqs, cap, has_trees=self.drafted_last, timed=pure)
@@ -443,6 +448,8 @@ class AdaptiveTreeBudget:
     ) -> None:
         """Estimate what each ladder budget accepts for these trees and start
         the copy to the host."""
+        if self.full_step_pending or self._plans <= self._warm_plan:
+            return  # vLLM's warm-up: dummy prompts' trees
         num_reqs, width = log_probs.shape
         num_ladder = self._ladder_nodes.shape[1]
         expected_accepted_nodes(
