@@ -179,8 +179,7 @@ class AdaptiveTreeBudget:
         # the host took it is not known yet: the log line below gives each
         # group's GPU time.
         manager = getattr(spec, "query_cudagraph_manager", None)
-        drafter_sizes = {d.num_tokens for d in getattr(manager, "graphs", ())}
-        largest = max(drafter_sizes, default=0)
+        largest = max((d.num_tokens for d in getattr(manager, "graphs", ())), default=0)
         drafter, drafter_gpu = _time_graphs(
             manager,
             dummy_draft_inputs,
