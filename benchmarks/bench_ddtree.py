@@ -710,10 +710,8 @@ def speculative_config(
     budget a per-request cap (``--adaptive-budget``); else DDTree's default."""
     spec = _speculative_config(base_config(config), drafter, schedule)
     if spec is not None and spec["method"] == "ddtree":
-        if fixed:
-            spec["adaptive_budget"] = False
-        elif adaptive or is_adaptive(config):
-            spec["adaptive_budget"] = True
+        # Said in every DDTree config, whatever the product's default.
+        spec["adaptive_budget"] = not fixed and (adaptive or is_adaptive(config))
     return spec
 
 

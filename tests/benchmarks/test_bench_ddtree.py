@@ -251,10 +251,12 @@ def test_speculative_configs():
         "model": "/d",
         "num_speculative_tokens": 15,
     }
+    # Every DDTree config says which budget it runs, whatever the default.
     assert bd.speculative_config("ddtree-128", drafter) == {
         "method": "ddtree",
         "model": "/d",
         "tree_budget": 128,
+        "adaptive_budget": False,
     }
     assert bd.speculative_config("ddtree-auto", drafter, adaptive=True) == {
         "method": "ddtree",
@@ -1390,7 +1392,12 @@ def test_serve_row_and_commands(tmp_path):
     args = bd.parse_args(["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)])
     cmd = bd.serve_command(args, "ddtree-64", 32, 8000)
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
-    assert spec == {"method": "ddtree", "model": str(args.drafter), "tree_budget": 64}
+    assert spec == {
+        "method": "ddtree",
+        "model": str(args.drafter),
+        "tree_budget": 64,
+        "adaptive_budget": False,
+    }
     dflash = bd.serve_command(args, "dflash", 32, 8000)
     for flag in (
         "--max-num-seqs",

@@ -141,7 +141,7 @@ def compiles(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddtree_compiles")
     target, drafter = str(PAIR / "target"), str(PAIR / "drafter")
     specs = {
-        "ddtree": {"method": "ddtree", "model": drafter},
+        "ddtree": {"method": "ddtree", "model": drafter, "adaptive_budget": False},
         # The adaptive budget's steps: trees of any ladder size, plain steps,
         # the batch-wide split (its first steps must warm up like the rest).
         "ddtree-adaptive": {

@@ -76,7 +76,12 @@ def _configs(target, drafter) -> dict[str, dict]:
     batches = prompts()
     configs = reference_configs(target, drafter)
     for budget in RUN_BUDGETS:
-        spec = {"method": "ddtree", "model": str(drafter), "tree_budget": budget}
+        spec = {
+            "method": "ddtree",
+            "model": str(drafter),
+            "tree_budget": budget,
+            "adaptive_budget": False,
+        }
         extra = {}
         if budget == 8:
             # Long prompts are prefilled in chunks next to tree-verifying requests.
@@ -105,6 +110,7 @@ def _configs(target, drafter) -> dict[str, dict]:
         "method": "ddtree",
         "model": str(drafter),
         "tree_budget_per_batch_size": SCHEDULE,
+        "adaptive_budget": False,
     }
     configs["ddtree_schedule"] = {
         "llm": llm_kwargs(target, spec, disable_log_stats=False),

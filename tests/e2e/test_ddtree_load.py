@@ -393,9 +393,12 @@ def _states(servers: dict, names) -> dict:
 def run_load(tmp: Path) -> dict:
     """The fixture's work: serve, stream, replay, and keep the outcome."""
     target, drafter = str(PAIR / "target"), str(PAIR / "drafter")
-    spec = {"method": "ddtree", "model": drafter, "tree_budget": 128}
-    if ADAPTIVE:
-        spec["adaptive_budget"] = True
+    spec = {
+        "method": "ddtree",
+        "model": drafter,
+        "tree_budget": 128,
+        "adaptive_budget": ADAPTIVE,
+    }
     specs = {
         "ddtree": (target, _args(KV_BYTES, spec)),
         "ddtree_preempt": (target, _args(PREEMPT_KV_BYTES, spec)),

@@ -32,7 +32,12 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddtree_serve")
     target = make_tiny_qwen3(tmp / "target")
     drafter = make_tiny_dflash(tmp / "drafter", target)
-    spec = {"method": "ddtree", "model": str(drafter), "tree_budget": 32}
+    spec = {
+        "method": "ddtree",
+        "model": str(drafter),
+        "tree_budget": 32,
+        "adaptive_budget": False,
+    }
     args = [
         "--served-model-name",
         MODEL,

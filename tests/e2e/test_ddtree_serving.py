@@ -278,10 +278,12 @@ def _llm(spec: dict | None, **extra) -> dict:
 
 def _spec(budget, adaptive: bool = ADAPTIVE) -> dict:
     value = budget if budget == "auto" else int(budget)
-    spec = {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": value}
-    if adaptive:
-        spec["adaptive_budget"] = True
-    return spec
+    return {
+        "method": "ddtree",
+        "model": str(PAIR / "drafter"),
+        "tree_budget": value,
+        "adaptive_budget": adaptive,
+    }
 
 
 # About 3000 tokens of target + drafter KV: far less than 16 requests need.

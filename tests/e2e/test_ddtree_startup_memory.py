@@ -38,7 +38,11 @@ def _config(budget: str) -> dict:
         for n in torch.randint(16, 600, (BATCH,), generator=gen)
     ]
     greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-    spec = {"method": "ddtree", "model": str(CONFIGS / "dflash_qwen3_8b")}
+    spec = {
+        "method": "ddtree",
+        "model": str(CONFIGS / "dflash_qwen3_8b"),
+        "adaptive_budget": False,
+    }
     spec["tree_budget"] = budget if budget == "auto" else int(budget)
     return {
         "llm": {

@@ -60,25 +60,28 @@ def test_parse_maps_onto_dflash():
     )
     assert (budget, adaptive, schedule) == (32, False, ())
     assert dflash == {"model": "d", "method": "dflash", "num_speculative_tokens": 32}
-    # Fixed budgets are the default.
-    assert ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", "tree-budget": 32}
-    ) == (budget, dflash, adaptive, schedule)
+    # The adaptive budget is the default.
+    assert (
+        ddt.parse_speculative_config(
+            {"method": "ddtree", "model": "d", "tree-budget": 32, "revision": "main"}
+        )
+        == parsed
+    )
 
 
 def test_parse_default_budget_is_auto():
-    """No tree_budget: 'auto'. Fixed budgets (the default): the measured
-    per-batch-size schedule; adaptive: the cost model alone decides, up to
-    the builder's largest tree."""
+    """No tree_budget: 'auto'. Adaptive (the default): the cost model alone
+    decides, up to the builder's largest tree; fixed budgets: the measured
+    per-batch-size schedule."""
     assert ddt.DEFAULT_TREE_BUDGET == ddt.AUTO_TREE_BUDGET == "auto"
-    default = ddt.parse_speculative_config({"method": "ddtree", "model": "d"})
-    auto = ddt.parse_speculative_config(
+    adaptive = ddt.parse_speculative_config({"method": "ddtree", "model": "d"})
+    assert adaptive == ddt.parse_speculative_config(
+        {"method": "ddtree", "model": "d", "tree_budget": "auto", **ADAPTIVE}
+    )
+    default = ddt.parse_speculative_config(
         {"method": "ddtree", "model": "d", "tree_budget": "auto", **FIXED}
     )
-    assert default == auto and not default.adaptive
-    adaptive = ddt.parse_speculative_config(
-        {"method": "ddtree", "model": "d", **ADAPTIVE}
-    )
+    assert not default.adaptive
     assert adaptive.tree_budget == ddt.AUTO_TREE_BUDGET_CAP == 1024
     assert adaptive.adaptive and adaptive.schedule == ()
     listed = [b for *_, b in adaptive.dflash["num_speculative_tokens_per_batch_size"]]
@@ -228,7 +231,7 @@ def test_adaptive_ladder_of_at_most_sixteen_budgets():
     with pytest.raises(ValueError, match=r"17 budgets to choose from .*at most 16"):
         ddt.parse_speculative_config({**raw, **ADAPTIVE})
     # Fixed budgets have no ladder; six caps fit.
-    assert not ddt.parse_speculative_config(raw).adaptive
+    assert not ddt.parse_speculative_config({**raw, **FIXED}).adaptive
     six = [[i + 1, i + 1, c] for i, c in enumerate(caps[1:])]
     ok = {**raw, "tree_budget_per_batch_size": six, **ADAPTIVE}
     listed = ddt.parse_speculative_config(ok).dflash[
@@ -1157,7 +1160,12 @@ def test_engine_start_names_ddtree_in_vllms_log(models, cuda_platform):
     with log_records("vllm.ddtree.glue", logging.INFO) as records:
         config = EngineArgs(
             model=target,
-            speculative_config={"method": "ddtree", "model": drafter, "tree_budget": 8},
+            speculative_config={
+                "method": "ddtree",
+                "model": drafter,
+                "tree_budget": 8,
+                **FIXED,
+            },
             max_model_len=2048,
         ).create_engine_config()
     lines = [r.getMessage() for r in records if r.getMessage().startswith("DDTree:")]

@@ -64,10 +64,11 @@ AUTO_TREE_BUDGET_PER_BATCH_SIZE: tuple[tuple[int, int, int], ...] = (
 # "auto" with an adaptive budget: the cost model alone decides, up to the
 # builder's largest tree per request.
 AUTO_TREE_BUDGET_CAP = MAX_BUDGET
-# Speculative-config key: true sizes each step's trees by measured cost and
-# acceptance, with tree_budget a per-request cap; false (the default) verifies
-# tree_budget nodes (or the schedule's) in every step.
+# Speculative-config key: true (the default) sizes each step's trees by
+# measured cost and acceptance, with tree_budget a per-request cap; false
+# verifies tree_budget nodes (or the schedule's) in every step.
 ADAPTIVE_KEY = "adaptive_budget"
+DEFAULT_ADAPTIVE = True
 # Keys of a ddtree speculative config passed to the DFlash drafter's config as is.
 DRAFTER_KEYS = frozenset(
     {
@@ -216,21 +217,19 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> ParsedSpeculativeConfig:
     with ``tree_budget`` draft slots per request. With a fixed budget per batch
     size (``adaptive_budget: false``) a ``tree_budget_per_batch_size`` schedule
     (or ``auto``'s) becomes vLLM's ``num_speculative_tokens_per_batch_size``.
-    With an adaptive budget (``adaptive_budget: true``; not the default, as
-    behind ``vllm serve`` its cost model still chose worse budgets than the
-    fixed schedule: docs/ddtree.md) the budget and the schedule are
+    With an adaptive budget (the default) the budget and the schedule are
     per-request caps; vLLM's schedule then lists every ladder budget, so that
     vLLM captures a CUDA graph for each (the scheduler's draft slots per batch
     size are DDTree's own, :func:`scheduled_tree_budgets`).
     """
     cfg = {str(k).replace("-", "_"): v for k, v in raw.items()}
     cfg.pop("method")
-    adaptive = cfg.pop(ADAPTIVE_KEY, False)
+    adaptive = cfg.pop(ADAPTIVE_KEY, DEFAULT_ADAPTIVE)
     if not isinstance(adaptive, bool):
         raise ValueError(
             f"{ADAPTIVE_KEY} must be true (each step's tree sized by measured cost "
-            f"and acceptance) or false (every step verifies tree_budget, or "
-            f"its schedule's budget for the batch size: the default), got "
+            f"and acceptance: the default) or false (every step verifies "
+            f"tree_budget, or its schedule's budget for the batch size), got "
             f"{adaptive!r}"
         )
     schedule = cfg.pop("tree_budget_per_batch_size", None)
@@ -368,7 +367,7 @@ def check_tree_budget(budget: Any) -> None:
     if not 1 <= budget <= MAX_BUDGET:
         raise ValueError(
             f"tree_budget must be in [1, {MAX_BUDGET}], got {budget}; "
-            f"{AUTO_TREE_BUDGET!r} (the default) picks one per batch size"
+            f"{AUTO_TREE_BUDGET!r} (the default) lets the cost model pick"
         )
 
 
