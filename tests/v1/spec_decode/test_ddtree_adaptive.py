@@ -436,6 +436,59 @@ def test_graph_timing_keeps_the_fastest_timed_replay(monkeypatch):
     assert powers == [1, 2, 4, 8, 16, 32]
 
 
+def test_profile_replays_the_drafter_over_its_own_shapes_metadata(monkeypatch):
+    """Before the step-cost profile replays a drafter graph, the drafter's
+    buffers hold a dummy batch of that graph's shape and its attention
+    metadata is rebuilt from them (the order ``propose`` keeps): on the H200
+    the graphs of 2 and 4 requests replayed over another shape's metadata
+    for 2.4 s and 7.1 s each (``benchmarks/results/adaptive_serve_rounds``)."""
+    import types
+
+    from vllm.v1.spec_decode import ddtree_adaptive
+
+    calls = []
+    monkeypatch.setattr(
+        ddtree_adaptive.InputBatch,
+        "make_dummy",
+        lambda num_reqs, num_tokens, buffers: calls.append(
+            ("batch", num_reqs, num_tokens, buffers)
+        ),
+    )
+    buffers = object()
+    spec = types.SimpleNamespace(
+        num_query_per_req=16,
+        input_buffers=buffers,
+        _group_causal={0: False},
+        block_tables=types.SimpleNamespace(
+            get_dummy_slot_mappings=lambda n: calls.append(("slots", n))
+        ),
+        _build_draft_attn_metadata=lambda **kw: calls.append(("attn", kw)),
+    )
+    shapes = [(64, 4), (32, None), (512, 32)]
+    for num_tokens, num_reqs in shapes:
+        desc = types.SimpleNamespace(num_tokens=num_tokens, num_reqs=num_reqs)
+        ddtree_adaptive._dummy_draft_inputs(spec, desc)
+    expected = []
+    for num_tokens, num_reqs in shapes:
+        reqs = num_reqs or num_tokens // 16
+        expected += [
+            ("batch", reqs, num_tokens, buffers),
+            ("slots", num_tokens),
+            (
+                "attn",
+                {
+                    "num_reqs": reqs,
+                    "num_reqs_padded": reqs,
+                    "num_tokens_padded": num_tokens,
+                    "causal": {0: False},
+                },
+            ),
+        ]
+    assert calls == expected
+    print(f"drafter graph shapes prepared: {len(shapes)}, calls checked: {len(calls)}")
+    assert len(calls) >= 9
+
+
 def test_warm_up_compiles_the_split_for_every_cap_block(monkeypatch):
     """A step's cap is the fewest slots a request got (the scheduler trims a
     request near max_model_len to any count), and the split's kernel is

@@ -162,27 +162,18 @@ class AdaptiveTreeBudget:
             runner.model_state.tree_inputs.is_tree.zero_()
 
         spec = runner.speculator
-
-        def dummy_draft_inputs(desc) -> None:
-            # The drafter's graphs read its own input buffers, which the last
-            # step left as they were: a replay over them is not a step's cost.
-            InputBatch.make_dummy(desc.num_reqs, desc.num_tokens, spec.input_buffers)
-            spec.block_tables.get_dummy_slot_mappings(desc.num_tokens)
-
         start = time.perf_counter()
         target, target_gpu = _time_graphs(runner.cudagraph_manager, dummy_inputs)
         target_seconds = time.perf_counter() - start
         # The drafter's graphs at 1, 2, 4, ... requests and the largest: its
-        # time barely grows with the batch (interpolated between them), and
-        # with all of them this phase took about 2 s a graph where a timed
-        # replay takes a fraction of a millisecond. Whether warm replays or
-        # the host took it is not known yet: the log line below gives each
-        # group's GPU time.
+        # time barely grows with the batch (interpolated between them). The
+        # log line below gives each group's GPU time, which shows a replay
+        # over inputs no step would leave.
         manager = getattr(spec, "query_cudagraph_manager", None)
         largest = max((d.num_tokens for d in getattr(manager, "graphs", ())), default=0)
         drafter, drafter_gpu = _time_graphs(
             manager,
-            dummy_draft_inputs,
+            lambda desc: _dummy_draft_inputs(spec, desc),
             keep=lambda n: n == largest or _is_power_of_two(n // self.cfg.draft_len),
         )
         drafter = {
@@ -536,6 +527,24 @@ class AdaptiveTreeBudget:
                 tuple(values[num_ladder:]),
             )
         )
+
+
+def _dummy_draft_inputs(spec, desc) -> None:
+    """The drafter's inputs as a step of ``desc``'s shape leaves them before
+    its graph replays: a dummy batch in the drafter's input buffers and its
+    attention metadata rebuilt, as ``propose`` does before every replay. The
+    attention builders' persistent buffers otherwise hold another shape's
+    metadata, over which a replay at 2 or 4 requests took seconds of GPU
+    time instead of a fraction of a millisecond."""
+    num_reqs = desc.num_reqs or desc.num_tokens // spec.num_query_per_req
+    InputBatch.make_dummy(num_reqs, desc.num_tokens, spec.input_buffers)
+    spec.block_tables.get_dummy_slot_mappings(desc.num_tokens)
+    spec._build_draft_attn_metadata(
+        num_reqs=num_reqs,
+        num_reqs_padded=num_reqs,
+        num_tokens_padded=desc.num_tokens,
+        causal=spec._group_causal,
+    )
 
 
 def _is_power_of_two(n: int) -> bool:
