@@ -7,9 +7,9 @@ on the GPU with vLLM's defaults (prefix caching, CUDA graphs, async scheduling,
 default ``max_num_seqs`` and capture sizes) and a fixed KV cache, so that they
 can share the GPU without memory profiling:
 
-* ``ddtree``: ``tree_budget`` 128 (the README's), 1 GiB of KV; with
-  ``DDTREE_LOAD_ADAPTIVE=1`` both DDTree servers run the adaptive budget
-  (``adaptive_budget`` true, 128 the per-request cap) instead;
+* ``ddtree``: ``"tree_budget": 128``, DDTree's default adaptive budget (128
+  the per-request cap), 1 GiB of KV; with ``DDTREE_LOAD_ADAPTIVE=0`` both
+  DDTree servers run a fixed budget of 128 instead;
 * ``ddtree_preempt``: the same with 12 MiB of KV (~3k tokens for ~60 running
   requests of up to 2048): vLLM preempts and recomputes. (On this tiny model a
   low ``gpu_memory_utilization`` would still leave gigabytes of KV; a fixed
@@ -73,7 +73,7 @@ pytestmark = pytest.mark.skipif(
 PAIR = ROOT / "benchmarks" / "models" / "pycode"
 SECONDS = float(os.environ.get("DDTREE_LOAD_SECONDS", "300"))
 BUDGET_S = float(os.environ.get("DDTREE_LOAD_BUDGET_S", "540"))
-ADAPTIVE = os.environ.get("DDTREE_LOAD_ADAPTIVE", "0") == "1"
+ADAPTIVE = os.environ.get("DDTREE_LOAD_ADAPTIVE", "1") == "1"
 # Most seconds the references get after the streams end: the requests still
 # pending there (up to 512 tokens at the references' concurrency).
 REF_CATCH_UP_S = 40

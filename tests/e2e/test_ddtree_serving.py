@@ -12,10 +12,11 @@ and the same explicit settings for every configuration: 16 sequences, a
 trees of 129 tokens do not fit, so budget 128 also runs trimmed trees) and a
 fixed KV cache. Configurations: ``ref`` (no speculation) and ``ddtree_<B>`` for
 B in {8, 64, 128} and ``auto``, each running the same scenarios, stepped by hand
-(``tests.e2e.generate``); with ``DDTREE_SERVING_ADAPTIVE=1`` every DDTree
-configuration runs the adaptive budget instead (``adaptive_budget`` true, B the
-per-request cap: plain steps without the drafter, trees of every ladder size and
-the batch-wide split on these paths):
+(``tests.e2e.generate``). DDTree configurations run DDTree's default, the
+adaptive budget (B the per-request cap: plain steps without the drafter, trees
+of every ladder size and the batch-wide split on these paths), but the biased
+verifier and the profiled start, which need fixed budgets; with
+``DDTREE_SERVING_ADAPTIVE=0`` every one runs a fixed budget of B:
 
 * ``continuous``: 40 greedy requests of mixed lengths into 16 slots, so new
   requests join while others decode;
@@ -82,7 +83,7 @@ DIST = {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "max_tokens": 3}
 # Fraction of the reference's tokens a greedy or seeded comparison must cover
 # (it stops at a request's first numerical tie).
 COMPARED_FLOOR = 0.6
-ADAPTIVE = os.environ.get("DDTREE_SERVING_ADAPTIVE", "0") == "1"
+ADAPTIVE = os.environ.get("DDTREE_SERVING_ADAPTIVE", "1") == "1"
 
 
 def _greedy(max_tokens: int, **extra) -> dict:
