@@ -381,6 +381,18 @@ def test_start_up_times_never_fall_with_the_batch():
     assert _never_faster_when_larger({}) == {}
 
 
+def test_start_up_reports_graphs_slower_than_larger_ones():
+    # The drafter graphs of 2 and 4 requests once replayed for seconds at
+    # start-up; the monotone fix hid it from the log.
+    from vllm.v1.spec_decode.ddtree_adaptive import _slower_than_larger
+
+    times = {1: 2e-4, 2: 2.37, 4: 7.1, 8: 1.3e-4, 16: 1.5e-4, 32: 2.1e-4}
+    assert _slower_than_larger(times) == [2, 4]
+    # Small differences are noise, and the largest shape bounds nothing.
+    assert _slower_than_larger({1: 3e-4, 2: 2e-4, 4: 5e-4, 8: 1.0}) == []
+    assert _slower_than_larger({}) == []
+
+
 def test_graph_timing_keeps_the_fastest_timed_replay(monkeypatch):
     """The start-up times of ``_time_graphs``: FULL graphs only, the ones
     ``keep`` picks, each prepared before its replays; the warm-up replay

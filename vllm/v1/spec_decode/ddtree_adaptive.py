@@ -65,6 +65,8 @@ logger = init_logger(__name__)
 # CUDA-graph replays timed per captured shape at start-up (after one warm
 # one); the fastest counts.
 _PROFILE_REPLAYS = 3
+# A graph timed this many times slower than a larger one's is reported.
+_SLOW_FACTOR = 4
 
 
 @dataclass
@@ -186,6 +188,18 @@ class AdaptiveTreeBudget:
 
             # Every rank must choose the same budgets: rank 0's times.
             target, drafter = get_tp_group().broadcast_object((target, drafter), src=0)
+        for name, times in (("target", target), ("drafter", drafter)):
+            slow = _slower_than_larger(times)
+            if slow:
+                # A replay over inputs no step leaves: the cost model takes the
+                # larger shape's time, but start-up paid for the slow replays.
+                logger.warning(
+                    "DDTree: the %s's CUDA graphs for %s replayed at least %dx "
+                    "slower than a larger shape's at start-up",
+                    name,
+                    ", ".join(f"{n} ({1e3 * times[n]:.2f} ms)" for n in slow),
+                    _SLOW_FACTOR,
+                )
         target, drafter = (
             _never_faster_when_larger(target),
             _never_faster_when_larger(drafter),
@@ -586,6 +600,13 @@ def _time_graphs(manager, prepare=None, keep=None) -> tuple[dict[int, float], fl
         if counts:
             times[num_tokens] = min(times.get(num_tokens, seconds), seconds)
     return times, gpu_seconds
+
+
+def _slower_than_larger(times: dict[int, float]) -> list[int]:
+    """The keys of ``times`` timed at least ``_SLOW_FACTOR`` x some larger
+    key's time."""
+    bound = _never_faster_when_larger(times)
+    return sorted(n for n, t in times.items() if t >= _SLOW_FACTOR * bound[n])
 
 
 def _never_faster_when_larger(times: dict[int, float]) -> dict[int, float]:
