@@ -29,7 +29,10 @@ Engine-core and worker side:
    grammar bitmask sized for one row per request, and with an adaptive budget
    the draft slots per batch size (``dynamic_sd_lookup``);
    ``Scheduler.add_request`` / ``schedule``: structured-output requests are
-   scheduled without drafts.
+   scheduled without drafts, and with an adaptive budget a request's blocks
+   past its next tree go back to the pool when its slots drop;
+   ``Scheduler.update_from_output``: the worker's budget report (the slots
+   follow it, the spec-decode counters count its nodes).
 5. ``GPUModelRunner.__init__`` (MRv2): registers TREE_ATTN in the worker before
    the model is built; ``GPUModelRunner.initialize_kv_cache``: then compiles every
    TREE_ATTN kernel variant a step can pick
@@ -37,7 +40,9 @@ Engine-core and worker side:
    runner imported it): ``DDTreeSpeculator``.
 6. ``init_model_state`` (as the runner imported it): ``DDTreeModelState``.
 7. ``GPUModelRunner.execute_model`` / ``prepare_inputs`` (adaptive budgets: the
-   step's budget, and the batch-wide split of its nodes), ``load_model`` (the
+   block table rows the scheduler cut, the step's budget, and the batch-wide
+   split of its nodes), ``sample_tokens`` (the budget report on the step's
+   output), ``load_model`` (the
    structured-output bitmask sized by the step's token limit; prompt logprobs
    without a padded join's placeholder rows) and
    ``capture_model`` (the budget's step-cost prior from the captured graphs).
@@ -97,6 +102,7 @@ def _patch_scheduler(module) -> None:
     _wrap(module.Scheduler, "__init__", _scheduler_init)
     _wrap(module.Scheduler, "add_request", _scheduler_add_request)
     _wrap(module.Scheduler, "schedule", _scheduler_schedule)
+    _wrap(module.Scheduler, "update_from_output", _scheduler_update_from_output)
 
 
 def _patch_model_runner(module) -> None:
@@ -109,6 +115,7 @@ def _patch_model_runner(module) -> None:
     _wrap(module.GPUModelRunner, "capture_model", _capture_model)
     _wrap(module.GPUModelRunner, "execute_model", _execute_model)
     _wrap(module.GPUModelRunner, "prepare_inputs", _prepare_inputs)
+    _wrap(module.GPUModelRunner, "sample_tokens", _sample_tokens)
 
 
 def _patch_stat_loggers(module) -> None:
@@ -553,12 +560,20 @@ def _scheduler_init(original, self, *args, **kwargs):
     self._ddtree_grammar_reqs = set()
     _size_grammar_bitmask(self.structured_output_manager, self.max_num_running_reqs)
     if cfg.adaptive:
-        from vllm.v1.spec_decode.ddtree_config import engine_tree_slots
+        from vllm.v1.spec_decode.ddtree_config import engine_tree_slots, slot_ladder
+        from vllm.v1.spec_decode.ddtree_slots import TreeSlots
 
         # Draft slots per request by batch size: a cap that keeps the step's
-        # tokens and KV within the trees the budget can choose; vLLM's lookup
-        # would read the ladder listed in the speculative config.
-        self.dynamic_sd_lookup = engine_tree_slots(cfg, self.vllm_config)
+        # tokens and KV within the trees the budget can choose, lowered to
+        # what the worker's budget uses; vLLM's lookup would read the ladder
+        # listed in the speculative config.
+        self.dynamic_sd_lookup = TreeSlots(
+            engine_tree_slots(cfg, self.vllm_config), slot_ladder(cfg)
+        )
+        # The slots the last schedule gave (async scheduling's placeholders),
+        # and the budget of the step whose output is being processed.
+        self._ddtree_slots_given: int | None = None
+        self._ddtree_step_budget: int | None = None
 
 
 def _size_grammar_bitmask(manager, max_num_reqs: int) -> None:
@@ -598,7 +613,58 @@ def _scheduler_schedule(original, self, *args, **kwargs):
                 grammar.discard(req_id)
             elif request.spec_token_ids:
                 request.spec_token_ids = []
-    return original(self, *args, **kwargs)
+    kept = _trim_dropped_slots(self)
+    out = original(self, *args, **kwargs)
+    if kept:
+        # The worker cuts the same rows before it appends this step's blocks.
+        out.ddtree_kept_blocks = kept
+    return out
+
+
+def _trim_dropped_slots(sched) -> dict[str, tuple[int, ...]] | None:
+    """Adaptive budgets with async scheduling: when the slots the running
+    requests get now (their placeholders) are fewer than the last schedule
+    gave, free each one's blocks past its computed tokens and the drafter's
+    lookahead before this schedule allocates, and again in the next one (the
+    step in flight verifies a tree of the old slots, whose blocks it still
+    uses until then). Returns the blocks kept per request cut."""
+    slots = getattr(sched, "_spec_token_placeholders", None)
+    if slots is None or not hasattr(sched, "_ddtree_slots_given"):
+        return None  # no adaptive budget, or a sync scheduler
+    given, sched._ddtree_slots_given = sched._ddtree_slots_given, len(slots)
+    if given is not None and len(slots) < given:
+        sched._ddtree_trims_left = 2
+    if not getattr(sched, "_ddtree_trims_left", 0) or sched.connector is not None:
+        return None
+    sched._ddtree_trims_left -= 1
+    from vllm.v1.spec_decode.ddtree_slots import trim_tail_blocks
+
+    kept = {}
+    for request in sched.running:
+        if request.num_computed_tokens > 0:
+            blocks = trim_tail_blocks(
+                sched.kv_cache_manager,
+                request,
+                sched.num_lookahead_tokens,
+                sched.max_model_len,
+            )
+            if blocks is not None:
+                kept[request.request_id] = blocks
+    return kept
+
+
+def _scheduler_update_from_output(original, self, scheduler_output, output, *a, **k):
+    report = getattr(output, "ddtree_budget", None)
+    if report is None or not hasattr(self, "_ddtree_step_budget"):
+        return original(self, scheduler_output, output, *a, **k)
+    # The step's nodes per request, for the spec-decode counters; the next
+    # budget, for the slots.
+    self._ddtree_step_budget = report.step_budget
+    self.dynamic_sd_lookup.advise(report.num_reqs, report.next_budget)
+    try:
+        return original(self, scheduler_output, output, *a, **k)
+    finally:
+        self._ddtree_step_budget = None
 
 
 def _model_runner_init(original, self, vllm_config, *args, **kwargs):
@@ -669,9 +735,27 @@ def _capture_model(original, self, *args, **kwargs):
 def _execute_model(original, self, scheduler_output, *args, **kwargs):
     adaptive = _adaptive_of(self)
     if adaptive is not None and not kwargs.get("dummy_run", False):
+        kept = getattr(scheduler_output, "ddtree_kept_blocks", None)
+        if kept:
+            from vllm.v1.spec_decode.ddtree_slots import truncate_block_tables
+
+            # Blocks the scheduler freed, before vLLM appends the new ones.
+            truncate_block_tables(
+                self.block_tables, self.req_states.req_id_to_index, kept
+            )
         # The step's budget, before MRv2 pads and dispatches the batch.
         scheduler_output = adaptive.plan(scheduler_output)
     return original(self, scheduler_output, *args, **kwargs)
+
+
+def _sample_tokens(original, self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    adaptive = _adaptive_of(self)
+    # MRv2's last rank returns its step's own output object (async or not).
+    target = getattr(out, "model_runner_output", None)
+    if adaptive is not None and target is not None:
+        target.ddtree_budget = adaptive.report()
+    return out
 
 
 def _prepare_inputs(original, self, *args, **kwargs):

@@ -106,6 +106,29 @@ def test_plan_without_drafts_or_trees():
     assert calls == [(1, 7, False, True)]
 
 
+def test_report_gives_the_step_budget_and_the_next_best():
+    """What the step's output tells the scheduler: the budget the step
+    verified (None where it verified every slot it was given) and the budget
+    should_draft found best for the next step of this many requests."""
+    budget, _ = _budget(lambda r, cap: 3)
+    assert budget.report() is None  # nothing drafted yet
+    controller = budget.controller
+    controller.best_budget = lambda num_reqs, max_budget: min(num_reqs, max_budget)
+    budget.plan(_output({"a": 8, "b": 8, "c": 8}, {"a": 7, "b": 7, "c": 7}))
+    assert budget.should_draft(3)
+    assert budget.report() == (3, 3, 3)
+    # A step without drafts verified nothing; a batch the scheduler gives no
+    # slots at all has nothing to report for the next step but 0.
+    budget.plan(_output({"p": 9}, {}))
+    budget.should_draft(2)
+    assert budget.report() == (None, 2, 2)
+    budget, _ = _budget(lambda r, cap: cap)
+    budget.controller.best_budget = lambda num_reqs, max_budget: max_budget
+    budget.plan(_output({"a": 8, "b": 8}, {"a": 7, "b": 7}))
+    budget.should_draft(2)
+    assert budget.report() == (7, 2, budget.slots[2])
+
+
 def test_the_first_steps_draft_and_verify_every_slot(monkeypatch):
     """vLLM's kernel warm-up (a prefill, then a decode step) must reach the
     verification kernels even where the cost model would not speculate: else

@@ -1075,7 +1075,7 @@ def test_adaptive_engine_config(models, cuda_platform, tokens):
     scheduler = build_scheduler(config)
     lookup = scheduler.dynamic_sd_lookup
     want = ddt.scheduled_tree_budgets(cfg, sched.max_num_seqs, tokens, 512)
-    assert lookup == want and len(lookup) == sched.max_num_seqs + 1
+    assert lookup.caps == want and len(lookup) == sched.max_num_seqs + 1
     span = min(tokens // 2, 1024)
     for r in range(1, sched.max_num_seqs + 1):
         assert lookup[r] in cfg.ladder and r * (1 + lookup[r]) <= max(span, r)
@@ -1641,6 +1641,136 @@ def test_kv_blocks_follow_the_next_tree(models, cuda_platform):
     assert over["ddtree-128"] > over["ddtree-15"] == over["dflash"] > over["none"]
     assert slots == 128
     assert over["ddtree-adaptive-128"] == over["ddtree-128"]
+
+
+def _adaptive_async_run(models, reports):
+    """vLLM's async scheduler (its default) for an adaptive ``"tree_budget":
+    128`` engine over four requests, the worker's budget reports given by
+    ``reports`` (step -> next budget), drafts accepted as KV_TEST_ACCEPTED says.
+    Checks at every schedule that a worker's block table rebuilt from the
+    scheduler outputs (new blocks appended, cut rows cut) is the scheduler's;
+    returns per schedule (slots given, blocks held, tokens needing a slot per
+    request, free blocks), and the spec-decode counters' draft tokens and the
+    nodes the steps verified by the reports."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.spec_decode.ddtree_adaptive import BudgetReport
+
+    from tests.plugins.engine_summary import build_scheduler
+
+    _, config = _engine_config(
+        models,
+        _adaptive(models, tree_budget=128),
+        max_num_batched_tokens=4096,
+        async_scheduling=True,
+    )
+    sched = build_scheduler(
+        config, log_stats=True, scheduler_cls=AsyncScheduler, num_blocks=1024
+    )
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    # Prefix caching on (vLLM's default): blocks are hashed as the engine does.
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    block_hasher = get_request_block_hasher(16, hash_fn)
+    req_ids = [f"r{i}" for i in range(4)]
+    for i, req_id in enumerate(req_ids):
+        params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+        prompt = [5 + i] * (20 + 7 * i)
+        sched.add_request(_request(req_id, prompt, params, block_hasher))
+    manager, lookahead = sched.kv_cache_manager, sched.num_lookahead_tokens
+    pool = manager.block_pool
+    worker: dict[str, list[int]] = {}
+    records, counted, verified, num_compared = [], 0, 0, 0
+    pending = None  # the step in flight: (scheduler output, its budget)
+    budget = None
+    for step in range(len(reports) + 1):
+        out = sched.schedule()
+        for req_id, kept in (getattr(out, "ddtree_kept_blocks", None) or {}).items():
+            del worker[req_id][kept[0] :]
+        for new in out.scheduled_new_reqs:
+            worker[new.req_id] = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for req_id, ids in zip(cached.req_ids, cached.new_block_ids):
+            if ids is not None:
+                worker[req_id].extend(ids[0])
+        for req_id in req_ids:
+            assert worker[req_id] == manager.get_block_ids(req_id)[0], step
+            num_compared += 1
+        slots = {len(v) for v in out.scheduled_spec_decode_tokens.values()}
+        held = [len(manager.get_block_ids(r)[0]) for r in req_ids]
+        need = [sched.requests[r].num_computed_tokens + lookahead for r in req_ids]
+        records.append((slots, held, need, pool.get_num_free_blocks()))
+        if pending is not None:
+            prev, prev_budget = pending
+            accepted = KV_TEST_ACCEPTED[step % len(KV_TEST_ACCEPTED)]
+            sampled = []
+            for req_id in req_ids:
+                drafts = len(prev.scheduled_spec_decode_tokens.get(req_id, []))
+                # Each request verifies the step's budget (no split here).
+                nodes = drafts if prev_budget is None else min(drafts, prev_budget)
+                sampled.append([7] * (1 + min(accepted, nodes, 15)))
+                verified += nodes
+            output = ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+            )
+            output.ddtree_budget = BudgetReport(prev_budget, 4, reports[step - 1])
+            result = sched.update_from_output(prev, output)
+            stats = result[0].scheduler_stats.spec_decoding_stats
+            counted += stats.num_draft_tokens if stats is not None else 0
+        # The worker verifies the report's budget of a step with drafts.
+        budget = reports[step - 1] if step else None
+        pending = (out, budget if out.scheduled_spec_decode_tokens else None)
+    assert num_compared >= 4 * len(records)
+    return records, counted, verified, num_compared, cdiv
+
+
+def test_adaptive_slots_follow_the_budget_and_free_rejected_blocks(
+    models, cuda_platform, monkeypatch
+):
+    """Async scheduling, an adaptive ``"tree_budget": 128``, four requests:
+    while the worker reports budgets that need the cap, requests get 128
+    draft slots; once it reports budget 3 they get 15 (room for the
+    batch-wide split), the blocks past each request's computed tokens and
+    the drafter's lookahead go back to the pool, and at every schedule each
+    request holds exactly the blocks its tokens need (and the worker's block
+    table matches the scheduler's). Without the freeing, the requests keep
+    their larger trees' blocks. The spec-decode counters count the verified
+    budget's nodes, not the slots."""
+    reports = [127] * 4 + [3] * 10
+    records, counted, verified, compared, cdiv = _adaptive_async_run(models, reports)
+    given = [slots for slots, *_ in records]
+    assert given[0] == set()  # the prompts
+    assert 128 in set().union(*given[:5]) and given[-1] == {15}
+    checked = 0
+    for slots, held, need, _ in records:
+        for h, n in zip(held, need):
+            assert h == cdiv(n, 16), (slots, held, need)
+            checked += 1
+    freed = [b - a for (*_, a), (*_, b) in zip(records, records[1:])]
+    assert max(freed) > 0  # the drop returned blocks to the pool
+    over = sum(records[-1][1]) - sum(cdiv(n - 16, 16) for n in records[-1][2])
+    print(
+        f"schedules {len(records)}, blocks checked {checked}, block tables "
+        f"compared {compared}; slots given {[sorted(g) for g in given]}; most "
+        f"blocks freed by one schedule {max(freed)}; blocks past the computed "
+        f"tokens at the end {over / 4:.2f} per request; draft tokens counted "
+        f"{counted} of {verified} verified"
+    )
+    assert checked >= 4 * 15
+    assert counted == verified > 0
+    # The same reports without freeing: the cap's blocks stay held.
+    import vllm_ddtree.glue as glue
+
+    monkeypatch.setattr(glue, "_trim_dropped_slots", lambda sched: None)
+    records, *_ = _adaptive_async_run(models, reports)
+    assert any(
+        h > cdiv(n, 16) for _, held, need, _ in records for h, n in zip(held, need)
+    )
 
 
 def test_scheduler_stats_sized_by_drafter_depth(models, cuda_platform):

@@ -34,6 +34,7 @@ only its context up to date (:meth:`AdaptiveTreeBudget.should_draft`).
 import copy
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -67,6 +68,14 @@ logger = init_logger(__name__)
 _PROFILE_REPLAYS = 3
 # A graph timed this many times slower than a larger one's is reported.
 _SLOW_FACTOR = 4
+
+
+class BudgetReport(NamedTuple):
+    """Sent with a step's output to the scheduler (``ddtree_slots.py``)."""
+
+    step_budget: int | None  # nodes per request this step (None: its slots)
+    num_reqs: int  # the batch the next budget was chosen for
+    next_budget: int  # the budget should_draft found best for it
 
 
 @dataclass
@@ -130,6 +139,11 @@ class AdaptiveTreeBudget:
         self._host_pending = [False, False]
         self._slot = 0
         self._plan: StepPlan | None = None
+        # For the scheduler, with the step's output (``report``): the budget
+        # this step verified per request (None: every slot as scheduled), and
+        # the requests and budget should_draft found best for the next one.
+        self._step_budget: int | None = None
+        self._advice: tuple[int, int] | None = None
         # Whether the drafter ran at the end of the last step: the trees the
         # next step can verify.
         self.drafted_last = False
@@ -305,6 +319,7 @@ class AdaptiveTreeBudget:
         self._plans += 1
         self._read_estimate(controller)
         controller.step_started()
+        self._step_budget = None
         spec = scheduler_output.scheduled_spec_decode_tokens
         if not spec:
             return scheduler_output
@@ -325,6 +340,7 @@ class AdaptiveTreeBudget:
             return scheduler_output
         b = controller.choose(num_reqs, cap, has_trees=self.drafted_last, timed=pure)
         self._plan = StepPlan(num_reqs, b, cap, pure)
+        self._step_budget = b
         if b == most:
             return scheduler_output
         trimmed = copy.copy(scheduler_output)
@@ -439,7 +455,18 @@ class AdaptiveTreeBudget:
             did = True
         controller.drafted(did)
         self.drafted_last = did
+        self._advice = (num_reqs, controller.last_best)
         return did
+
+    def report(self) -> "BudgetReport | None":
+        """What the scheduler learns from this step's output: the budget it
+        verified (its spec-decode counters count that many nodes per request,
+        not the slots it gave) and the budget the next step of this many
+        requests is expected to take (its slots follow it). None before the
+        first drafted step."""
+        if self._advice is None:
+            return None
+        return BudgetReport(self._step_budget, *self._advice)
 
     def observe_trees(
         self,

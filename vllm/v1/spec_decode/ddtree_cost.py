@@ -279,6 +279,9 @@ class TreeBudgetController:
         self._log_interval = log_interval
         self._curve: AcceptanceCurve | None = None
         self._undrafted_steps = 0
+        # The budget should_draft found best for its batch: what the
+        # scheduler's slots follow (ddtree_slots.py).
+        self.last_best = 0
         self._step: _Step | None = None
         # The shape of the step before ``_step`` (None: untimed or none).
         self._last_shape: tuple[int, int, bool] | None = None
@@ -345,9 +348,10 @@ class TreeBudgetController:
         False while speculation would not pay, except for one probe every
         ``probe_interval`` steps, which refreshes the acceptance estimate
         (none where the scheduler gives no draft slots)."""
+        self.last_best = self.best_budget(num_reqs, max_budget) if max_budget else 0
         if max_budget == 0:
             return False
-        if self.best_budget(num_reqs, max_budget) > 0:
+        if self.last_best > 0:
             self._undrafted_steps = 0
             return True
         self._undrafted_steps += 1

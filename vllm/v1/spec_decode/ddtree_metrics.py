@@ -66,7 +66,17 @@ def make_tree_spec_decoding_stats(
     request_id: str,
 ) -> SpecDecodingStats | None:
     """``Scheduler.make_spec_decoding_stats`` for trees (the same arguments
-    after the scheduler and the drafter's depth)."""
+    after the scheduler and the drafter's depth).
+
+    ``num_draft_tokens`` is the slots the scheduler gave; with an adaptive
+    budget the step verified fewer, ``_ddtree_step_budget`` per request on
+    average (the worker's report, ``ddtree_slots.py``): that many are
+    counted, or the accepted path's length where the batch-wide split gave
+    the request more, so the draft-token counter sums about the nodes
+    verified and every accepted token counts."""
+    budget = getattr(scheduler, "_ddtree_step_budget", None)
+    if budget is not None:
+        num_draft_tokens = min(num_draft_tokens, max(budget, num_accepted_tokens))
     if not scheduler.log_stats or not num_draft_tokens:
         return spec_decoding_stats
     if num_invalid_spec_tokens:
