@@ -84,6 +84,7 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
     timing_stats,
     write_rounds_report,
 )
+from benchmarks.kv_usage import KvSampler  # noqa: E402
 from benchmarks.host_usage import (  # noqa: E402
     HostUsage,
     format_cpu_list,
@@ -2205,11 +2206,18 @@ def _measure_interleaved_cell(
         plans[config] = (result, slices)
     results = {c: [] for c in who}
     usages = {c: [] for c in who}
+    # KV blocks held, from each server's /metrics while its slices run.
+    kv = {c: KvSampler(servers[c][1]) for c in who}
     for j in range(len(plans[who[0]][1])):
         for config in who if j % 2 == 0 else reversed(who):
             out, cmd = plans[config][1][j]
             client = servers[config][2]
-            if not client.run(cmd, deadline - time.monotonic()) or not out.is_file():
+            kv[config].start()
+            try:
+                ran = client.run(cmd, deadline - time.monotonic())
+            finally:
+                kv[config].stop()
+            if not ran or not out.is_file():
                 return [], config
             result = json.loads(out.read_text())
             if result.get("failed"):  # vllm bench serve exits 0 all the same
@@ -2228,6 +2236,7 @@ def _measure_interleaved_cell(
             interleaved_with=[c for c in who if c != config],
             slices_tok_s=[r.get("output_throughput") for r in results[config]],
             host_usage=combine_usage(usages[config]),
+            kv_usage=kv[config].summary(),
         )
         rows.append(row)
     return rows, None

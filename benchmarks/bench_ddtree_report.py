@@ -556,6 +556,37 @@ def host_table(rows: Sequence[Mapping]) -> str | None:
     return markdown_table(header, body)
 
 
+def kv_table(rows: Sequence[Mapping]) -> str | None:
+    """KV blocks held per running request during each timed pass (serve rows'
+    ``kv_usage``, sampled from the server's /metrics; None without any)."""
+    measured = [r for r in rows if r.get("kv_usage")]
+    if not measured:
+        return None
+    header = [
+        "batch",
+        "T",
+        "config",
+        "KV blocks per running request",
+        "KV usage %",
+        "running requests",
+        "samples",
+    ]
+    body = [
+        [
+            r["batch"],
+            fmt(float(r["temperature"]), 1),
+            r["config"],
+            fmt(k["blocks_per_running_request"], 1),
+            fmt(100 * k["usage_mean"], 1),
+            fmt(k["running_mean"], 1),
+            k["samples"],
+        ]
+        for r in measured
+        for k in [r["kv_usage"]]
+    ]
+    return markdown_table(header, body)
+
+
 RATIO_NOTE = (
     "Ratios compare rows of the same batch and temperature; `*` marks a row "
     "whose DFlash or no-spec baseline was measured by another GPU command."
@@ -610,6 +641,17 @@ def markdown_report(rows: Sequence[Mapping], mode: str, setup: Mapping | None) -
             "time over the pass's wall time, in the engine's process tree):",
             "",
             host,
+            "",
+        ]
+    kv = kv_table(rows)
+    if kv:
+        parts += [
+            "KV cache during the timed pass (vLLM's `kv_cache_usage_perc` x its "
+            "blocks / `num_requests_running`, sampled every 0.25 s; a request's "
+            "blocks include what its draft slots reserve, shared prefix blocks "
+            "count once):",
+            "",
+            kv,
             "",
         ]
     if any(r.get("per_depth") for r in rows):

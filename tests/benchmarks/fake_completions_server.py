@@ -21,6 +21,8 @@ from aiohttp import web
 DRAFT_TOKENS = 15
 ACCEPTED = 2
 SEEN = web.AppKey("seen", list)
+RUNNING = web.AppKey("running", list)
+FAKE_KV_BLOCKS = 1000
 
 
 def make_app(
@@ -31,16 +33,21 @@ def make_app(
 ) -> web.Application:
     app = web.Application()
     app[SEEN] = []
+    app[RUNNING] = [0]
 
     async def completions(request):
         body = await request.json()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(chunks):
-            if delay_s:
-                await asyncio.sleep(delay_s)
-            data = {"choices": [{"index": 0, "text": f" t{i}"}]}
-            await resp.write(f"data: {json.dumps(data)}\n\n".encode())
+        app[RUNNING][0] += 1
+        try:
+            for i in range(chunks):
+                if delay_s:
+                    await asyncio.sleep(delay_s)
+                data = {"choices": [{"index": 0, "text": f" t{i}"}]}
+                await resp.write(f"data: {json.dumps(data)}\n\n".encode())
+        finally:
+            app[RUNNING][0] -= 1
         usage = {"completion_tokens": chunks, "prompt_tokens": 5}
         tail = {"choices": [], "usage": usage}
         await resp.write(f"data: {json.dumps(tail)}\n\n".encode())
@@ -61,6 +68,11 @@ def make_app(
             f"vllm:spec_decode_num_accepted_tokens_total {drafts * accepted}",
             'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} '
             f"{drafts * accepted}",
+            # KV: a quarter of FAKE_KV_BLOCKS in use by the requests in flight.
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} {app[RUNNING][0]}',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+            f'vllm:cache_config_info{{block_size="16",engine="0",'
+            f'num_gpu_blocks="{FAKE_KV_BLOCKS}"}} 1.0',
         ]
         return web.Response(text="\n".join(lines) + "\n")
 

@@ -5,6 +5,7 @@ command lines it runs are the ones ``bench_command`` builds, parsed by vLLM's ow
 parser; one failed run does not stop the next; the parent's time limit kills
 the client and later runs report failure."""
 
+import functools
 import io
 import json
 import os
@@ -357,6 +358,10 @@ def _interleaved(
             return super().run(cmd, time_left)
 
     monkeypatch.setattr(bd, "ServeClient", Recording)
+    # The fake servers' requests last tens of ms: sample their /metrics often.
+    monkeypatch.setattr(
+        bd, "KvSampler", functools.partial(bd.KvSampler, interval_s=0.005)
+    )
     rc = bd.run_sweep(args)
     assert memory == {"dflash": 0.45, "ddtree-auto": 0.45}
     rows = [
@@ -391,7 +396,13 @@ def test_interleaved_serve_through_the_client(tmp_path, monkeypatch):
         # Each row's acceptance is its own server's (5 vs 2 accepted per draft).
         assert r["acceptance_length"] == pytest.approx(1 + accepted[r["config"]])
         assert r["host_usage"]["slices"] == 2
+        # KV from the server's /metrics: a quarter of its 1000 blocks over the
+        # 1 or 2 requests running.
+        kv = r["kv_usage"]
+        assert kv["samples"] >= 1 and kv["num_gpu_blocks"] == fake.FAKE_KV_BLOCKS
+        assert 125 <= kv["blocks_per_running_request"] <= 250
     assert all(up == sorted(accepted) for *_, up in order)
+    assert "KV blocks per running request" in (args.out / bd.REPORT_FILE).read_text()
     # Per cell: both warm-ups, then slices A B, B A (the plan's config order).
     first, second = [c for c, _, _ in bd.plan(args, set())]
     for batch in (1, 2):
