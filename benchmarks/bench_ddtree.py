@@ -84,7 +84,7 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
     timing_stats,
     write_rounds_report,
 )
-from benchmarks.kv_usage import KvSampler  # noqa: E402
+from benchmarks.checkout import free_port, plugin_site  # noqa: E402
 from benchmarks.host_usage import (  # noqa: E402
     HostUsage,
     format_cpu_list,
@@ -93,7 +93,7 @@ from benchmarks.host_usage import (  # noqa: E402
     process_tree,
     thread_info,
 )
-from tests.e2e.servers import free_port, plugin_site  # noqa: E402
+from benchmarks.kv_usage import KvSampler  # noqa: E402
 
 MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"
 # TREE_ATTN's switches for its cascade form (tree_attn.CONTEXT_CASCADE_ENV and

@@ -140,7 +140,7 @@ def test_serve_client_runs_vllm_bench_serve_twice_in_one_process(tmp_path):
     """The real client against a fake server: a warm-up and a timed run of one
     (batch, temperature), as run_serve_config sends them, each writes vLLM's
     result JSON with every request completed, from one process."""
-    from tests.e2e.servers import free_port
+    from benchmarks.checkout import free_port
 
     port = free_port()
     seen, stop = fake.start_in_thread(port, chunks=6)
@@ -180,7 +180,7 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
     (throughput, acceptance from the server's spec-decode counters, latency)
     and the host over its timed run (the server's busiest thread), and the
     warm-up and timed runs of all cells come from one client process."""
-    from tests.e2e.servers import free_port
+    from benchmarks.checkout import free_port
 
     chunks = 5
     pair = PAIR
@@ -292,7 +292,7 @@ def _interleaved(
     (config, result file, prompt texts, the configs whose servers were up),
     the rows, run_sweep's return code). ``affinity``, a list: per run, the CPUs
     of (every server thread, that run's client, this process) appended."""
-    from tests.e2e.servers import free_port  # noqa: F401  (bench_ddtree's)
+    from benchmarks.checkout import free_port  # noqa: F401  (bench_ddtree's)
 
     chunks = 4
     argv = [*_serve_argv(chunks), "--num-prompts", "8", "--min-waves", "4"]
