@@ -123,7 +123,9 @@ def worker_main(spec_path: Path) -> None:
 def run_worker(spec: dict) -> None:
     import torch
 
-    import conftest  # noqa: F401  (this working tree's vllm/ modules first)
+    from benchmarks.checkout import use_checkout
+
+    use_checkout()
     import vllm_ddtree
 
     vllm_ddtree.register()

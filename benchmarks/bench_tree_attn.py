@@ -40,7 +40,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import conftest  # noqa: E402,F401  (this working tree's vllm/ modules first)
+from benchmarks.checkout import use_checkout  # noqa: E402
+
+use_checkout()
 
 # isort: split
 from vllm.triton_utils import tl, triton  # noqa: E402

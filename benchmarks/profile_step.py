@@ -1584,7 +1584,9 @@ def run_worker(spec: dict) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import conftest  # noqa: F401  (this working tree's vllm/ modules first)
+    from benchmarks.checkout import use_checkout
+
+    use_checkout()
     import vllm
     import vllm_ddtree
     from vllm import LLM, SamplingParams

@@ -33,7 +33,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import conftest  # noqa: E402,F401  (this working tree's vllm/ modules first)
+from benchmarks.checkout import use_checkout  # noqa: E402
+
+use_checkout()
 from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree  # noqa: E402
 
 PAIR = ROOT / "benchmarks" / "models" / "pycode"
