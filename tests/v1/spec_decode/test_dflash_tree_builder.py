@@ -10,13 +10,13 @@ import torch
 
 from tests.v1.ddtree_reference import build_ddtree_reference, tree_from_parents
 from tests.v1.spec_decode.top_search_spy import ranked_top_with_counts
+from vllm.v1.attention.ops.tree_mask import num_mask_words
 from vllm.v1.spec_decode import dflash_tree_builder as builder
 from vllm.v1.spec_decode.dflash_tree_builder import (
     DDTree,
     _ranked_top_tokens,
     build_ddtree,
     build_ddtree_with_lse,
-    num_mask_words,
 )
 
 HAS_GPU = torch.cuda.is_available()

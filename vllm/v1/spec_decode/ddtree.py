@@ -34,6 +34,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.attention.ops.tree_mask import num_mask_words
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm.v1.spec_decode.ddtree_inputs import (
     draft_context_size,
@@ -41,11 +42,7 @@ from vllm.v1.spec_decode.ddtree_inputs import (
     store_draft_trees,
 )
 from vllm.v1.spec_decode.ddtree_adaptive import AdaptiveTreeBudget
-from vllm.v1.spec_decode.dflash_tree_builder import (
-    DDTree,
-    build_ddtree,
-    num_mask_words,
-)
+from vllm.v1.spec_decode.dflash_tree_builder import DDTree, build_ddtree
 from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
 from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
 from vllm.v1.kv_cache_interface import KVCacheConfig

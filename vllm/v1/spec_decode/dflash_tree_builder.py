@@ -19,17 +19,7 @@ import torch
 
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
-
-# Tree layout (shared with the tree attention backend and the tree sampler):
-# tree token 0 is the root (the previous step's bonus token) and tree token i >= 1 is
-# node i. Row i of the attention mask has bit (j % 32) of word (j // 32) set iff tree
-# token j is an ancestor of tree token i or i itself.
-MASK_WORD_BITS = 32
-
-
-def num_mask_words(budget: int) -> int:
-    """int32 words per mask row for a tree of ``budget`` nodes plus the root."""
-    return (budget + 1 + MASK_WORD_BITS - 1) // MASK_WORD_BITS
+from vllm.v1.attention.ops.tree_mask import num_mask_words
 
 
 @dataclass
@@ -49,7 +39,8 @@ class DDTree:
     # [num_reqs, budget] int32; 1..depth, 0 on padding nodes.
     depths: torch.Tensor
     # [num_reqs, budget + 1, num_mask_words(budget)] int32, bit-packed
-    # ancestor-or-self mask over [root, node_1, ..., node_budget].
+    # ancestor-or-self mask over [root, node_1, ..., node_budget]; layout in
+    # vllm/v1/attention/ops/tree_mask.py.
     attn_mask: torch.Tensor
     # [num_reqs] int32; number of real (non-padding) nodes.
     num_nodes: torch.Tensor

@@ -10,7 +10,7 @@ such a target:
 
 * tree rows: requests whose entry in ``TreeAttentionInputs.is_tree`` is set use
   the ancestor bitmask of ``TreeAttentionInputs.attn_mask`` (layout in
-  ``vllm/v1/spec_decode/dflash_tree_builder.py``);
+  ``vllm/v1/attention/ops/tree_mask.py``);
 * every other row is causal (plain decodes, chains, chunked prefills), so without
   tree inputs the backend is a plain causal backend and matches FLASH_ATTN.
 
@@ -53,12 +53,12 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+from vllm.v1.attention.ops.tree_mask import num_mask_words
 from vllm.v1.attention.ops.triton_tree_attention import (
     tree_attention,
     tree_attention_with_context,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
-from vllm.v1.spec_decode.dflash_tree_builder import num_mask_words
 
 
 def split_kv_cache(

@@ -16,7 +16,7 @@ This is tree verification for speculative decoding (DDTree, SpecInfer): the new
 tokens are ``[root, node_1, ..., node_B]`` flattened parent-before-child, with KV
 slots following the flattened index, and a node must see only its ancestors.
 
-Mask layout (shared with ``vllm/v1/spec_decode/dflash_tree_builder.py``):
+Mask layout (``vllm/v1/attention/ops/tree_mask.py``):
 ``tree_mask[r, i, j // 32]`` bit ``j % 32`` is set iff tree token ``j`` is an
 ancestor of tree token ``i`` or ``i`` itself. ``is_tree[r] = 0`` makes request
 ``r`` causal; ``is_tree[r] = 1 + s`` puts its tree's root at query row ``s``:
