@@ -505,10 +505,8 @@ class _Requests:
     def process(self, logits, rows, local, trees, parents, fed, contexts):
         """Penalties and bad words (the path versions; with local = 0 they
         are MRv2's own, checked above), then temperature."""
-        from vllm.v1.sample.tree_rejection_sampler import (
-            apply_sampling_params,
-            apply_tree_bad_words,
-        )
+        from tests.v1.sample.mrv2_stubs import apply_sampling_params
+        from vllm.v1.sample.tree_rejection_sampler import apply_tree_bad_words
 
         n = len(contexts)
         counts = torch.zeros(n, _VOCAB, dtype=torch.int32)

@@ -14,11 +14,14 @@ import pytest
 import torch
 
 from tests.v1.ddtree_reference import build_ddtree_reference, walk_trees_reference
-from tests.v1.sample.mrv2_stubs import StubSampler, interpreter_shims
+from tests.v1.sample.mrv2_stubs import (
+    StubSampler,
+    apply_sampling_params,
+    interpreter_shims,
+)
 from vllm.v1.sample.tree_rejection_sampler import (
     TreeRejectionSampler,
     TreeSampleOutput,
-    apply_sampling_params,
     tree_rejection_sample,
     walk_trees,
 )

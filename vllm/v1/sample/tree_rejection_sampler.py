@@ -43,12 +43,10 @@ import torch
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.v1.outputs import LogprobsTensors
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.worker.gpu.input_batch import InputBatch, get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
-from vllm.v1.worker.gpu.sample.gumbel import apply_temperature, gumbel_sample
+from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
-from vllm.v1.worker.gpu.sample.min_p import apply_min_p
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
@@ -363,7 +361,7 @@ def tree_rejection_sample(
     """Sample every tree token, then walk each tree to its accepted path.
 
     ``processed_logits`` are the target's logits after temperature, min-p and
-    top-k/top-p (see ``apply_sampling_params``); rows of requests at temperature 0
+    top-k/top-p (``Sampler.apply_sampling_params``); rows of requests at temperature 0
     are sampled greedily. ``pos`` holds the positions of the tree tokens (root
     position + depth), which key the Gumbel noise together with the seed.
     Allocations depend on shapes only and nothing syncs with the host, so the call
@@ -724,37 +722,6 @@ def _tree_bad_words_kernel(
     if match:
         last = tl.load(words + end - 1)
         tl.store(logits_ptr + row * logits_stride + last, -float("inf"))
-
-
-def apply_sampling_params(
-    # [num_logits, vocab_size]
-    logits: torch.Tensor,
-    # [num_logits]
-    expanded_idx_mapping: torch.Tensor,
-    # [max_num_reqs]
-    temperature: torch.Tensor,
-    # [max_num_reqs]
-    min_p: torch.Tensor | None = None,
-    # [max_num_reqs]
-    top_k: torch.Tensor | None = None,
-    # [max_num_reqs]
-    top_p: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Temperature, min-p, then top-k/top-p, with vLLM's own MRv2 ops and in
-    ``Sampler.apply_sampling_params``'s order, for use without a ``Sampler``.
-
-    Per-request parameters are indexed by ``expanded_idx_mapping``. ``logits`` is
-    modified in place and keeps its dtype (vLLM's ops compute in float32); the
-    result may be a new tensor.
-    """
-    apply_temperature(logits, expanded_idx_mapping, temperature)
-    if min_p is not None:
-        apply_min_p(logits, expanded_idx_mapping, min_p)
-    if top_k is None and top_p is None:
-        return logits
-    row_top_k = top_k[expanded_idx_mapping] if top_k is not None else None
-    row_top_p = top_p[expanded_idx_mapping] if top_p is not None else None
-    return apply_top_k_top_p(logits, row_top_k, row_top_p)
 
 
 def _path_logit_rows(
