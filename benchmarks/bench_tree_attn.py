@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import conftest  # noqa: E402,F401  (this working tree's vllm/ modules first)
 
+from tests.v1.attention.tree_attn_config import parse_config  # noqa: E402
 from tests.v1.ddtree_reference import build_ddtree_reference  # noqa: E402
 from vllm.triton_utils import tl, triton  # noqa: E402
 from vllm.v1.attention.ops.triton_tree_attention import (  # noqa: E402
@@ -107,7 +108,7 @@ def parse_args():
     args.configs = args.configs or ["default"]
     for name in args.configs:
         if name != "default":
-            TreeAttentionConfig.parse(name)  # fail before any GPU work
+            parse_config(name)  # fail before any GPU work
     return args
 
 
@@ -347,7 +348,7 @@ def run_point(batch, budget, context, args, l2_bytes, copy_bw, gen):
     fa_launchers[0](0)
     rows, first_out = [], None
     for name in args.configs:
-        config = None if name == "default" else TreeAttentionConfig.parse(name)
+        config = None if name == "default" else parse_config(name)
         t_ours = time_graph(p.ours(config), p.num_rotations, args.iters)
         p.ours(config)(0)
         if first_out is None:

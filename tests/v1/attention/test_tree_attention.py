@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.v1.attention.tree_attn_config import parse_config
 from tests.v1.ddtree_reference import build_ddtree_reference, tree_from_parents
 from vllm.v1.attention.ops import triton_tree_attention as tta
 from vllm.v1.attention.ops.triton_tree_attention import (
@@ -399,18 +400,18 @@ def test_explicit_configs_cpu(config):
         16,
         torch.float32,
         num_splits=8,
-        config=TreeAttentionConfig.parse(config),
+        config=parse_config(config),
     )
 
 
 def test_config_strings():
-    cfg = TreeAttentionConfig.parse("m64n32w4s3k128")
+    cfg = parse_config("m64n32w4s3k128")
     assert cfg == TreeAttentionConfig(64, 32, 4, 3, 128)
-    assert TreeAttentionConfig.parse(str(cfg)) == cfg
-    assert TreeAttentionConfig.parse("m64") == TreeAttentionConfig(block_m=64)
+    assert parse_config(str(cfg)) == cfg
+    assert parse_config("m64") == TreeAttentionConfig(block_m=64)
     for bad in ["m65", "n16", "x3", "m", "m64n64q"]:
         with pytest.raises(ValueError, match="TreeAttentionConfig|config"):
-            TreeAttentionConfig.parse(bad)
+            parse_config(bad)
 
 
 @pytest.mark.parametrize(
@@ -452,7 +453,7 @@ def test_plan_warps(num_tokens, num_reqs, num_warps):
     plan = plan_tree_attention(num_tokens, num_reqs, 32, 8, 128, num_sms=132)
     assert plan.config.num_warps == num_warps
     # An explicit config is launched as given.
-    cfg = TreeAttentionConfig.parse("m64n64w4s5")
+    cfg = parse_config("m64n64w4s5")
     plan = plan_tree_attention(
         num_tokens, num_reqs, 32, 8, 128, num_sms=132, config=cfg
     )
@@ -496,7 +497,7 @@ def test_tail_plan_streams_few_keys_unpipelined(budget, block_n):
     assert tail.config.block_m == full.config.block_m
     assert tail.num_splits == 1 and full.config.num_stages == 5
     # An explicit config is taken as given.
-    cfg = TreeAttentionConfig.parse("m64n64w4s5")
+    cfg = parse_config("m64n64w4s5")
     assert (
         plan_tree_attention(
             1024, 64, 32, 8, 128, num_sms=132, config=cfg, tail_only=True
@@ -529,7 +530,7 @@ def test_explicit_configs_gpu(config):
         random_tree("heap", 15, seed=2),
     ]
     q_lens, ctx_lens = [129, 513, 16, 1, 16], [4097, 1000, 300, 2000, 0]
-    cfg = TreeAttentionConfig.parse(config)
+    cfg = parse_config(config)
     for num_splits in [None, 5]:
         check_trees(
             ctx_lens,

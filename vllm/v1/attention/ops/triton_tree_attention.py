@@ -144,26 +144,6 @@ class TreeAttentionConfig:
             f"k{self.min_split_keys}"
         )
 
-    @classmethod
-    def parse(cls, text: str) -> "TreeAttentionConfig":
-        """Inverse of ``str``: ``m128n64w8s5`` (missing fields keep defaults)."""
-        names = dict(
-            m="block_m", n="block_n", w="num_warps", s="num_stages", k="min_split_keys"
-        )
-        fields, key, digits = {}, None, ""
-        for ch in text + "$":
-            if ch.isdigit():
-                digits += ch
-                continue
-            if key is not None:
-                if not digits:
-                    raise ValueError(f"bad tree attention config {text!r}")
-                fields[names[key]] = int(digits)
-            if ch != "$" and ch not in names:
-                raise ValueError(f"bad tree attention config {text!r}")
-            key, digits = ch, ""
-        return cls(**fields)
-
 
 def tree_attention(
     # [num_tokens, num_q_heads, head_size]
@@ -193,7 +173,8 @@ def tree_attention(
     """Tree/causal attention of the batch's new tokens over the paged KV cache.
 
     Writes ``out`` (rows past ``query_start_loc[-1]`` are left untouched) and
-    returns it. ``num_splits`` overrides the split-KV heuristic (tests); it may
+    returns it. ``num_splits`` overrides the split-KV heuristic (the warm-up
+    compiles each variant with its own); it may
     depend only on static sizes if the call is to be captured in a CUDA graph.
     ``config`` overrides the tile shape chosen from the static sizes.
 
