@@ -120,15 +120,14 @@ TREE_OPS_KERNELS = (
     "_prepare_draft_inputs_kernel",
     "_store_draft_trees_kernel",
 )
-# vllm/v1/attention/ops/triton_tree_attention.py, and vLLM's merge_attn_states
-# (CUDA or Triton), which TREE_ATTN's cascade uses (FlashAttention's own cascade
-# needs prefix caching, off here).
+# vllm/v1/attention/ops/triton_tree_attention.py
 TREE_ATTN_KERNELS = (
     "_tree_attention_kernel",
     "_merge_splits_kernel",
-    "merge_attn_states",
 )
-FLASH_ATTN_MARKS = ("flash::", "flash_fwd", "FlashAttn")
+# vLLM's merge_attn_states (CUDA or Triton) joins FlashAttention's cascade over a
+# shared prefix (prefix caching).
+FLASH_ATTN_MARKS = ("flash::", "flash_fwd", "FlashAttn", "merge_attn_states")
 # Lower-case substrings.
 GEMM_MARKS = (
     "gemm",
@@ -756,13 +755,6 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
         else "tuned engine settings (prefix caching off, the request ladder's "
         "capture sizes)"
     )
-    cascade = [
-        f"{env}={setup[key]}"
-        for env, key in bd.CASCADE_SETUP_KEYS.items()
-        if setup.get(key) is not None
-    ]
-    if cascade:
-        settings += f", TREE_ATTN's cascade form on ({', '.join(cascade)})"
     lines = [
         "# Profile of one decode step",
         "",
@@ -1243,7 +1235,6 @@ def setup_of(args) -> dict:
     if args.pair is not None:
         setup["prompts"] = bd._sha(args.prompts)
         setup["info"]["prompts"] = str(args.prompts)
-    setup.update(bd.cascade_setup())
     return setup
 
 

@@ -28,7 +28,6 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.tree_attn import (
     TreeAttentionBackend,
-    TreeAttentionImpl,
     TreeAttentionInputs,
     TreeAttentionMetadataBuilder,
     kv_cache_as_kv_first,
@@ -244,14 +243,6 @@ class DDTreeModelState(DefaultModelState):
         layers = self.vllm_config.compilation_config.static_forward_context
         sched = self.vllm_config.scheduler_config
         launches, seen = 0, set()
-        # With the cascade form switched on, its suffix kernels too, for every
-        # step of enough requests: the switch's query-length test reads the
-        # longest row, which says nothing of the average the plan follows.
-        cascade_min_reqs = (
-            None
-            if TreeAttentionImpl.fa_context_min_query_len is None
-            else TreeAttentionImpl.fa_context_min_reqs
-        )
         for group in self._tree_groups:
             for name in group.layer_names:
                 layer = layers[name]
@@ -279,7 +270,6 @@ class DDTreeModelState(DefaultModelState):
                     sched.max_num_seqs,
                     sched.max_num_batched_tokens,
                     itemsize=key_cache.element_size(),
-                    cascade_min_reqs=cascade_min_reqs,
                 )
                 # The kernel requires the query in the KV cache's dtype.
                 launches += warm_up_tree_attention(
