@@ -262,8 +262,8 @@ HOST_SCOPES = (
     (
         _WALK,
         3,
-        "vllm.v1.spec_decode.ddtree_verify",
-        "DDTreeRejectionSampler",
+        "vllm.v1.sample.tree_rejection_sampler",
+        "TreeRejectionSampler",
         "__call__",
     ),
     (

@@ -20,7 +20,8 @@ One step, as wired by :class:`DDTreeSpeculator` and
    batches), its logits are built into trees inside the same graph, and the trees
    are stored per request in :class:`DDTreeState`.
 2. Step N + 1: ``DDTreeModelState`` writes tree positions and masks, the target
-   verifies with TREE_ATTN, ``DDTreeRejectionSampler`` walks the trees and
+   verifies with TREE_ATTN, ``TreeRejectionSampler`` walks the trees (in
+   ``DDTreeModelState.sample_trees``) and
    ``DDTreeModelState.postprocess_state`` compacts the accepted path's KV.
 
 Nothing here reads GPU data on the host.
