@@ -5,9 +5,13 @@ parameters and ``benchmarks/bench_tree_attn.py --configs``."""
 
 from vllm.v1.attention.ops.triton_tree_attention import TreeAttentionConfig
 
-_FIELDS = dict(
-    m="block_m", n="block_n", w="num_warps", s="num_stages", k="min_split_keys"
-)
+_FIELDS = {
+    "m": "block_m",
+    "n": "block_n",
+    "w": "num_warps",
+    "s": "num_stages",
+    "k": "min_split_keys",
+}
 
 
 def parse_config(text: str) -> TreeAttentionConfig:
