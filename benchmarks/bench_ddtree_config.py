@@ -31,15 +31,6 @@ from benchmarks.host_usage import (
 )
 
 MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"
-# TREE_ATTN's switches for its cascade form (tree_attn.CONTEXT_CASCADE_ENV and
-# CONTEXT_CASCADE_REQS_ENV; this process does not import vLLM) and the setup
-# keys that record them.
-CONTEXT_CASCADE_ENV = "VLLM_TREE_ATTN_CONTEXT_CASCADE_MIN_QUERY_LEN"
-CONTEXT_CASCADE_REQS_ENV = "VLLM_TREE_ATTN_CONTEXT_CASCADE_MIN_REQS"
-CASCADE_SETUP_KEYS = {
-    CONTEXT_CASCADE_ENV: "tree_attn_context_cascade_min_query_len",
-    CONTEXT_CASCADE_REQS_ENV: "tree_attn_context_cascade_min_reqs",
-}
 DFLASH_TOKENS = 15  # DFlash's chain: a block of 16 minus the root
 # `vllm serve` on a GPU of >= 70 GiB defaults to 8192 batched tokens and 1024
 # sequences, and vLLM then refuses DFlash's 14 new slots per sequence for
@@ -683,18 +674,5 @@ def setup_of(args) -> dict:
     if args.schedule is not None:
         # ddtree-schedule rows mean this schedule; another one needs another --out.
         setup["schedule"] = args.schedule
-    setup.update(cascade_setup())
     setup.update(pin_cpus_field(args))
-    return setup
-
-
-def cascade_setup() -> dict:
-    """TREE_ATTN's cascade switches set in this environment, which every engine
-    of the command inherits, as setup keys (none when unset: older setups
-    still match)."""
-    setup = {}
-    for env, key in CASCADE_SETUP_KEYS.items():
-        value = os.environ.get(env, "").strip()
-        if value:
-            setup[key] = value
     return setup

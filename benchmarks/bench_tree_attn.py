@@ -47,11 +47,11 @@ use_checkout()
 # isort: split
 from vllm.triton_utils import tl, triton  # noqa: E402
 
+from benchmarks.tree_attn_config import parse_config  # noqa: E402
 from vllm.v1.attention.ops.triton_tree_attention import (  # noqa: E402
     TreeAttentionConfig,
     plan_tree_attention,
     tree_attention,
-    tree_attention_with_context,
 )
 from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree  # noqa: E402
 
@@ -111,7 +111,7 @@ def parse_args():
     args.configs = args.configs or ["default"]
     for name in args.configs:
         if name != "default":
-            TreeAttentionConfig.parse(name)  # fail before any GPU work
+            parse_config(name)  # fail before any GPU work
     return args
 
 
@@ -239,40 +239,6 @@ class Problem:
 
         return launch
 
-    def cascade(self):
-        """The backend's cascade form: FA3 over the committed context, the
-        kernel over the new keys only, vLLM's merge_attn_states."""
-        from vllm.v1.attention.backends.tree_attn import flash_context_attention
-        from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
-
-        def launch(i):
-            context = flash_context_attention(
-                self.key_cache,
-                self.value_cache,
-                self.query_start_loc,
-                self.block_tables[i],
-                HEAD_SIZE**-0.5,
-                self.q_len,
-                self.seq_len,
-                fa_version=3,
-            )
-            tree_attention_with_context(
-                self.q,
-                self.key_cache,
-                self.value_cache,
-                self.out,
-                self.query_start_loc,
-                self.seq_lens,
-                self.block_tables[i],
-                HEAD_SIZE**-0.5,
-                self.tree_mask,
-                self.is_tree,
-                context,
-                merge_attn_states,
-            )
-
-        return launch
-
     def plan(self, config: TreeAttentionConfig | None) -> str:
         plan = plan_tree_attention(
             self.q.shape[0],
@@ -351,7 +317,7 @@ def run_point(batch, budget, context, args, l2_bytes, copy_bw, gen):
     fa_launchers[0](0)
     rows, first_out = [], None
     for name in args.configs:
-        config = None if name == "default" else TreeAttentionConfig.parse(name)
+        config = None if name == "default" else parse_config(name)
         t_ours = time_graph(p.ours(config), p.num_rotations, args.iters)
         p.ours(config)(0)
         if first_out is None:
@@ -391,14 +357,6 @@ def run_point(batch, budget, context, args, l2_bytes, copy_bw, gen):
                 (p.out.float() - fa_out.float()).abs().max().item()
             )
         rows.append(row)
-    # The cascade form (FA3 context + kernel on the new keys), on the first row.
-    t_cascade = time_graph(p.cascade(), p.num_rotations, args.iters)
-    p.cascade()(0)
-    rows[0].update(
-        cascade_us=t_cascade * 1e6,
-        cascade_ratio=t_cascade / t_fa3,
-        max_abs_diff_cascade=(p.out.float() - first_out.float()).abs().max().item(),
-    )
     del p
     torch.cuda.empty_cache()
     return rows
@@ -423,8 +381,6 @@ COLUMNS = [
     ("ours_us", "{:.1f}"),
     ("fa3_us", "{:.1f}"),
     ("ratio", "{:.2f}"),
-    ("cascade_us", "{:.1f}"),
-    ("cascade_ratio", "{:.2f}"),
     ("ours_kv_tbps", "{:.2f}"),
     ("ours_pct_copy", "{:.0f}"),
     ("roofline_pct_copy", "{:.0f}"),
@@ -540,13 +496,10 @@ def main():
             )
         )
         bad = [r["config"] for r in point_rows if r["max_abs_diff_vs_first"] > 0.05]
-        if point_rows[0]["max_abs_diff_cascade"] > 0.05:
-            bad.append("cascade")
         print(
             f"[{time.time() - started:6.1f}s] b={batch} ctx={context} "
             f"B={budget}: FA3 {point_rows[0]['fa3_us']:.1f} us; "
             + ", ".join(f"{r['config']} {r['ours_us']:.1f}" for r in point_rows)
-            + f", cascade {point_rows[0]['cascade_us']:.1f}"
             + (f"; MISMATCH {bad}" if bad else ""),
             flush=True,
         )

@@ -122,15 +122,14 @@ TREE_OPS_KERNELS = (
     "_prepare_draft_inputs_kernel",
     "_store_draft_trees_kernel",
 )
-# vllm/v1/attention/ops/triton_tree_attention.py, and vLLM's merge_attn_states
-# (CUDA or Triton), which TREE_ATTN's cascade uses (FlashAttention's own cascade
-# needs prefix caching, off here).
+# vllm/v1/attention/ops/triton_tree_attention.py
 TREE_ATTN_KERNELS = (
     "_tree_attention_kernel",
     "_merge_splits_kernel",
-    "merge_attn_states",
 )
-FLASH_ATTN_MARKS = ("flash::", "flash_fwd", "FlashAttn")
+# vLLM's merge_attn_states (CUDA or Triton) joins FlashAttention's cascade over a
+# shared prefix (prefix caching).
+FLASH_ATTN_MARKS = ("flash::", "flash_fwd", "FlashAttn", "merge_attn_states")
 # Lower-case substrings.
 GEMM_MARKS = (
     "gemm",
@@ -265,8 +264,8 @@ HOST_SCOPES = (
     (
         _WALK,
         3,
-        "vllm.v1.spec_decode.ddtree_verify",
-        "DDTreeRejectionSampler",
+        "vllm.v1.sample.tree_rejection_sampler",
+        "TreeRejectionSampler",
         "__call__",
     ),
     (
@@ -758,13 +757,6 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
         else "tuned engine settings (prefix caching off, the request ladder's "
         "capture sizes)"
     )
-    cascade = [
-        f"{env}={setup[key]}"
-        for env, key in bdc.CASCADE_SETUP_KEYS.items()
-        if setup.get(key) is not None
-    ]
-    if cascade:
-        settings += f", TREE_ATTN's cascade form on ({', '.join(cascade)})"
     lines = [
         "# Profile of one decode step",
         "",
@@ -1245,7 +1237,6 @@ def setup_of(args) -> dict:
     if args.pair is not None:
         setup["prompts"] = bdc._sha(args.prompts)
         setup["info"]["prompts"] = str(args.prompts)
-    setup.update(bdc.cascade_setup())
     return setup
 
 

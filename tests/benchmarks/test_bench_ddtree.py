@@ -220,28 +220,6 @@ def test_continuous_arrivals_option(tmp_path, capsys):
         assert "unrecognized arguments: --arrivals" in capsys.readouterr().err
 
 
-def test_context_cascade_switch_in_setup(tmp_path, monkeypatch):
-    """Engines inherit TREE_ATTN's cascade switch from the environment; the
-    setup records it, so such rows never merge with rows run without it."""
-    from vllm.v1.attention.backends import tree_attn
-
-    assert bdc.CONTEXT_CASCADE_ENV == tree_attn.CONTEXT_CASCADE_ENV
-    assert bdc.CONTEXT_CASCADE_REQS_ENV == tree_attn.CONTEXT_CASCADE_REQS_ENV
-    args = bd.parse_args(["e2e", "--out", str(tmp_path / "o"), *_pair(tmp_path)])
-    monkeypatch.delenv(bdc.CONTEXT_CASCADE_ENV, raising=False)
-    monkeypatch.delenv(bdc.CONTEXT_CASCADE_REQS_ENV, raising=False)
-    plain = bdc.setup_of(args)
-    assert not set(bdc.CASCADE_SETUP_KEYS.values()) & set(plain)
-    monkeypatch.setenv(bdc.CONTEXT_CASCADE_ENV, "32")
-    cascade = bdc.setup_of(args)
-    assert cascade["tree_attn_context_cascade_min_query_len"] == "32"
-    assert cascade != plain
-    monkeypatch.setenv(bdc.CONTEXT_CASCADE_REQS_ENV, "16")
-    large = bdc.setup_of(args)
-    assert large["tree_attn_context_cascade_min_reqs"] == "16"
-    assert large != cascade
-
-
 # ---------------------------------------------------------------------------
 # Engine configurations
 # ---------------------------------------------------------------------------

@@ -288,7 +288,7 @@ def test_child_env_keeps_the_engine_in_process(monkeypatch):
         ),
         ("_tree_attention_kernel", "tree_attn"),
         ("_merge_splits_kernel", "tree_attn"),
-        ("void vllm::merge_attn_states_kernel<__nv_bfloat16, 128u>(...)", "tree_attn"),
+        ("void vllm::merge_attn_states_kernel<__nv_bfloat16, 128u>(...)", "flash_attn"),
         ("_rank_row_kernel", "tree_ops"),
         ("_chunk_stats_kernel", "tree_ops"),
         ("_top_threshold_kernel", "tree_ops"),
@@ -1072,29 +1072,6 @@ def test_run_refuses_another_setup(tmp_path, fake_gpu, capsys):
         == 2
     )
     assert "no such directory" in capsys.readouterr().err
-
-
-def test_cascade_switch_in_setup_and_header(tmp_path, fake_gpu, monkeypatch, capsys):
-    """TREE_ATTN's cascade form, switched on through the environment the engines
-    inherit, is part of a profile's setup (a profile without it does not mix
-    with one with it) and named in the report's header."""
-    cascade_env = bdc.CONTEXT_CASCADE_ENV
-    monkeypatch.delenv(cascade_env, raising=False)
-    monkeypatch.delenv(bdc.CONTEXT_CASCADE_REQS_ENV, raising=False)
-    plain = tmp_path / "plain"
-    assert ps.main(["--out", str(plain), "--configs", "dflash"]) == 0
-    assert "cascade" not in (plain / "profile.md").read_text()
-    monkeypatch.setenv(cascade_env, "64")
-    out = tmp_path / "cascade"
-    assert ps.main(["--out", str(out), "--configs", "dflash,ddtree-32"]) == 0
-    setup = json.loads((out / "ddtree-32.json").read_text())["setup"]
-    assert setup["tree_attn_context_cascade_min_query_len"] == "64"
-    header = (out / "profile.md").read_text().split("\n\n")[1]
-    assert f"TREE_ATTN's cascade form on ({cascade_env}=64)" in header
-    capsys.readouterr()
-    assert ps.main(["--out", str(plain), "--configs", "dflash,ddtree-32"]) == 2
-    assert "tree_attn_context_cascade_min_query_len" in capsys.readouterr().err
-    assert fake_gpu == [("dflash", "FakeGPU")] * 2 + [("ddtree-32", "FakeGPU")]
 
 
 def test_run_stops_at_the_time_limit(tmp_path, fake_gpu, capsys):

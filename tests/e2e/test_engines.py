@@ -47,27 +47,6 @@ def test_results_are_reused_for_the_same_config_and_sources(tmp_path, monkeypatc
     assert fake.calls == 5
 
 
-def test_engine_switches_in_the_environment_key_the_cache(tmp_path, monkeypatch):
-    """A run with TREE_ATTN's cascade switch set starts its own engines."""
-    monkeypatch.setenv(engines.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv("DDTREE_E2E_LOG_DIR", raising=False)
-    for name in list(engines.os.environ):
-        if name.startswith(engines.ENGINE_ENV_PREFIXES):
-            monkeypatch.delenv(name)
-    fake = FakeEngineProcess()
-    monkeypatch.setattr(engines.subprocess, "run", fake)
-    configs = {"a": {"llm": {"model": "m"}}}
-    engines.run_engines(configs, tmp_path, "t")
-    monkeypatch.setenv("VLLM_TREE_ATTN_CONTEXT_CASCADE_MIN_QUERY_LEN", "2")
-    engines.run_engines(configs, tmp_path, "t")
-    assert fake.calls == 2
-    engines.run_engines(configs, tmp_path, "t")  # now cached with the switch
-    assert fake.calls == 2
-    monkeypatch.setenv("UNRELATED_SETTING", "1")  # other variables do not count
-    engines.run_engines(configs, tmp_path, "t")
-    assert fake.calls == 2
-
-
 def test_failures_are_reported_and_not_cached(tmp_path, monkeypatch):
     monkeypatch.setenv(engines.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv("DDTREE_E2E_LOG_DIR", raising=False)

@@ -19,7 +19,8 @@ import torch
 from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 from vllm.v1.attention.ops.tree_kv_compaction import _unique_caches
 from vllm.v1.sample.tree_rejection_sampler import TreeSampleOutput
-from vllm.v1.spec_decode.dflash_tree_builder import DDTree, num_mask_words
+from vllm.v1.attention.ops.tree_mask import num_mask_words
+from vllm.v1.spec_decode.dflash_tree_builder import DDTree
 
 
 def _ancestor_mask(parent_ids: torch.Tensor) -> torch.Tensor:

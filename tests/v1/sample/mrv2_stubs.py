@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from vllm.triton_utils import tl, triton
-from vllm.v1.sample.tree_rejection_sampler import apply_sampling_params
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
+from vllm.v1.worker.gpu.sample.min_p import apply_min_p
 
 
 @triton.jit
@@ -34,6 +36,37 @@ def interpreter_shims():
         mp.setattr(gumbel, "tldevice", types.SimpleNamespace(log1p=_log1p))
         mp.setattr(topk_topp, "HAS_TRITON", False)
         yield
+
+
+def apply_sampling_params(
+    # [num_logits, vocab_size]
+    logits: torch.Tensor,
+    # [num_logits]
+    expanded_idx_mapping: torch.Tensor,
+    # [max_num_reqs]
+    temperature: torch.Tensor,
+    # [max_num_reqs]
+    min_p: torch.Tensor | None = None,
+    # [max_num_reqs]
+    top_k: torch.Tensor | None = None,
+    # [max_num_reqs]
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Temperature, min-p, then top-k/top-p, with vLLM's own MRv2 ops and in
+    ``Sampler.apply_sampling_params``'s order, for tests without a ``Sampler``.
+
+    Per-request parameters are indexed by ``expanded_idx_mapping``. ``logits`` is
+    modified in place and keeps its dtype (vLLM's ops compute in float32); the
+    result may be a new tensor.
+    """
+    apply_temperature(logits, expanded_idx_mapping, temperature)
+    if min_p is not None:
+        apply_min_p(logits, expanded_idx_mapping, min_p)
+    if top_k is None and top_p is None:
+        return logits
+    row_top_k = top_k[expanded_idx_mapping] if top_k is not None else None
+    row_top_p = top_p[expanded_idx_mapping] if top_p is not None else None
+    return apply_top_k_top_p(logits, row_top_k, row_top_p)
 
 
 class StubSampler:

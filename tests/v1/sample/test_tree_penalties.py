@@ -209,37 +209,26 @@ def test_tree_sampler_applies_path_penalties_once():
         tokens[req_rows[r], :b] = pb.fed[cu[r] + 1 : cu[r + 1]].long()
     want = _reference(pb)
     emitted = []
-    # The request-state rows as the batch's own mapping, and as another
-    # tensor (gathered per logit row).
-    for rows in (idx, idx.clone()):
-        out = TreeRejectionSampler(sampler, max_depth=pb.depth)(
-            pb.logits.clone().to(DEVICE),
-            batch,
-            tokens.to(DEVICE),
-            pb.parents.to(DEVICE),
-            tree_rows=rows,
-        )
-        assert chain_calls == []  # vLLM's chain-order penalties left out
-        assert sampler.penalties_state is state  # and put back
-        # Greedy: each emitted token is the argmax of its path row penalized
-        # along that path.
-        for r in range(num_reqs):
-            path = [0] + out.accepted_nodes[r, : int(out.num_accepted[r])].tolist()
-            for j, node in enumerate(path):
-                token = int(out.sampled_token_ids[r, j])
-                assert token == int(want[cu[r] + node].argmax())
-                emitted.append(token)
+    # The trees are request-state rows, read through the batch's idx_mapping.
+    tree_sampler = TreeRejectionSampler(
+        sampler, pb.depth, tokens.to(DEVICE), pb.parents.to(DEVICE)
+    )
+    out = tree_sampler(pb.logits.clone().to(DEVICE), batch)
+    assert chain_calls == []  # vLLM's chain-order penalties left out
+    assert sampler.penalties_state is state  # and put back
+    # Greedy: each emitted token is the argmax of its path row penalized
+    # along that path.
+    for r in range(num_reqs):
+        path = [0] + out.accepted_nodes[r, : int(out.num_accepted[r])].tolist()
+        for j, node in enumerate(path):
+            token = int(out.sampled_token_ids[r, j])
+            assert token == int(want[cu[r] + node].argmax())
+            emitted.append(token)
     print(f"emitted tokens checked: {len(emitted)}")
-    assert len(emitted) >= 4
+    assert len(emitted) >= 2
     # Without penalties in the batch the sampler's own path runs.
     state.use_penalty[:] = False
-    TreeRejectionSampler(sampler, max_depth=pb.depth)(
-        pb.logits.clone().to(DEVICE),
-        batch,
-        tokens.to(DEVICE),
-        pb.parents.to(DEVICE),
-        tree_rows=idx,
-    )
+    tree_sampler(pb.logits.clone().to(DEVICE), batch)
     assert chain_calls == [1]
 
 
@@ -311,8 +300,8 @@ def test_tree_sampler_with_vllm_sampler_penalties():
     logits = torch.randn(3 * budget + 3, vocab, generator=gen)
     logits[:, :64] += 4
     logits = logits.to(device)
-    out = TreeRejectionSampler(sampler, max_depth=15)(
-        logits.clone(), batch, tokens.to(device), parents.to(device), tree_rows=idx_t
+    out = TreeRejectionSampler(sampler, 15, tokens.to(device), parents.to(device))(
+        logits.clone(), batch
     )
     want = logits.clone()
     apply_tree_penalties(
@@ -505,10 +494,8 @@ class _Requests:
     def process(self, logits, rows, local, trees, parents, fed, contexts):
         """Penalties and bad words (the path versions; with local = 0 they
         are MRv2's own, checked above), then temperature."""
-        from vllm.v1.sample.tree_rejection_sampler import (
-            apply_sampling_params,
-            apply_tree_bad_words,
-        )
+        from tests.v1.sample.mrv2_stubs import apply_sampling_params
+        from vllm.v1.sample.tree_rejection_sampler import apply_tree_bad_words
 
         n = len(contexts)
         counts = torch.zeros(n, _VOCAB, dtype=torch.int32)

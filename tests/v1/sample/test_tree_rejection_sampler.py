@@ -14,11 +14,14 @@ import pytest
 import torch
 
 from tests.v1.ddtree_reference import build_ddtree_reference, walk_trees_reference
-from tests.v1.sample.mrv2_stubs import StubSampler, interpreter_shims
+from tests.v1.sample.mrv2_stubs import (
+    StubSampler,
+    apply_sampling_params,
+    interpreter_shims,
+)
 from vllm.v1.sample.tree_rejection_sampler import (
     TreeRejectionSampler,
     TreeSampleOutput,
-    apply_sampling_params,
     tree_rejection_sample,
     walk_trees,
 )
@@ -924,10 +927,11 @@ def test_tree_rejection_sampler_class(num_logprobs, custom):
         num_logprobs=num_logprobs,
         logprob_token_ids=CUSTOM_LOGPROB_TOKEN_IDS if custom else None,
     )
-    tree_sampler = TreeRejectionSampler(sampler, max_depth=3)
     token_ids, parent_ids = _to(DEVICE, tree.token_ids, tree.parent_ids)
+    # idx_mapping is the identity here: batch order is request-state order.
+    tree_sampler = TreeRejectionSampler(sampler, 3, token_ids, parent_ids)
 
-    out = tree_sampler(logits, batch, token_ids, parent_ids)
+    out = tree_sampler(logits, batch)
 
     core = tree_rejection_sample(
         sampler.apply_sampling_params(
@@ -1070,9 +1074,13 @@ def test_tree_rejection_sampler_with_vllm_sampler():
     _steer(logits, tree.token_ids, tree.parent_ids, cu, num_nodes, gen)
     logits = logits.to(DEVICE)
     token_ids, parent_ids = _to(DEVICE, tree.token_ids, tree.parent_ids)
+    # The sampler reads the trees as request-state rows (idx_mapping).
+    state_token_ids = token_ids.new_full((8, budget), -1)
+    state_parent_ids = parent_ids.new_zeros((8, budget))
+    state_token_ids[idx], state_parent_ids[idx] = token_ids, parent_ids
 
-    out = TreeRejectionSampler(sampler, max_depth=15)(
-        logits.clone(), batch, token_ids, parent_ids
+    out = TreeRejectionSampler(sampler, 15, state_token_ids, state_parent_ids)(
+        logits.clone(), batch
     )
     temperature = sampler.sampling_states.temperature.gpu
     processed = apply_sampling_params(

@@ -795,22 +795,13 @@ def _accepted_path(trees):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cascade", [None, (64, 2)])
-def test_warm_up_covers_the_engines_tree_attention_variants(
-    vllm_config, monkeypatch, cascade
-):
+def test_warm_up_covers_the_engines_tree_attention_variants(vllm_config, monkeypatch):
     """After capture the model state warms TREE_ATTN once per distinct layer
     shape, over the variants of every step the scheduler's limits allow, on
-    the real KV cache, block-table width and tree buffers; with the cascade
-    form switched on (shortest query, fewest requests), its suffix kernels'
-    variants too."""
-    from vllm.v1.attention.backends.tree_attn import TreeAttentionImpl, split_kv_cache
+    the real KV cache, block-table width and tree buffers."""
+    from vllm.v1.attention.backends.tree_attn import split_kv_cache
     from vllm.v1.attention.ops.triton_tree_attention import tree_attention_variants
     from vllm.v1.spec_decode import ddtree_verify
-
-    min_query_len, min_reqs = cascade or (None, 1)
-    monkeypatch.setattr(TreeAttentionImpl, "fa_context_min_query_len", min_query_len)
-    monkeypatch.setattr(TreeAttentionImpl, "fa_context_min_reqs", min_reqs)
 
     state_ms = _model_state(vllm_config)
     num_heads = 4
@@ -853,12 +844,8 @@ def test_warm_up_covers_the_engines_tree_attention_variants(
         sched.max_num_seqs,
         sched.max_num_batched_tokens,
         itemsize=torch.empty((), dtype=dtype).element_size(),
-        cascade_min_reqs=None if cascade is None else min_reqs,
     )
-    num_tail = sum(v.tail_only for v in want)
-    print(f"{len(want)} variants, {num_tail} of them the cascade's suffix")
     assert variants == want and launches == len(want) >= 2
-    assert (num_tail >= 1) == (cascade is not None)
     assert q_like.dtype == dtype and tuple(q_like.shape[1:]) == (num_heads, HEAD_SIZE)
     assert key_cache.data_ptr() == split_kv_cache(caches[0], HEAD_SIZE)[0].data_ptr()
     assert key_cache.stride() == split_kv_cache(caches[0], HEAD_SIZE)[0].stride()

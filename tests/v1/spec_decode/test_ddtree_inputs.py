@@ -429,7 +429,7 @@ def test_store_draft_trees_is_indexed_copies_and_a_clamp(
     than the state rows pads them: token -1, log-prob -inf, draft token 0, and
     its mask rows' extra words zeroed; padding rows' parents, depths and masks
     keep what they held (nothing reads them)."""
-    from vllm.v1.spec_decode.dflash_tree_builder import num_mask_words
+    from vllm.v1.attention.ops.tree_mask import num_mask_words
 
     gen = torch.Generator().manual_seed(budget + width)
     words, src_words = num_mask_words(budget), num_mask_words(width)

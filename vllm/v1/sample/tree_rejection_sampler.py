@@ -43,12 +43,10 @@ import torch
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.v1.outputs import LogprobsTensors
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.worker.gpu.input_batch import InputBatch, get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
-from vllm.v1.worker.gpu.sample.gumbel import apply_temperature, gumbel_sample
+from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
-from vllm.v1.worker.gpu.sample.min_p import apply_min_p
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
@@ -87,12 +85,14 @@ class TreeRejectionSampler:
     The verified tokens of request r are ``[root, node_1, ..., node_b]`` at logit
     rows ``cu_num_logits[r] .. cu_num_logits[r + 1] - 1``, with ``b <= budget``
     (the scheduler may trim a tree to a prefix of its node list, which is still a
-    tree because nodes are ordered parent-before-child). The tree tensors are owned
-    by the DDTree speculator and passed in per step: row r is request r of
-    ``input_batch`` (or row ``tree_rows[r]`` of request-state tensors, read in
-    place), and its first b tokens are the draft tokens scheduled for it. Outputs
-    use vLLM's chain layout, so vLLM's post-update code consumes them unchanged;
-    ``accepted_nodes`` feeds ``TreeKVCompactor``.
+    tree because nodes are ordered parent-before-child). The trees are per-request
+    state, allocated once by their owner and handed over at construction: request
+    r of a step reads row ``input_batch.idx_mapping[r]`` in place, like MRv2's
+    ``RequestState``, and its first b tokens are the draft tokens scheduled for
+    it. Called in MRv2's rejection-sampler slot (``rejection_sampler(logits,
+    input_batch, draft_logits)``; the walk never reads the drafter's
+    probabilities). Outputs use vLLM's chain layout, so vLLM's post-update code
+    consumes them unchanged; ``accepted_nodes`` feeds ``TreeKVCompactor``.
     A node is accepted only if its tree token is also the token the target was
     fed at its row (``input_batch.input_ids``): a tree that does not match the
     step's input (e.g. a slot whose request joined without a drafted tree, fed
@@ -107,22 +107,26 @@ class TreeRejectionSampler:
     (:func:`apply_tree_bad_words`).
     """
 
-    def __init__(self, sampler: Sampler, max_depth: int):
+    def __init__(
+        self,
+        sampler: Sampler,
+        max_depth: int,
+        # [max_num_reqs, budget] int64, request-state order; -1 on padding nodes
+        tree_token_ids: torch.Tensor,
+        # [max_num_reqs, budget] int32, request-state order; 0 = root
+        tree_parent_ids: torch.Tensor,
+    ):
         self.sampler = sampler
         self.max_depth = max_depth
+        self.tree_token_ids = tree_token_ids
+        self.tree_parent_ids = tree_parent_ids
 
     def __call__(
         self,
         # [num_logits, vocab_size]
         logits: torch.Tensor,
         input_batch: InputBatch,
-        # [num_reqs, budget]
-        tree_token_ids: torch.Tensor,
-        # [num_reqs, budget]
-        tree_parent_ids: torch.Tensor,
-        # [num_reqs] row of each request's tree in the two above, if they are
-        # request-state tensors (read in place, no gather)
-        tree_rows: torch.Tensor | None = None,
+        draft_logits: torch.Tensor | None = None,
     ) -> TreeSamplerOutput:
         # Count NaNs before any processing, as vLLM's samplers do.
         num_nans = get_num_nans(logits) if self.sampler.compute_nans else None
@@ -141,19 +145,12 @@ class TreeRejectionSampler:
             )
         else:
             processed_logits = self._apply_sampling_params_on_paths(
-                logits,
-                input_batch,
-                pos,
-                input_ids,
-                tree_parent_ids,
-                tree_rows,
-                use_penalties,
-                max_bad_words,
+                logits, input_batch, pos, input_ids, use_penalties, max_bad_words
             )
         out = tree_rejection_sample(
             processed_logits,
-            tree_token_ids,
-            tree_parent_ids,
+            self.tree_token_ids,
+            self.tree_parent_ids,
             input_batch.cu_num_logits,
             pos,
             input_batch.expanded_idx_mapping,
@@ -162,7 +159,7 @@ class TreeRejectionSampler:
             self.max_depth,
             use_fp64=self.sampler.use_fp64_gumbel,
             fed_token_ids=input_ids,
-            tree_rows=tree_rows,
+            tree_rows=input_batch.idx_mapping,
         )
         use_processed = self.sampler.logprobs_mode in (
             "processed_logprobs",
@@ -210,8 +207,6 @@ class TreeRejectionSampler:
         input_batch: InputBatch,
         pos: torch.Tensor,
         input_ids: torch.Tensor,
-        tree_parent_ids: torch.Tensor,
-        tree_rows: torch.Tensor | None,
         use_penalties: bool,
         max_bad_words: int,
     ) -> torch.Tensor:
@@ -221,17 +216,12 @@ class TreeRejectionSampler:
         where the sampler runs its own (in its order, on its copy of the
         logits when raw logprobs need the originals)."""
         sampler = self.sampler
-        if tree_rows is None:
-            row_trees = _batch_rows(input_batch)
-        elif tree_rows is input_batch.idx_mapping:
-            row_trees = input_batch.expanded_idx_mapping
-        else:
-            row_trees = tree_rows[_batch_rows(input_batch)]
         rows = (
             input_batch.expanded_idx_mapping,
             input_batch.expanded_local_pos,
-            row_trees,
-            tree_parent_ids,
+            # Each logit row's tree: its request's state row.
+            input_batch.expanded_idx_mapping,
+            self.tree_parent_ids,
             input_ids,
         )
 
@@ -363,7 +353,7 @@ def tree_rejection_sample(
     """Sample every tree token, then walk each tree to its accepted path.
 
     ``processed_logits`` are the target's logits after temperature, min-p and
-    top-k/top-p (see ``apply_sampling_params``); rows of requests at temperature 0
+    top-k/top-p (``Sampler.apply_sampling_params``); rows of requests at temperature 0
     are sampled greedily. ``pos`` holds the positions of the tree tokens (root
     position + depth), which key the Gumbel noise together with the seed.
     Allocations depend on shapes only and nothing syncs with the host, so the call
@@ -466,15 +456,6 @@ class _PathStep:
             self._fn(logits)
 
     apply_bad_words = apply_penalties
-
-
-def _batch_rows(input_batch: InputBatch) -> torch.Tensor:
-    """[num_logits] the batch index of each logit row (test batches whose
-    trees are in batch order)."""
-    cu = input_batch.cu_num_logits
-    num_logits = input_batch.expanded_local_pos.shape[0]
-    rows = torch.arange(num_logits, device=cu.device)
-    return torch.searchsorted(cu[1:], rows, right=True).to(torch.int32)
 
 
 def apply_tree_penalties(
@@ -724,37 +705,6 @@ def _tree_bad_words_kernel(
     if match:
         last = tl.load(words + end - 1)
         tl.store(logits_ptr + row * logits_stride + last, -float("inf"))
-
-
-def apply_sampling_params(
-    # [num_logits, vocab_size]
-    logits: torch.Tensor,
-    # [num_logits]
-    expanded_idx_mapping: torch.Tensor,
-    # [max_num_reqs]
-    temperature: torch.Tensor,
-    # [max_num_reqs]
-    min_p: torch.Tensor | None = None,
-    # [max_num_reqs]
-    top_k: torch.Tensor | None = None,
-    # [max_num_reqs]
-    top_p: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Temperature, min-p, then top-k/top-p, with vLLM's own MRv2 ops and in
-    ``Sampler.apply_sampling_params``'s order, for use without a ``Sampler``.
-
-    Per-request parameters are indexed by ``expanded_idx_mapping``. ``logits`` is
-    modified in place and keeps its dtype (vLLM's ops compute in float32); the
-    result may be a new tensor.
-    """
-    apply_temperature(logits, expanded_idx_mapping, temperature)
-    if min_p is not None:
-        apply_min_p(logits, expanded_idx_mapping, min_p)
-    if top_k is None and top_p is None:
-        return logits
-    row_top_k = top_k[expanded_idx_mapping] if top_k is not None else None
-    row_top_p = top_p[expanded_idx_mapping] if top_p is not None else None
-    return apply_top_k_top_p(logits, row_top_k, row_top_p)
 
 
 def _path_logit_rows(

@@ -20,7 +20,8 @@ One step, as wired by :class:`DDTreeSpeculator` and
    batches), its logits are built into trees inside the same graph, and the trees
    are stored per request in :class:`DDTreeState`.
 2. Step N + 1: ``DDTreeModelState`` writes tree positions and masks, the target
-   verifies with TREE_ATTN, ``DDTreeRejectionSampler`` walks the trees and
+   verifies with TREE_ATTN, ``TreeRejectionSampler`` walks the trees (in
+   ``DDTreeModelState.sample_trees``) and
    ``DDTreeModelState.postprocess_state`` compacts the accepted path's KV.
 
 Nothing here reads GPU data on the host.
@@ -34,6 +35,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.attention.ops.tree_mask import num_mask_words
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm.v1.spec_decode.ddtree_inputs import (
     draft_context_size,
@@ -41,11 +43,7 @@ from vllm.v1.spec_decode.ddtree_inputs import (
     store_draft_trees,
 )
 from vllm.v1.spec_decode.ddtree_adaptive import AdaptiveTreeBudget
-from vllm.v1.spec_decode.dflash_tree_builder import (
-    DDTree,
-    build_ddtree,
-    num_mask_words,
-)
+from vllm.v1.spec_decode.dflash_tree_builder import DDTree, build_ddtree
 from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
 from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -382,6 +380,37 @@ class DDTreeSpeculator(DFlashSpeculator):
             # The next step verifies no tree (the budget's choice).
             return self.draft_tokens[:num_reqs]
 
+        num_tokens_padded = self._run_drafter(
+            num_reqs, num_query_tokens, num_tokens_across_dp, is_profile
+        )
+        trees = self._batch_trees(num_reqs, self._build_width(num_tokens_padded))
+        if dummy_run:
+            return self._draft_tokens(trees)
+        assert self.state is not None
+        self.state.trees.scatter_(
+            input_batch.idx_mapping, trees, num_reqs, self.draft_tokens
+        )
+        if self.adaptive is not None:
+            self.adaptive.observe_trees(
+                trees.log_probs, temperature, input_batch.idx_mapping
+            )
+        return self.draft_tokens[:num_reqs]
+
+    def _run_drafter(
+        self,
+        num_reqs: int,
+        num_query_tokens: int,
+        num_tokens_across_dp: torch.Tensor | None,
+        is_profile: bool,
+    ) -> int:
+        """The drafter's forward over the prepared query block, in its CUDA graph
+        where one is captured (``_generate_draft`` builds the trees inside it);
+        returns the padded token count the graph ran.
+
+        This is DFlash's ``propose`` from its graph dispatch on, unchanged; the
+        upstream series' first patch makes it a ``DFlashSpeculator`` method
+        that DFlash's ``propose`` calls, and this copy goes (docs/upstream.md).
+        """
         batch_desc, num_tokens_across_dp = dispatch_cg_and_sync_dp(
             self.query_cudagraph_manager,
             num_reqs,
@@ -417,18 +446,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                 num_tokens_across_dp,
                 batch_desc.cg_mode,
             )
-        trees = self._batch_trees(num_reqs, self._build_width(num_tokens_padded))
-        if dummy_run:
-            return self._draft_tokens(trees)
-        assert self.state is not None
-        self.state.trees.scatter_(
-            input_batch.idx_mapping, trees, num_reqs, self.draft_tokens
-        )
-        if self.adaptive is not None:
-            self.adaptive.observe_trees(
-                trees.log_probs, temperature, input_batch.idx_mapping
-            )
-        return self.draft_tokens[:num_reqs]
+        return num_tokens_padded
 
     def _build_width(self, num_query_tokens: int) -> int:
         """Nodes the drafter builds per request for a drafter batch of

@@ -10,15 +10,16 @@ forward. Three MRv2 hooks do the tree-specific work, all on the GPU:
   written in place into persistent buffers (:func:`write_tree_verify_inputs`),
   which TREE_ATTN's metadata builders were handed once; then the usual metadata
   is built. Under CUDA graphs the captured forward reads the same buffers.
-* ``DDTreeRejectionSampler`` (``custom_sampler``): vLLM's MRv2 rejection sampler
-  slot, running the lossless tree walk of :class:`TreeRejectionSampler` on the
-  stored trees and recording the accepted paths for this step.
+* ``DDTreeModelState.sample_trees`` (``custom_sampler``): vLLM's MRv2 rejection
+  sampler slot, running the lossless tree walk of :class:`TreeRejectionSampler`
+  on the stored trees and recording the accepted paths for this step.
 * ``DDTreeModelState.postprocess_state``: moves the accepted path's KV to slots
   ``p0 + 1..p0 + k`` in every TREE_ATTN layer (one launch per KV-cache group), in
   the step that committed them, before prefix caching can hash those blocks.
 """
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,6 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.tree_attn import (
     TreeAttentionBackend,
-    TreeAttentionImpl,
     TreeAttentionInputs,
     TreeAttentionMetadataBuilder,
     kv_cache_as_kv_first,
@@ -59,53 +59,6 @@ from vllm.v1.worker.utils import AttentionGroup
 logger = init_logger(__name__)
 
 
-class DDTreeRejectionSampler:
-    """MRv2's rejection-sampler slot for DDTree: walks the stored trees.
-
-    Called by the model runner as ``rejection_sampler(logits, input_batch,
-    draft_logits)`` whenever the batch has draft tokens; ``draft_logits`` is
-    unused (the walk never reads the drafter's probabilities).
-    """
-
-    def __init__(self, sampler: Sampler, state: DDTreeState):
-        self.tree_sampler = TreeRejectionSampler(sampler, state.cfg.draft_depth)
-        self.state = state
-
-    def __call__(
-        self,
-        # [num_logits, vocab_size]
-        logits: torch.Tensor,
-        input_batch: InputBatch,
-        draft_logits: torch.Tensor | None = None,
-    ) -> TreeSamplerOutput:
-        trees = self.state.trees
-        idx_mapping = input_batch.idx_mapping
-        out = self.tree_sampler(
-            logits,
-            input_batch,
-            trees.token_ids,
-            trees.parent_ids,
-            tree_rows=idx_mapping,
-        )
-        adaptive = self.state.adaptive
-        if adaptive is not None:
-            adaptive.observe_walk(
-                trees.log_probs,
-                input_batch,
-                self.tree_sampler.sampler.sampling_states.temperature.gpu,
-                out.accepted_nodes,
-                out.num_accepted,
-            )
-        num_reqs = input_batch.num_reqs
-        self.state.verified = VerifiedPaths(
-            query_start_loc=input_batch.query_start_loc[: num_reqs + 1],
-            cu_num_logits=input_batch.cu_num_logits[: num_reqs + 1],
-            accepted_nodes=out.accepted_nodes,
-            num_accepted=out.num_accepted,
-        )
-        return out
-
-
 class DDTreeModelState(DefaultModelState):
     """``DefaultModelState`` plus DDTree's verification inputs and KV compaction.
 
@@ -128,6 +81,7 @@ class DDTreeModelState(DefaultModelState):
             self.max_num_reqs, cfg.tree_budget, device
         )
         self._tree_groups: list[AttentionGroup] | None = None
+        self._tree_sampler: TreeRejectionSampler | None = None
         # KV-cache group id -> compactor over that group's TREE_ATTN layers.
         self._compactors: dict[int, TreeKVCompactor] | None = None
         # [num_kv_cache_groups, num_tokens] slot mappings of the current step.
@@ -158,8 +112,45 @@ class DDTreeModelState(DefaultModelState):
 
     def custom_sampler(
         self, sampler: Sampler
-    ) -> tuple[Sampler, DDTreeRejectionSampler]:
-        return sampler, DDTreeRejectionSampler(sampler, self.ddtree_state)
+    ) -> tuple[Sampler, Callable[..., TreeSamplerOutput]]:
+        trees = self.ddtree_state.trees
+        self._tree_sampler = TreeRejectionSampler(
+            sampler,
+            self.ddtree_state.cfg.draft_depth,
+            trees.token_ids,
+            trees.parent_ids,
+        )
+        return sampler, self.sample_trees
+
+    def sample_trees(
+        self,
+        # [num_logits, vocab_size]
+        logits: torch.Tensor,
+        input_batch: InputBatch,
+        draft_logits: torch.Tensor | None = None,
+    ) -> TreeSamplerOutput:
+        """MRv2's rejection-sampler slot (called whenever the batch has draft
+        tokens): walk the stored trees, then record the accepted paths for
+        ``postprocess_state`` and the adaptive budget's calibration."""
+        assert self._tree_sampler is not None
+        out = self._tree_sampler(logits, input_batch)
+        state = self.ddtree_state
+        if state.adaptive is not None:
+            state.adaptive.observe_walk(
+                state.trees.log_probs,
+                input_batch,
+                self._tree_sampler.sampler.sampling_states.temperature.gpu,
+                out.accepted_nodes,
+                out.num_accepted,
+            )
+        num_reqs = input_batch.num_reqs
+        state.verified = VerifiedPaths(
+            query_start_loc=input_batch.query_start_loc[: num_reqs + 1],
+            cu_num_logits=input_batch.cu_num_logits[: num_reqs + 1],
+            accepted_nodes=out.accepted_nodes,
+            num_accepted=out.num_accepted,
+        )
+        return out
 
     def prepare_attn(
         self,
@@ -244,14 +235,6 @@ class DDTreeModelState(DefaultModelState):
         layers = self.vllm_config.compilation_config.static_forward_context
         sched = self.vllm_config.scheduler_config
         launches, seen = 0, set()
-        # With the cascade form switched on, its suffix kernels too, for every
-        # step of enough requests: the switch's query-length test reads the
-        # longest row, which says nothing of the average the plan follows.
-        cascade_min_reqs = (
-            None
-            if TreeAttentionImpl.fa_context_min_query_len is None
-            else TreeAttentionImpl.fa_context_min_reqs
-        )
         for group in self._tree_groups:
             for name in group.layer_names:
                 layer = layers[name]
@@ -279,7 +262,6 @@ class DDTreeModelState(DefaultModelState):
                     sched.max_num_seqs,
                     sched.max_num_batched_tokens,
                     itemsize=key_cache.element_size(),
-                    cascade_min_reqs=cascade_min_reqs,
                 )
                 # The kernel requires the query in the KV cache's dtype.
                 launches += warm_up_tree_attention(

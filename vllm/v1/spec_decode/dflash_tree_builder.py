@@ -19,17 +19,7 @@ import torch
 
 from vllm.triton_utils import tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
-
-# Tree layout (shared with the tree attention backend and the tree sampler):
-# tree token 0 is the root (the previous step's bonus token) and tree token i >= 1 is
-# node i. Row i of the attention mask has bit (j % 32) of word (j // 32) set iff tree
-# token j is an ancestor of tree token i or i itself.
-MASK_WORD_BITS = 32
-
-
-def num_mask_words(budget: int) -> int:
-    """int32 words per mask row for a tree of ``budget`` nodes plus the root."""
-    return (budget + 1 + MASK_WORD_BITS - 1) // MASK_WORD_BITS
+from vllm.v1.attention.ops.tree_mask import num_mask_words
 
 
 @dataclass
@@ -49,7 +39,8 @@ class DDTree:
     # [num_reqs, budget] int32; 1..depth, 0 on padding nodes.
     depths: torch.Tensor
     # [num_reqs, budget + 1, num_mask_words(budget)] int32, bit-packed
-    # ancestor-or-self mask over [root, node_1, ..., node_budget].
+    # ancestor-or-self mask over [root, node_1, ..., node_budget]; layout in
+    # vllm/v1/attention/ops/tree_mask.py.
     attn_mask: torch.Tensor
     # [num_reqs] int32; number of real (non-padding) nodes.
     num_nodes: torch.Tensor
@@ -131,30 +122,12 @@ def build_ddtree(
         tree = build_ddtree(torch.randn(2, 15, 151936, device="cuda"), budget=128)
         tree.token_ids.shape  # (2, 128)
     """
-    tree, _ = build_ddtree_with_lse(draft_logits, budget, out=out)
-    return tree
-
-
-def build_ddtree_with_lse(
-    draft_logits: torch.Tensor,
-    budget: int,
-    survivor_cap: int | None = None,
-    top_cap: int | None = None,
-    top_spill: int | None = None,
-    out: DDTree | None = None,
-) -> tuple[DDTree, torch.Tensor]:
-    """:func:`build_ddtree`, also returning the ``[num_reqs, depth]`` float32
-    log-normaliser of every position, so references can use identical log-probs.
-
-    ``survivor_cap``, ``top_cap`` and ``top_spill`` (tests only) lower the fast
-    paths' capacities so that the fallbacks (sort every candidate of a depth;
-    the top-token search's spill sort and exact radix select) are exercised."""
     _check_build_args(draft_logits, budget)
     num_reqs, depth, vocab = draft_logits.shape
     device = draft_logits.device
     num_top = min(budget, vocab)
 
-    tok_lp, tok_id, lse = _ranked_top_tokens(draft_logits, num_top, top_cap, top_spill)
+    tok_lp, tok_id, _ = _ranked_top_tokens(draft_logits, num_top)
     pairs = _candidate_pairs(budget, device)
 
     num_words = num_mask_words(budget)
@@ -164,7 +137,6 @@ def build_ddtree_with_lse(
         _check_out(out, num_reqs, budget)
         tree = out
     block_kept = next_power_of_2(budget)
-    cap = block_kept if survivor_cap is None else survivor_cap
     # Per-request scratch, private to the kernel: the kept keys followed by a
     # depth's surviving candidates; the kept nodes of the last depth by rank;
     # node index by (depth, rank); the ancestor jump pointers of the mask.
@@ -199,14 +171,16 @@ def build_ddtree_with_lse(
         BUDGET=budget,
         BLOCK_KEPT=block_kept,
         BLOCK_CAND=next_power_of_2(pairs.shape[1]),
-        CAP=cap,
+        # Candidates a depth may bring before the kernel sorts them all; every
+        # one fits in the kept-key scratch (tests lower it to reach that path).
+        CAP=block_kept,
         NUM_WORDS=num_words,
         BLOCK_WORDS=block_words,
         BLOCK_ROWS=block_rows,
         JUMP_STEPS=depth.bit_length(),  # 2**steps >= depth + 1 tree tokens
         num_warps=4 if block_kept <= 128 else 8,
     )
-    return tree, lse
+    return tree
 
 
 # One entry per (batch size, budget) an eager step meets.
@@ -306,18 +280,13 @@ class TopSearchPlan(NamedTuple):
     per_chunk: int  # largest distinct values each chunk reports
 
 
-def top_search_plan(
-    vocab: int, num_top: int, cap: int | None = None, spill: int | None = None
-) -> TopSearchPlan:
-    """Sizes of ``_ranked_top_tokens``' search (``cap`` and ``spill`` as there)."""
-    if cap is None:
-        cap = max(2 * next_power_of_2(num_top), 16)
-    if cap < num_top or cap & (cap - 1):
-        raise ValueError(f"cap must be a power of 2 >= {num_top}, got {cap}")
-    if spill is None:
-        spill = max(2 * cap, _TOP_MIN_SPILL)
-    if spill < cap or spill & (spill - 1):
-        raise ValueError(f"spill must be a power of 2 >= cap={cap}, got {spill}")
+def top_search_plan(vocab: int, num_top: int) -> TopSearchPlan:
+    """Sizes of ``_ranked_top_tokens``' search: ``cap`` is twice ``num_top``
+    rounded up to a power of 2 (at least 16), ``spill`` ``max(2 * cap, 2048)``
+    (both powers of 2, ``num_top <= cap <= spill``; ``spill == cap`` would mean
+    no spill sort)."""
+    cap = max(2 * next_power_of_2(num_top), 16)
+    spill = max(2 * cap, _TOP_MIN_SPILL)
     chunk = min(_TOP_CHUNK, max(16, next_power_of_2(cdiv(vocab, 8))))
     num_chunks = cdiv(vocab, chunk)
     per_chunk = min(
@@ -328,10 +297,7 @@ def top_search_plan(
 
 
 def _ranked_top_tokens(
-    draft_logits: torch.Tensor,
-    num_top: int,
-    cap: int | None = None,
-    spill: int | None = None,
+    draft_logits: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each position's ``num_top`` best tokens in rank order (logit descending, id
     ascending) as float32 log-probs and ids, and the position's log-normaliser.
@@ -361,9 +327,7 @@ def _ranked_top_tokens(
        the ties at it. Slow (one program streams the row five times), but
        exact.
 
-    ``cap`` (tests only) defaults to twice ``num_top`` rounded up to a power of
-    2, at least ``num_top``; ``spill`` (tests only) to ``max(2 * cap, 2048)``,
-    at least ``cap`` (``spill == cap``: no spill sort).
+    ``cap`` and ``spill`` come from :func:`top_search_plan`.
     """
     num_reqs, depth, vocab = draft_logits.shape
     rows = num_reqs * depth
@@ -371,9 +335,7 @@ def _ranked_top_tokens(
     logits = draft_logits.reshape(rows, vocab)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    cap, spill, chunk, num_chunks, per_chunk = top_search_plan(
-        vocab, num_top, cap, spill
-    )
+    cap, spill, chunk, num_chunks, per_chunk = top_search_plan(vocab, num_top)
     tok_lp = torch.empty(num_reqs, depth, num_top, dtype=torch.float32, device=device)
     tok_id = torch.empty(num_reqs, depth, num_top, dtype=torch.int64, device=device)
     lse = torch.empty(num_reqs, depth, dtype=torch.float32, device=device)

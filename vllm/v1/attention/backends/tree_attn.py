@@ -10,7 +10,7 @@ such a target:
 
 * tree rows: requests whose entry in ``TreeAttentionInputs.is_tree`` is set use
   the ancestor bitmask of ``TreeAttentionInputs.attn_mask`` (layout in
-  ``vllm/v1/spec_decode/dflash_tree_builder.py``);
+  ``vllm/v1/attention/ops/tree_mask.py``);
 * every other row is causal (plain decodes, chains, chunked prefills), so without
   tree inputs the backend is a plain causal backend and matches FLASH_ATTN.
 
@@ -29,7 +29,6 @@ plugin registers TREE_ATTN as ``CUSTOM`` for DDTree engines
 (``vllm_ddtree.glue.register_tree_attn_backend``); upstream it is its own member.
 """
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -52,13 +51,9 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
-from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
-from vllm.v1.attention.ops.triton_tree_attention import (
-    tree_attention,
-    tree_attention_with_context,
-)
+from vllm.v1.attention.ops.tree_mask import num_mask_words
+from vllm.v1.attention.ops.triton_tree_attention import tree_attention
 from vllm.v1.kv_cache_interface import AttentionSpec
-from vllm.v1.spec_decode.dflash_tree_builder import num_mask_words
 
 
 def split_kv_cache(
@@ -154,10 +149,6 @@ class TreeKernelRows:
     tree_mask: torch.Tensor | None
     # [num_kernel_reqs]
     is_tree: torch.Tensor | None
-    # [num_kernel_reqs] committed tokens (seq_lens - query lengths) when the step
-    # runs as a cascade (TreeAttentionImpl.fa_context_min_query_len and
-    # fa_context_min_reqs), else None.
-    ctx_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -264,46 +255,6 @@ def _flash_attn_version(head_size: int) -> int | None:
     return get_flash_attn_version(head_size=head_size)
 
 
-def flash_context_attention(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    block_table: torch.Tensor,
-    softmax_scale: float,
-    max_query_len: int,
-    max_seq_len: int,
-    fa_version: int | None = None,
-):
-    """The committed-context half of :func:`tree_attention_with_context` by
-    vLLM's FlashAttention: every row over its request's first ``ctx_lens[r]``
-    keys, non-causal, with the log-sum-exp (``[num_q_heads, num_tokens]``)."""
-    from vllm.v1.attention.backends.fa_utils import (
-        flash_attn_varlen_func,
-        get_flash_attn_version,
-    )
-
-    if fa_version is None:
-        fa_version = get_flash_attn_version(head_size=key_cache.shape[-1])
-
-    def context_attention(q: torch.Tensor, ctx_lens: torch.Tensor):
-        return flash_attn_varlen_func(
-            q=q,
-            k=key_cache,
-            v=value_cache,
-            cu_seqlens_q=query_start_loc,
-            max_seqlen_q=max_query_len,
-            seqused_k=ctx_lens,
-            max_seqlen_k=max_seq_len,
-            softmax_scale=softmax_scale,
-            causal=False,
-            block_table=block_table,
-            return_softmax_lse=True,
-            fa_version=fa_version,
-        )
-
-    return context_attention
-
-
 class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata]):
     # The Triton kernel serves any batch with a launch shape fixed by the token
     # and request counts. FlashAttention serves prefills only where mixed batches
@@ -323,12 +274,6 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         self._tree_inputs: TreeAttentionInputs | None = None
         self._fa_version = _flash_attn_version(kv_cache_spec.head_size)
-        # Cascade steps: committed lengths, written in place (CUDA graphs).
-        self._ctx_lens = torch.zeros(
-            vllm_config.scheduler_config.max_num_seqs,
-            dtype=torch.int32,
-            device=device,
-        )
 
     def set_tree_inputs(self, inputs: TreeAttentionInputs) -> None:
         """Give the builder the speculator's persistent tree buffers (once)."""
@@ -394,43 +339,17 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
     def _kernel_rows(
         self, cm: CommonAttentionMetadata, num_reqs: int, num_tokens: int
     ) -> TreeKernelRows:
-        tree_mask = is_tree = ctx_lens = None
+        tree_mask = is_tree = None
         if self._tree_inputs is not None:
             tree_mask = self._tree_inputs.attn_mask[:num_reqs]
             is_tree = self._tree_inputs.is_tree[:num_reqs]
-        query_start_loc = cm.query_start_loc[: num_reqs + 1]
-        seq_lens = cm.seq_lens[:num_reqs]
-        # The kernel rows' own longest query: with prompts delegated to
-        # FlashAttention, the step's longest is a prompt's (CPU tensors only).
-        max_query_len = cm.max_query_len
-        if 0 < num_reqs < cm.num_reqs:
-            qsl = cm.query_start_loc_cpu[: num_reqs + 1]
-            max_query_len = int((qsl[1:] - qsl[:-1]).max())
-        if self._use_context_cascade(max_query_len, num_reqs):
-            # Once per step, for every layer of this group.
-            ctx_lens = torch.sub(
-                seq_lens,
-                query_start_loc[1:] - query_start_loc[:-1],
-                out=self._ctx_lens[:num_reqs],
-            )
         return TreeKernelRows(
             num_tokens=num_tokens,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
+            query_start_loc=cm.query_start_loc[: num_reqs + 1],
+            seq_lens=cm.seq_lens[:num_reqs],
             block_table=cm.block_table_tensor[:num_reqs],
             tree_mask=tree_mask,
             is_tree=is_tree,
-            ctx_lens=ctx_lens,
-        )
-
-    def _use_context_cascade(self, max_query_len: int, num_reqs: int) -> bool:
-        """A host-side choice from static sizes (fixed in a captured graph)."""
-        threshold = TreeAttentionImpl.fa_context_min_query_len
-        return (
-            threshold is not None
-            and self._fa_version is not None
-            and max_query_len >= threshold
-            and num_reqs >= TreeAttentionImpl.fa_context_min_reqs
         )
 
     def _split_point(self, cm: CommonAttentionMetadata) -> tuple[int, int]:
@@ -462,62 +381,8 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         )
 
 
-# Turn the cascade form on for measurements in engines (benchmarks): the
-# shortest step query (max_query_len) that runs it (unset: off) and the fewest
-# requests in the kernel's rows (unset: 1). Upstream these would be
-# AttentionConfig fields.
-CONTEXT_CASCADE_ENV = "VLLM_TREE_ATTN_CONTEXT_CASCADE_MIN_QUERY_LEN"
-CONTEXT_CASCADE_REQS_ENV = "VLLM_TREE_ATTN_CONTEXT_CASCADE_MIN_REQS"
-
-
-def _positive_int_env(name: str, meaning: str, unset: str) -> int | None:
-    """Environment variable ``name`` as a positive int, None when unset or
-    empty; anything else stops the start naming the variable."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(
-            f"{name} must be a positive integer ({meaning}), got {value!r}; "
-            f"unset it {unset}"
-        )
-    return int(value)
-
-
-def context_cascade_min_query_len() -> int | None:
-    """``CONTEXT_CASCADE_ENV`` as a positive int, None when unset or empty."""
-    return _positive_int_env(
-        CONTEXT_CASCADE_ENV,
-        "the shortest step query length that runs FlashAttention over the context",
-        "to keep the cascade off",
-    )
-
-
-def context_cascade_min_reqs() -> int:
-    """``CONTEXT_CASCADE_REQS_ENV`` as a positive int, 1 when unset or empty."""
-    value = _positive_int_env(
-        CONTEXT_CASCADE_REQS_ENV,
-        "the fewest requests of a step that runs the cascade",
-        "for any number",
-    )
-    return 1 if value is None else value
-
-
 class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     supports_dcp: bool = False
-    # Steps whose kernel rows' longest query is at least this long run them as a
-    # cascade (tree_attention_with_context): FlashAttention over the committed
-    # context, the Triton kernel over the new keys, merged by log-sum-exp. None:
-    # off (the Triton kernel reads the whole context). Off by default: its three
-    # launches per layer cost more than they save on one request over a short
-    # context, and the steps where it saves layer time (large trees of many
-    # requests) cost several DFlash steps either way, so such budgets are not
-    # what to serve many requests with (benchmarks/README.md, "cascade"); set
-    # it with CONTEXT_CASCADE_ENV.
-    fa_context_min_query_len: ClassVar[int | None] = context_cascade_min_query_len()
-    # ... and whose kernel rows hold at least this many requests (the cascade's
-    # extra launches cost more than they save on small batches).
-    fa_context_min_reqs: ClassVar[int] = context_cascade_min_reqs()
 
     def __init__(
         self,
@@ -581,33 +446,7 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
             return output.fill_(0)
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         rows = attn_metadata.kernel_rows
-        if rows.num_tokens > 0 and rows.ctx_lens is not None:
-            context = flash_context_attention(
-                key_cache,
-                value_cache,
-                rows.query_start_loc,
-                rows.block_table,
-                self.scale,
-                attn_metadata.max_query_len,
-                attn_metadata.max_seq_len,
-                self._fa_version,
-            )
-            tree_attention_with_context(
-                query[: rows.num_tokens],
-                key_cache,
-                value_cache,
-                output[: rows.num_tokens],
-                rows.query_start_loc,
-                rows.seq_lens,
-                rows.block_table,
-                self.scale,
-                rows.tree_mask,
-                rows.is_tree,
-                context,
-                merge_attn_states,
-                ctx_lens=rows.ctx_lens,
-            )
-        elif rows.num_tokens > 0:
+        if rows.num_tokens > 0:
             tree_attention(
                 query[: rows.num_tokens],
                 key_cache,

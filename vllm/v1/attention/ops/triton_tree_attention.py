@@ -16,7 +16,7 @@ This is tree verification for speculative decoding (DDTree, SpecInfer): the new
 tokens are ``[root, node_1, ..., node_B]`` flattened parent-before-child, with KV
 slots following the flattened index, and a node must see only its ancestors.
 
-Mask layout (shared with ``vllm/v1/spec_decode/dflash_tree_builder.py``):
+Mask layout (``vllm/v1/attention/ops/tree_mask.py``):
 ``tree_mask[r, i, j // 32]`` bit ``j % 32`` is set iff tree token ``j`` is an
 ancestor of tree token ``i`` or ``i`` itself. ``is_tree[r] = 0`` makes request
 ``r`` causal; ``is_tree[r] = 1 + s`` puts its tree's root at query row ``s``:
@@ -144,26 +144,6 @@ class TreeAttentionConfig:
             f"k{self.min_split_keys}"
         )
 
-    @classmethod
-    def parse(cls, text: str) -> "TreeAttentionConfig":
-        """Inverse of ``str``: ``m128n64w8s5`` (missing fields keep defaults)."""
-        names = dict(
-            m="block_m", n="block_n", w="num_warps", s="num_stages", k="min_split_keys"
-        )
-        fields, key, digits = {}, None, ""
-        for ch in text + "$":
-            if ch.isdigit():
-                digits += ch
-                continue
-            if key is not None:
-                if not digits:
-                    raise ValueError(f"bad tree attention config {text!r}")
-                fields[names[key]] = int(digits)
-            if ch != "$" and ch not in names:
-                raise ValueError(f"bad tree attention config {text!r}")
-            key, digits = ch, ""
-        return cls(**fields)
-
 
 def tree_attention(
     # [num_tokens, num_q_heads, head_size]
@@ -187,21 +167,14 @@ def tree_attention(
     is_tree: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: TreeAttentionConfig | None = None,
-    # [num_q_heads, >= num_tokens] fp32: with it, only the new keys are attended.
-    tail_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree/causal attention of the batch's new tokens over the paged KV cache.
 
     Writes ``out`` (rows past ``query_start_loc[-1]`` are left untouched) and
-    returns it. ``num_splits`` overrides the split-KV heuristic (tests); it may
+    returns it. ``num_splits`` overrides the split-KV heuristic (the warm-up
+    compiles each variant with its own); it may
     depend only on static sizes if the call is to be captured in a CUDA graph.
     ``config`` overrides the tile shape chosen from the static sizes.
-
-    With ``tail_lse``, rows attend to their request's new keys only (the tree or
-    causal part, no committed context) and the natural-log log-sum-exp of their
-    scores goes to ``tail_lse[head, token]``: the suffix half of a cascade whose
-    prefix half (the committed context) another kernel computes, merged by
-    log-sum-exp (see :func:`tree_attention_with_context`).
     """
     check_tree_attention_inputs(
         q,
@@ -217,17 +190,6 @@ def tree_attention(
     num_tokens, num_q_heads, head_size = q.shape
     num_reqs = query_start_loc.shape[0] - 1
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    tail_only = tail_lse is not None
-    if tail_only and (
-        tail_lse.dim() != 2
-        or tail_lse.dtype != torch.float32
-        or tail_lse.shape[0] != num_q_heads
-        or tail_lse.shape[1] < num_tokens
-    ):
-        raise ValueError(
-            f"tail_lse must be float32 [num_q_heads={num_q_heads}, >= num_tokens="
-            f"{num_tokens}], got {tuple(tail_lse.shape)} {tail_lse.dtype}"
-        )
     if num_tokens == 0 or num_reqs == 0:
         return out
 
@@ -241,7 +203,6 @@ def tree_attention(
         config,
         num_splits,
         q.element_size(),
-        tail_only,
     )
     cfg, num_splits = plan.config, plan.num_splits
     num_tiles = num_tokens // plan.block_q + num_reqs
@@ -253,14 +214,11 @@ def tree_attention(
         tree_mask = is_tree = query_start_loc  # never read
         mask_strides = mask_shape = (0, 0)
     part_out, part_lse = _partial_buffers(q, num_splits, plan.head_size_padded)
-    if not tail_only:
-        tail_lse = part_lse.view(-1, 1)  # never written
     # One stride() call per tensor: the launch runs from Python in every layer
     # of a step outside CUDA graphs.
     q_strides, out_strides = q.stride(), out.stride()
     k_strides, v_strides = key_cache.stride(), value_cache.stride()
     part_out_strides, part_lse_strides = part_out.stride(), part_lse.stride()
-    tail_strides = tail_lse.stride()
 
     _tree_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         out,
@@ -269,7 +227,6 @@ def tree_attention(
         value_cache,
         part_out,
         part_lse,
-        tail_lse,
         query_start_loc,
         seq_lens,
         block_table,
@@ -298,8 +255,6 @@ def tree_attention(
         part_out_strides[2],
         part_lse_strides[0],
         part_lse_strides[1],
-        tail_strides[0],
-        tail_strides[1],
         NUM_QUERIES_PER_KV=num_q_heads // num_kv_heads,
         HEADS_PADDED=plan.heads_padded,
         BLOCK_Q=plan.block_q,
@@ -310,7 +265,6 @@ def tree_attention(
         PAGE_SIZE=block_size,
         MIN_SPLIT_KEYS=cfg.min_split_keys,
         HAS_TREE=has_tree,
-        TAIL_ONLY=tail_only,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -336,62 +290,6 @@ def tree_attention(
             SPLITS_PADDED=splits_padded,
             num_warps=4 if splits_padded * plan.head_size_padded >= 4096 else 2,
         )
-    return out
-
-
-def tree_attention_with_context(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    out: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    softmax_scale: float,
-    tree_mask: torch.Tensor | None,
-    is_tree: torch.Tensor | None,
-    context_attention,
-    merge_states,
-    # [num_reqs] int32 committed tokens per request, if the caller has them.
-    ctx_lens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`tree_attention` as a cascade: the committed context by another
-    kernel, the new keys (tree or causal) by this module's kernel, merged by
-    log-sum-exp, as vLLM's cascade attention merges a shared prefix.
-
-    ``context_attention(q, ctx_lens)`` returns ``(out, lse)`` of every row over
-    its request's first ``ctx_lens[r]`` keys, non-causal (``lse``: natural log,
-    ``[num_q_heads, num_tokens]``; rows with no context key give an ``lse`` of
-    ``-inf`` or ``+inf``), e.g. FlashAttention with ``seqused_k=ctx_lens``;
-    ``merge_states(out, prefix_out, prefix_lse, suffix_out, suffix_lse)`` has
-    the signature of vLLM's ``merge_attn_states``. Everything stays on the GPU
-    (CUDA-graph capturable if both callables are).
-    """
-    num_tokens = q.shape[0]
-    if ctx_lens is None:
-        num_reqs = query_start_loc.shape[0] - 1
-        ctx_lens = seq_lens[:num_reqs] - (query_start_loc[1:] - query_start_loc[:-1])
-    ctx_out, ctx_lse = context_attention(q, ctx_lens)
-    # Contiguous like FlashAttention's output: merge_attn_states reads both
-    # halves with one head stride.
-    tail_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    tail_lse = torch.empty(
-        (q.shape[1], num_tokens), dtype=torch.float32, device=q.device
-    )
-    tree_attention(
-        q,
-        key_cache,
-        value_cache,
-        tail_out,
-        query_start_loc,
-        seq_lens,
-        block_table,
-        softmax_scale,
-        tree_mask,
-        is_tree,
-        tail_lse=tail_lse,
-    )
-    merge_states(out, ctx_out, ctx_lse, tail_out, tail_lse)
     return out
 
 
@@ -486,13 +384,9 @@ def plan_tree_attention(
     config: TreeAttentionConfig | None = None,
     num_splits: int | None = None,
     itemsize: int = 2,
-    tail_only: bool = False,
 ) -> TreeAttentionPlan:
     """Tile shape and split count from static sizes only (token and request
-    counts, heads, dtype size), so that a captured CUDA graph stays valid.
-    ``tail_only``: the cascade's suffix half (new keys only, one split)."""
-    if tail_only:
-        num_splits = 1
+    counts, heads, dtype size), so that a captured CUDA graph stays valid."""
     heads_padded = next_power_of_2(num_q_heads // num_kv_heads)
     head_size_padded = max(16, next_power_of_2(head_size))
     user_config = config
@@ -500,8 +394,6 @@ def plan_tree_attention(
         config = _default_config(
             num_tokens, num_reqs, heads_padded, head_size_padded, itemsize
         )
-        if tail_only:
-            config = _tail_config(config, cdiv(num_tokens, num_reqs))
     # A tile holds whole tokens (all heads of a KV head) and >= 16 rows (tl.dot).
     block_m = max(config.block_m, heads_padded, 16)
     if block_m != config.block_m:
@@ -547,8 +439,6 @@ class TreeAttentionVariant:
 
     config: TreeAttentionConfig
     num_splits: int  # a representative of its padded class; 1 = no split
-    # The cascade's suffix half (TAIL_ONLY: new keys only, log-sum-exp out).
-    tail_only: bool = False
 
     @property
     def splits_padded(self) -> int:
@@ -563,12 +453,9 @@ def tree_attention_variants(
     max_num_reqs: int,
     max_num_tokens: int,
     itemsize: int = 2,
-    cascade_min_reqs: int | None = None,
 ) -> list[TreeAttentionVariant]:
     """Every variant :func:`plan_tree_attention` picks for some step of up to
-    ``max_num_reqs`` requests and ``max_num_tokens`` tokens; with
-    ``cascade_min_reqs``, also the suffix plans (``tail_only``) of steps of at
-    least that many requests, which the cascade form may run.
+    ``max_num_reqs`` requests and ``max_num_tokens`` tokens.
 
     The plan depends on the sizes only through the average query length's tile
     shape, the tiles per request and the request count, so one query length
@@ -584,41 +471,31 @@ def tree_attention_variants(
     max_programs = num_sms * 2 * math.ceil((1 + _PROGRAM_OVERHEAD) / _PROGRAM_OVERHEAD)
     max_programs = max(max_programs, num_sms) + num_sms
     out: dict[tuple, TreeAttentionVariant] = {}
-    kinds = [(False, 1)]
-    if cascade_min_reqs is not None:
-        kinds.append((True, max(1, cascade_min_reqs)))
-    for tail_only, min_reqs in kinds:
-        reps: dict[tuple[TreeAttentionConfig, int], int] = {}
-        for avg in range(1, max(1, max_num_tokens) + 1):
-            cfg = _default_config(avg, 1, heads_padded, head_size_padded, itemsize)
-            if tail_only:  # its key blocks follow the query length too
-                cfg = _tail_config(cfg, avg)
-            block_q = max(cfg.block_m, heads_padded, 16) // heads_padded
-            reps.setdefault((cfg, cdiv(avg, block_q)), avg)
-        for (_, tiles), avg in reps.items():
-            per_req = tiles * num_kv_heads
-            # A step of n requests averages avg tokens with as few as
-            # (avg - 1) * n + 1 of them.
-            fit = max_num_tokens if avg == 1 else (max_num_tokens - 1) // (avg - 1)
-            last = min(max_num_reqs, max(1, fit))
-            cap = max_programs // per_req + 1
-            # At least one step of min_reqs requests, where the cascade starts.
-            for num_reqs in range(min_reqs, min(last, max(cap, min_reqs)) + 1):
-                p = plan(
-                    num_reqs * avg,
-                    num_reqs,
-                    num_q_heads,
-                    num_kv_heads,
-                    head_size,
-                    num_sms,
-                    itemsize=itemsize,
-                    tail_only=tail_only,
-                )
-                v = TreeAttentionVariant(p.config, p.num_splits, tail_only)
-                out.setdefault((v.config, v.splits_padded, tail_only), v)
-    return sorted(
-        out.values(), key=lambda v: (v.tail_only, str(v.config), v.splits_padded)
-    )
+    reps: dict[tuple[TreeAttentionConfig, int], int] = {}
+    for avg in range(1, max(1, max_num_tokens) + 1):
+        cfg = _default_config(avg, 1, heads_padded, head_size_padded, itemsize)
+        block_q = max(cfg.block_m, heads_padded, 16) // heads_padded
+        reps.setdefault((cfg, cdiv(avg, block_q)), avg)
+    for (_, tiles), avg in reps.items():
+        per_req = tiles * num_kv_heads
+        # A step of n requests averages avg tokens with as few as
+        # (avg - 1) * n + 1 of them.
+        fit = max_num_tokens if avg == 1 else (max_num_tokens - 1) // (avg - 1)
+        last = min(max_num_reqs, max(1, fit))
+        cap = max_programs // per_req + 1
+        for num_reqs in range(1, min(last, cap) + 1):
+            p = plan(
+                num_reqs * avg,
+                num_reqs,
+                num_q_heads,
+                num_kv_heads,
+                head_size,
+                num_sms,
+                itemsize=itemsize,
+            )
+            v = TreeAttentionVariant(p.config, p.num_splits)
+            out.setdefault((v.config, v.splits_padded), v)
+    return sorted(out.values(), key=lambda v: (str(v.config), v.splits_padded))
 
 
 def warm_up_tree_attention(
@@ -647,11 +524,6 @@ def warm_up_tree_attention(
     qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
     seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
     block_table = torch.zeros((1, block_table_width), dtype=torch.int32, device=device)
-    # Contiguous [heads, tokens] like the cascade's: the unit token stride is
-    # specialized, the head stride is not.
-    tail_lse = torch.empty(
-        (num_q_heads, num_tokens), dtype=torch.float32, device=device
-    )
     for v in variants:
         tree_attention(
             q,
@@ -666,7 +538,6 @@ def warm_up_tree_attention(
             is_tree=None if is_tree is None else is_tree[:1],
             num_splits=v.num_splits,
             config=v.config,
-            tail_lse=tail_lse if v.tail_only else None,
         )
     return len(variants)
 
@@ -711,17 +582,6 @@ def _default_config(
         block_n=block_n,
         num_warps=8 if block_m * width >= 128 * 128 else 4,
         num_stages=5,
-    )
-
-
-def _tail_config(config: TreeAttentionConfig, avg_q_len: int) -> TreeAttentionConfig:
-    """The cascade's suffix half streams only a request's new keys, one or
-    two blocks: key blocks no wider than the query length (>= 32) and no
-    pipelining, whose K/V buffers would only cut the programs per SM (measured
-    with benchmarks/profile_step.py; results in benchmarks/results/)."""
-    block_n = min(config.block_n, max(32, next_power_of_2(avg_q_len)))
-    return TreeAttentionConfig(
-        **{**config.__dict__, "block_n": block_n, "num_stages": 1}
     )
 
 
@@ -935,10 +795,10 @@ def _mask_scores(
 
 # Sizes that change from step to step or between batch shapes stay out of
 # the kernels' specialisation (fewer compiles; one binary per tile shape).
-# The split buffers' log-sum-exp strides are num_tokens * num_q_heads (and
-# num_tokens for the cascade's tail): unspecialized, so that a step's token count
-# never selects a variant of its own (they address scalars, no vector loads).
-_MAIN_UNSPECIALIZED = ("num_reqs", "num_splits", "stride_pl_split", "stride_tl_head")
+# The split buffers' log-sum-exp stride is num_tokens * num_q_heads:
+# unspecialized, so that a step's token count never selects a variant of its
+# own (it addresses scalars, no vector loads).
+_MAIN_UNSPECIALIZED = ("num_reqs", "num_splits", "stride_pl_split")
 _MERGE_UNSPECIALIZED = ("num_reqs", "num_splits", "stride_pl_split")
 
 
@@ -950,7 +810,6 @@ def _tree_attention_kernel(
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     part_out_ptr,  # [num_splits, num_tokens, num_q_heads, HEAD_SIZE_PADDED] fp32
     part_lse_ptr,  # [num_splits, num_tokens, num_q_heads] fp32
-    tail_lse_ptr,  # [num_q_heads, num_tokens] fp32 (TAIL_ONLY)
     query_start_loc_ptr,  # [num_reqs + 1]
     seq_lens_ptr,  # [num_reqs]
     block_table_ptr,  # [num_reqs, max_num_blocks]
@@ -979,8 +838,6 @@ def _tree_attention_kernel(
     stride_po_head: tl.int64,
     stride_pl_split: tl.int64,
     stride_pl_tok: tl.int64,
-    stride_tl_head: tl.int64,
-    stride_tl_tok: tl.int64,
     NUM_QUERIES_PER_KV: tl.constexpr,
     HEADS_PADDED: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -991,7 +848,6 @@ def _tree_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     MIN_SPLIT_KEYS: tl.constexpr,
     HAS_TREE: tl.constexpr,
-    TAIL_ONLY: tl.constexpr,  # new keys only; log-sum-exp to tail_lse_ptr
     DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M == BLOCK_Q * HEADS_PADDED)
@@ -1057,8 +913,6 @@ def _tree_attention_kernel(
 
     kv_lo = split * split_blocks * BLOCK_N
     kv_hi = tl.minimum(kv_end, kv_lo + split_blocks * BLOCK_N)
-    if TAIL_ONLY:  # (one split) no committed key
-        kv_lo = ctx_len
     # Committed keys of this split in whole blocks: visible to every row.
     full_end = (
         kv_lo + tl.maximum(tl.minimum(kv_hi, ctx_len) - kv_lo, 0) // BLOCK_N * BLOCK_N
@@ -1151,14 +1005,6 @@ def _tree_attention_kernel(
             o.to(out_ptr.dtype.element_ty),
             mask=io_mask,
         )
-        if TAIL_ONLY:
-            # Natural log: the scores were scaled by log2(e). Every row sees at
-            # least its own key, so l_i > 0.
-            tl.store(
-                tail_lse_ptr + head.to(tl.int64) * stride_tl_head + tok * stride_tl_tok,
-                (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
-                mask=row_valid,
-            )
     else:
         tl.store(
             part_out_ptr
