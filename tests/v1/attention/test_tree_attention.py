@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.tree_attn_config import parse_config
 from tests.v1.ddtree_reference import build_ddtree_reference, tree_from_parents
 from vllm.v1.attention.ops import triton_tree_attention as tta
 from vllm.v1.attention.ops.triton_tree_attention import (
@@ -359,10 +358,20 @@ def test_mixed_batch_gpu(dtype):
 # Tile shapes of the kind bench_tree_attn.py --configs sweeps; k32 splits a
 # 300-key context into 8 chunks of 64, the last three empty, so the tail block
 # lands on a split before the last one.
-CPU_CONFIGS = ["m16n32w4s1k32", "m32n64w4s5k32", "m64n128w8s3k32"]
+CPU_CONFIGS = [
+    TreeAttentionConfig(
+        block_m=16, block_n=32, num_warps=4, num_stages=1, min_split_keys=32
+    ),
+    TreeAttentionConfig(
+        block_m=32, block_n=64, num_warps=4, num_stages=5, min_split_keys=32
+    ),
+    TreeAttentionConfig(
+        block_m=64, block_n=128, num_warps=8, num_stages=3, min_split_keys=32
+    ),
+]
 
 
-@pytest.mark.parametrize("config", CPU_CONFIGS)
+@pytest.mark.parametrize("config", CPU_CONFIGS, ids=str)
 def test_explicit_configs_cpu(config):
     """Any tile shape gives the reference attention: trees whose masked blocks
     start mid-word (contexts not multiples of 32), causal rows, empty splits."""
@@ -378,18 +387,8 @@ def test_explicit_configs_cpu(config):
         16,
         torch.float32,
         num_splits=8,
-        config=parse_config(config),
+        config=config,
     )
-
-
-def test_config_strings():
-    cfg = parse_config("m64n32w4s3k128")
-    assert cfg == TreeAttentionConfig(64, 32, 4, 3, 128)
-    assert parse_config(str(cfg)) == cfg
-    assert parse_config("m64") == TreeAttentionConfig(block_m=64)
-    for bad in ["m65", "n16", "x3", "m", "m64n64q"]:
-        with pytest.raises(ValueError, match="TreeAttentionConfig|config"):
-            parse_config(bad)
 
 
 @pytest.mark.parametrize(
@@ -431,7 +430,7 @@ def test_plan_warps(num_tokens, num_reqs, num_warps):
     plan = plan_tree_attention(num_tokens, num_reqs, 32, 8, 128, num_sms=132)
     assert plan.config.num_warps == num_warps
     # An explicit config is launched as given.
-    cfg = parse_config("m64n64w4s5")
+    cfg = TreeAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=5)
     plan = plan_tree_attention(
         num_tokens, num_reqs, 32, 8, 128, num_sms=132, config=cfg
     )
@@ -465,19 +464,19 @@ def test_plan_tiles_per_tree(budget, tiles, rows_used, batch):
 
 # The tile shapes bench_tree_attn.py sweeps by default, at full size.
 GPU_CONFIGS = [
-    "m128n64w8s5",
-    "m128n64w8s7",
-    "m128n64w8s3",
-    "m128n32w8s5",
-    "m64n64w4s5",
-    "m64n64w8s5",
-    "m64n32w4s5",
-    "m128n128w8s3",
+    TreeAttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=5),
+    TreeAttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=7),
+    TreeAttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    TreeAttentionConfig(block_m=128, block_n=32, num_warps=8, num_stages=5),
+    TreeAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=5),
+    TreeAttentionConfig(block_m=64, block_n=64, num_warps=8, num_stages=5),
+    TreeAttentionConfig(block_m=64, block_n=32, num_warps=4, num_stages=5),
+    TreeAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
 ]
 
 
 @needs_gpu
-@pytest.mark.parametrize("config", GPU_CONFIGS)
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=str)
 def test_explicit_configs_gpu(config):
     trees = [
         random_tree("heap", 128, seed=0),
@@ -487,7 +486,7 @@ def test_explicit_configs_gpu(config):
         random_tree("heap", 15, seed=2),
     ]
     q_lens, ctx_lens = [129, 513, 16, 1, 16], [4097, 1000, 300, 2000, 0]
-    cfg = parse_config(config)
+    cfg = config
     for num_splits in [None, 5]:
         check_trees(
             ctx_lens,
