@@ -2,16 +2,20 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Build the upstream patch series against vLLM v0.26.0 (commit f2654939e).
 
-    python upstream/make_series.py            # write upstream/series/
-    python upstream/make_series.py --check    # fail if upstream/series/ is stale
+    python upstream/make_series.py [--out DIR]   # write the series (upstream/series/)
+    python upstream/make_series.py --check       # fail if upstream/series/ is stale
 
 Each patch is one reviewable change: the new files it adds, read from this
 repository (so patch and package cannot drift), and its hand-written edits to
 vLLM's own files (``upstream/edits/NNNN-name.diff``, unified diffs against the
 v0.26.0 files; they do in vLLM's code what ``vllm_ddtree/glue.py`` does at run
-time). The output is ``upstream/series/NNNN-name.patch`` in ``git format-patch``
-style, applicable in order with ``git apply``, and ``upstream/series/series``
-(the order).
+time). The output is ``NNNN-name.patch`` in ``git format-patch`` style,
+applicable in order with ``git apply`` or ``git am``, and ``series`` (the order).
+
+The output is not committed (upstream/series/ is ignored): it repeats the
+package's modules, and the tree a GPU-machine call carries has no room for a
+second copy (tests/test_repo_size.py). Generate it to read or send it;
+``--check`` tells whether a generated copy is still current.
 
 The build fails when a module under ``vllm/`` is in no patch or in two, or a
 listed file is missing: a module added, moved or renamed in the package must be
@@ -336,15 +340,15 @@ def build(out_dir: Path) -> list[str]:
     return names
 
 
-def check() -> int:
-    """0 if upstream/series/ is what the generator writes now."""
+def check(series: Path = SERIES) -> int:
+    """0 if ``series`` is what the generator writes now."""
     with tempfile.TemporaryDirectory() as tmp:
         fresh = Path(tmp)
         build(fresh)
         want = {p.name: p.read_text() for p in fresh.iterdir()}
     have = (
-        {p.name: p.read_text() for p in SERIES.iterdir() if p.is_file()}
-        if SERIES.is_dir()
+        {p.name: p.read_text() for p in series.iterdir() if p.is_file()}
+        if series.is_dir()
         else {}
     )
     stale = sorted(n for n in want.keys() | have.keys() if want.get(n) != have.get(n))
@@ -359,27 +363,31 @@ def check() -> int:
         sys.stderr.write("".join(list(diff)[:40]))
     if stale:
         sys.stderr.write(
-            f"upstream/series is stale ({', '.join(stale)}); "
+            f"{series} is stale ({', '.join(stale)}); "
             "run python upstream/make_series.py\n"
         )
         return 1
-    print(f"upstream/series is up to date ({len(want) - 1} patches)")
+    print(f"{series} is up to date ({len(want) - 1} patches)")
     return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--check", action="store_true", help="fail if upstream/series is stale"
+        "--out", type=Path, default=SERIES, help="where to write the series"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="fail if the series in --out is stale"
     )
     args = parser.parse_args()
     if args.check:
-        return check()
-    if SERIES.is_dir():
-        for old in SERIES.iterdir():
-            old.unlink()
-    names = build(SERIES)
-    print(f"wrote {len(names)} patches to {SERIES.relative_to(ROOT)}")
+        return check(args.out)
+    if args.out.is_dir():
+        for old in args.out.glob("*"):
+            if old.is_file():
+                old.unlink()
+    names = build(args.out)
+    print(f"wrote {len(names)} patches to {args.out}")
     return 0
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
-SERIES = ROOT / "upstream" / "series"
 
 # The DDTree plugin's entry-point name is "ddtree"; vLLM loads only the general
 # plugins named in VLLM_PLUGINS.
@@ -55,9 +54,9 @@ markers =
 """
 
 
-def series_patches() -> list[Path]:
-    names = (SERIES / "series").read_text().split()
-    return [SERIES / name for name in names]
+def series_patches(series: Path) -> list[Path]:
+    names = (series / "series").read_text().split()
+    return [series / name for name in names]
 
 
 def copy_installed_vllm(dest: Path) -> Path:
@@ -82,11 +81,11 @@ def copy_installed_vllm(dest: Path) -> Path:
     return dest
 
 
-def apply_series(tree: Path) -> list[str]:
-    """Apply every patch in order (``git apply --check`` first); returns the
-    applied names."""
+def apply_series(tree: Path, series: Path) -> list[str]:
+    """Apply every patch of ``series`` in order (``git apply --check``
+    first); returns the applied names."""
     applied = []
-    for patch in series_patches():
+    for patch in series_patches(series):
         for args in (["--check"], []):
             proc = subprocess.run(
                 ["git", "apply", *args, str(patch)],

@@ -2,8 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The upstream series (upstream/series/), tested as applied (CPU).
 
-* The committed series is what upstream/make_series.py writes from the package
-  now (the drift check), and every file it adds equals the package's file.
+* upstream/make_series.py places every module of the package in the series,
+  and its ``--check`` tells a stale series; every file the series adds equals
+  the package's file.
 * It applies with ``git apply``, in order, to a copy of the installed vLLM
   0.26.0, and in that copy, with the DDTree plugin disabled
   (``VLLM_PLUGINS=none``), the tests the series adds pass, and so do the
@@ -13,6 +14,7 @@
   sdist) pass and fail the same with and without the series.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -90,24 +92,18 @@ OPT_125M = {
 }
 
 
-def test_series_is_what_the_generator_writes():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "upstream" / "make_series.py"), "--check"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "up to date" in proc.stdout
-
-
-def _series_new_files() -> dict[str, str]:
-    """Upstream path -> repository path of every file the series adds."""
+def _make_series():
     sys.path.insert(0, str(ROOT / "upstream"))
     try:
         import make_series
     finally:
         sys.path.pop(0)
+    return make_series
+
+
+def _series_new_files() -> dict[str, str]:
+    """Upstream path -> repository path of every file the series adds."""
+    make_series = _make_series()
     return {
         make_series.upstream_path(path): path
         for patch in make_series.PATCHES
@@ -116,10 +112,53 @@ def _series_new_files() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def patched_tree(tmp_path_factory) -> Path:
+def series(tmp_path_factory) -> Path:
+    """The series as upstream/make_series.py writes it from the package now."""
+    out = tmp_path_factory.mktemp("series")
+    _make_series().build(out)
+    return out
+
+
+def test_every_module_is_in_the_series(monkeypatch):
+    make_series = _make_series()
+    make_series.check_coverage()
+    first, *rest = make_series.PATCHES
+    dropped = first.files[0]
+    short = dataclasses.replace(first, files=first.files[1:])
+    monkeypatch.setattr(make_series, "PATCHES", (short, *rest))
+    with pytest.raises(SystemExit, match=dropped):
+        make_series.check_coverage()
+
+
+def test_check_tells_a_stale_series(series, tmp_path):
+    """``make_series.py --check`` passes on a fresh build and fails once a
+    patch differs from what the package gives."""
+    copy = tmp_path / "series"
+    shutil.copytree(series, copy)
+    script = str(ROOT / "upstream" / "make_series.py")
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, script, "--check", "--out", str(copy)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    fresh = check()
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    patch = copy / (copy / "series").read_text().split()[-1]
+    patch.write_text(patch.read_text().replace("+", "+ ", 1))
+    stale = check()
+    assert stale.returncode == 1
+    assert patch.name in stale.stderr
+
+
+@pytest.fixture(scope="session")
+def patched_tree(tmp_path_factory, series) -> Path:
     tree = pv.copy_installed_vllm(tmp_path_factory.mktemp("patched_vllm"))
-    applied = pv.apply_series(tree)
-    assert applied == [p.name for p in pv.series_patches()]
+    applied = pv.apply_series(tree, series)
+    assert applied == [p.name for p in pv.series_patches(series)]
     _add_checks(tree)
     return tree
 
