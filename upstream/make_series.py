@@ -13,9 +13,9 @@ time). The output is ``NNNN-name.patch`` in ``git format-patch`` style,
 applicable in order with ``git apply`` or ``git am``, and ``series`` (the order).
 
 The output is not committed (upstream/series/ is ignored): it repeats the
-package's modules, and the tree a GPU-machine call carries has no room for a
-second copy (tests/test_repo_size.py). Generate it to read or send it;
-``--check`` tells whether a generated copy is still current.
+package's modules, and a committed copy would need regenerating with every
+change to one. Generate it to read or send it; ``--check`` tells whether a
+generated copy is still current.
 
 The build fails when a module under ``vllm/`` is in no patch or in two, or a
 listed file is missing: a module added, moved or renamed in the package must be
