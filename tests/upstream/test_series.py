@@ -216,20 +216,14 @@ def test_edit_checks_fail_on_stock_vllm(tmp_path):
     out = pv.run_pytest(
         tree, [WIRING_IN_TREE], [tree], timeout=900, junit=tmp_path / "stock.xml"
     )
-    must_fail = {
-        "test_engine_config_maps_ddtree_onto_dflash",
-        "test_scheduler_lookahead_is_the_drafter_block",
-        "test_scheduler_stats_are_per_depth",
-        "test_prometheus_counters_per_depth",
-        "test_runner_picks_ddtree_speculator_and_model_state",
-    }
-    failed = {n.rsplit("::", 1)[1].split("[")[0] for n in out.failed}
-    assert must_fail <= failed, f"passed on stock vLLM: {must_fail - failed}"
-    # Only the plain-DFlash check and the tree check may pass without edits.
-    assert {n.rsplit("::", 1)[1] for n in out.passed} <= {
+    # Every check of an edit fails; only the check that stock DFlash is left
+    # alone, and the one that the run imports the tree, pass without edits.
+    passed = {n.rsplit("::", 1)[1] for n in out.passed}
+    assert passed == {
         "test_runs_against_the_patched_tree",
         "test_plain_dflash_is_untouched",
-    }, out.passed
+    }, f"passed on stock vLLM: {sorted(passed)}\n{out.output}"
+    assert len(out.failed) >= MIN_WIRING_PASSED - 2, out.output
     print(f"stock vLLM: {len(out.failed)} of the edit checks fail, as they must")
 
 
