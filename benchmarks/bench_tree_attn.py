@@ -40,16 +40,20 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import conftest  # noqa: E402,F401  (this working tree's vllm/ modules first)
+from benchmarks.checkout import use_checkout  # noqa: E402
 
-from tests.v1.ddtree_reference import build_ddtree_reference  # noqa: E402
+use_checkout()
+
+# isort: split
 from vllm.triton_utils import tl, triton  # noqa: E402
+
 from vllm.v1.attention.ops.triton_tree_attention import (  # noqa: E402
     TreeAttentionConfig,
     plan_tree_attention,
     tree_attention,
     tree_attention_with_context,
 )
+from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -329,9 +333,9 @@ class Problem:
 
 
 def random_tree_masks(batch, budget, gen, distinct=8):
-    """DDTree heap trees from random draft logits, a few distinct ones tiled."""
+    """DDTree trees from random draft logits, a few distinct ones tiled."""
     logits = 3 * torch.randn(min(batch, distinct), 15, 64, generator=gen)
-    masks = build_ddtree_reference(logits, budget).attn_mask
+    masks = build_ddtree(logits.cuda(), budget).attn_mask
     mask = masks.repeat(math.ceil(batch / masks.shape[0]), 1, 1)[:batch]
     return mask.contiguous().cuda(), torch.ones(batch, dtype=torch.int32, device="cuda")
 

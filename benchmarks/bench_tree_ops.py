@@ -38,7 +38,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import conftest  # noqa: E402,F401  (this working tree's vllm/ modules first)
+from benchmarks.checkout import use_checkout  # noqa: E402
+
+use_checkout()
 
 from vllm.v1.attention.backends.tree_attn import kv_cache_as_kv_first  # noqa: E402
 from vllm.v1.attention.ops.tree_kv_compaction import TreeKVCompactor  # noqa: E402

@@ -111,7 +111,7 @@ def main() -> None:
         return
     names = args.configs.split(",")
     sys.path.insert(0, str(ROOT))
-    from tests.e2e.servers import plugin_site
+    from benchmarks.checkout import plugin_site
 
     env = dict(os.environ)
     # The engines' own processes load the plugin from this checkout.

@@ -14,7 +14,7 @@ Configs: ``none``; ``plain`` (DDTree, every step plain); ``plain_noctx``
 it isolates that part's cost). One config per process, e.g.::
 
     for c in none plain plain_noctx none plain; do
-        python benchmarks/plain_step_overhead.py $c results/plain_step_overhead R1
+        python benchmarks/plain_step_overhead.py $c benchmarks/results/plain_step_host_overhead R1
     done
 """
 

@@ -69,15 +69,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import bench_ddtree as bd  # noqa: E402
-from benchmarks import bench_ddtree_report as rep  # noqa: E402
+from benchmarks import bench_ddtree_config as bdc
+from benchmarks import bench_ddtree_offline as bdo
+from benchmarks import bench_ddtree_procs as bdp
+from benchmarks import bench_ddtree_report as rep
 
 REPORT_FILE = "profile.md"
 LOG_FILE = "profile.log"
 TRACE_SUFFIX = ".trace.json.gz"
 DEFAULT_CONFIGS = "dflash,ddtree-32,ddtree-128"
-DEFAULT_TARGET = bd.MODEL_CONFIGS / "qwen3_8b"
-DEFAULT_DRAFTER = bd.MODEL_CONFIGS / "dflash_qwen3_8b"
+DEFAULT_TARGET = bdc.MODEL_CONFIGS / "qwen3_8b"
+DEFAULT_DRAFTER = bdc.MODEL_CONFIGS / "dflash_qwen3_8b"
 
 # ---------------------------------------------------------------------------
 # Kernel categories (pure functions of the kernel names)
@@ -758,7 +760,7 @@ def markdown_report(results: Sequence[Mapping], top: int = 5) -> str:
     )
     cascade = [
         f"{env}={setup[key]}"
-        for env, key in bd.CASCADE_SETUP_KEYS.items()
+        for env, key in bdc.CASCADE_SETUP_KEYS.items()
         if setup.get(key) is not None
     ]
     if cascade:
@@ -908,7 +910,7 @@ def eager_table(
 
 
 def placement_cell(place: Mapping | None) -> str:
-    """One table cell from ``bd.host_placement()``: the profiled process's last
+    """One table cell from ``bdo.host_placement()``: the profiled process's last
     CPU and its node, its resident memory per node, and the GPU's node."""
     if not place or not place.get("processes"):
         return "-"
@@ -1067,7 +1069,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--settings",
-        choices=bd.SETTINGS,
+        choices=bdc.SETTINGS,
         default="tuned",
         help="bench_ddtree's engine settings: tuned (the default here: "
         "max_num_seqs = --max-num-seqs, prefix caching off, the request "
@@ -1135,8 +1137,8 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         if not args.prompts.is_file():
             raise ValueError(f"--pair {args.pair}: no eval_prompts.json there")
         args.mode = "e2e"  # bench_ddtree.engine_kwargs: real weights, tokenizer
-    args.schedule = bd.parse_schedule(args.schedule)
-    args.configs = bd.parse_configs(args.configs, list(bd.ALL_BUDGETS), args.schedule)
+    args.schedule = bdc.parse_schedule(args.schedule)
+    args.configs = bdc.parse_configs(args.configs, list(bdc.ALL_BUDGETS), args.schedule)
     if args.batch < 1:
         raise ValueError("--batch must be >= 1")
     if (
@@ -1183,7 +1185,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--top must be >= 1")
     if args.timing_repeats < 1:
         raise ValueError("--timing-repeats must be >= 1")
-    bd.check_run_options(args)
+    bdc.check_run_options(args)
     return args
 
 
@@ -1229,8 +1231,8 @@ def setup_of(args) -> dict:
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "seed": args.seed,
-        "target_config": bd._sha(args.target / "config.json"),
-        "drafter_config": bd._sha(args.drafter / "config.json"),
+        "target_config": bdc._sha(args.target / "config.json"),
+        "drafter_config": bdc._sha(args.drafter / "config.json"),
         "info": {"target": str(args.target), "drafter": str(args.drafter)},
     }
     if args.schedule is not None:
@@ -1241,9 +1243,9 @@ def setup_of(args) -> dict:
     if args.settings != "tuned":
         setup["settings"] = args.settings
     if args.pair is not None:
-        setup["prompts"] = bd._sha(args.prompts)
+        setup["prompts"] = bdc._sha(args.prompts)
         setup["info"]["prompts"] = str(args.prompts)
-    setup.update(bd.cascade_setup())
+    setup.update(bdc.cascade_setup())
     return setup
 
 
@@ -1251,8 +1253,8 @@ def request_prompts(args) -> list:
     """The generation's prompts: the pair's held-out prompts in order (cycled), or
     bench_ddtree cost's random prompts of this batch (its seed)."""
     if args.pair is None:
-        return bd.random_prompts(args.requests, args.input_len, args.seed + args.batch)
-    prompts = bd.load_prompts(args.prompts)
+        return bdc.random_prompts(args.requests, args.input_len, args.seed + args.batch)
+    prompts = bdc.load_prompts(args.prompts)
     return [prompts[i % len(prompts)] for i in range(args.requests)]
 
 
@@ -1313,7 +1315,7 @@ def worker_spec(args, config: str, gpu: str) -> dict:
     trace = str(args.out / f"{config}{TRACE_SUFFIX}") if args.trace else None
     return {
         "config": config,
-        "llm": bd.engine_kwargs(args, config, args.max_num_seqs),
+        "llm": bdc.engine_kwargs(args, config, args.max_num_seqs),
         "prompts": request_prompts(args),
         "max_tokens": args.max_tokens,
         "output_lengths": output_lengths(args.max_tokens, args.requests, args.batch),
@@ -1329,7 +1331,7 @@ def worker_spec(args, config: str, gpu: str) -> dict:
 
 
 def _child_env() -> dict:
-    env = bd._worker_env()
+    env = bdp._worker_env()
     # The engine must live in the worker's process for its profiler to see it.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
@@ -1354,7 +1356,7 @@ def run_config(args, config: str, gpu: str, time_left: float) -> bool:
             )
             log.flush()
             offset = log.tell()
-            ok = bd._run_logged(
+            ok = bdp._run_logged(
                 [
                     sys.executable,
                     str(Path(__file__).resolve()),
@@ -1367,7 +1369,7 @@ def run_config(args, config: str, gpu: str, time_left: float) -> bool:
             )
     ok = ok and result_path(args.out, config).is_file()
     if not ok and time_left <= 1.0 + (time.monotonic() - start):
-        # Killed when --limit-seconds ran out (bd._run_logged): a cut, not a
+        # Killed when --limit-seconds ran out (bdp._run_logged): a cut, not a
         # failure; the worker writes its JSON at the end, so nothing is kept.
         print(
             f"    {config}: --limit-seconds ran out before it finished (not "
@@ -1387,7 +1389,7 @@ def run_config(args, config: str, gpu: str, time_left: float) -> bool:
 def run_profiles(args, gpu: str) -> int:
     setup = setup_of(args)
     done = prepare_out(args, setup)
-    clock, failed, cut = bd.Clock(args.limit_seconds, args.config_seconds), [], []
+    clock, failed, cut = bdp.Clock(args.limit_seconds, args.config_seconds), [], []
     for i, config in enumerate(args.configs, 1):
         tag = f"[{i}/{len(args.configs)}] {config}"
         if config in done:
@@ -1582,7 +1584,9 @@ def run_worker(spec: dict) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import conftest  # noqa: F401  (this working tree's vllm/ modules first)
+    from benchmarks.checkout import use_checkout
+
+    use_checkout()
     import vllm
     import vllm_ddtree
     from vllm import LLM, SamplingParams
@@ -1602,9 +1606,9 @@ def run_worker(spec: dict) -> None:
         _init_for_cuda_graphs()
     start = time.perf_counter()
     llm = LLM(**spec["llm"])
-    engine = bd._engine_info(llm, time.perf_counter() - start)
+    engine = bdo._engine_info(llm, time.perf_counter() - start)
     print("profile_step worker: engine " + json.dumps(engine), flush=True)
-    prompts = [bd._as_input(p) for p in spec["prompts"]]
+    prompts = [bdo._as_input(p) for p in spec["prompts"]]
     lengths = spec.get("output_lengths") or [spec["max_tokens"]] * len(prompts)
 
     def params(max_tokens: int):
@@ -1701,7 +1705,7 @@ def run_worker(spec: dict) -> None:
             "init_profiler_early": spec["init_profiler_early"],
             "host_scopes_missing": missing_scopes,
             # The step is host-bound at small batches: where this process ran.
-            "host": bd.host_placement(),
+            "host": bdo.host_placement(),
         },
     }
     Path(spec["out_json"]).write_text(json.dumps(result, indent=1))

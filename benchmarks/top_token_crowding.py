@@ -31,7 +31,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import conftest  # noqa: E402,F401  (this working tree's vllm/ modules first)
+from benchmarks.checkout import use_checkout  # noqa: E402
+
+use_checkout()
 
 from vllm.v1.spec_decode.dflash_tree_builder import top_search_plan  # noqa: E402
 

@@ -8,9 +8,9 @@ The target (``benchmarks/models/pycode`` by default, PyTorch on the CPU)
 continues each held-out prompt greedily; the drafter (the training code's own
 forward) drafts a block at every position of the continuation; each block's
 DDTree is built once at the largest budget by the DDTree paper's best-first
-heap (``tests/v1/ddtree_reference.py``, the product builder's tie rules), and
-since its nodes come out best first, the tree of budget ``b`` is its first
-``b`` nodes. A step anchored at a position commits 1 + the depth of the deepest
+search as vLLM runs it (``build_ddtree``; its Triton kernels run in the
+interpreter without a GPU), and since its nodes come out best first, the tree of
+budget ``b`` is its first ``b`` nodes. A step anchored at a position commits 1 + the depth of the deepest
 node on the target's own continuation; greedy decoding is then walked from the
 first anchor on, each step starting where the last one's tokens end, and
 tokens / steps is what vLLM reports as the mean acceptance length. The DFlash
@@ -33,22 +33,26 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import conftest  # noqa: E402,F401  (this working tree's vllm/ modules first)
+from benchmarks.checkout import use_checkout  # noqa: E402
 
-from tests.v1.ddtree_reference import build_ddtree_reference  # noqa: E402
+use_checkout()
+from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree  # noqa: E402
 
 PAIR = ROOT / "benchmarks" / "models" / "pycode"
 BUDGETS = (1, 3, 7, 15, 31, 63, 127, 255, 511)
 
 
 def tree_on_path(block_logits: torch.Tensor, labels: torch.Tensor, budget: int):
-    """The best-first tree of ``budget`` nodes per anchor, and ``on_path
-    [anchors, budget]``: node i's token is the label at its depth and its
+    """Each node's depth ``[anchors, budget]`` in the best-first tree of
+    ``budget`` nodes per anchor, and ``on_path [anchors, budget]``: node i's token is the label at its depth and its
     parent is on the label path (the root always is). ``block_logits
     [anchors, depth, vocab]``: the drafter's logits at depths 1..depth;
     ``labels [anchors, depth]``: the target's tokens there."""
-    tree = build_ddtree_reference(block_logits, budget)
-    tokens, parents, depths = tree.token_ids, tree.parent_ids, tree.depths
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tree = build_ddtree(block_logits.to(device), budget)
+    tokens, parents, depths = (
+        t.cpu() for t in (tree.token_ids, tree.parent_ids, tree.depths)
+    )
     anchors = tokens.shape[0]
     on_path = torch.zeros(anchors, budget + 1, dtype=torch.bool)
     on_path[:, 0] = True
@@ -59,7 +63,7 @@ def tree_on_path(block_logits: torch.Tensor, labels: torch.Tensor, budget: int):
         label = labels.gather(1, (d - 1).clamp(min=0)[:, None])[:, 0]
         ok = valid & (tokens[:, i] == label) & on_path[rows, parents[:, i].long()]
         on_path[:, i + 1] = ok
-    return tree, on_path[:, 1:]
+    return depths, on_path[:, 1:]
 
 
 def accepted_depths(
@@ -67,8 +71,8 @@ def accepted_depths(
 ) -> torch.Tensor:
     """``[anchors, len(budgets)]``: per anchor and budget, the depth of the
     deepest tree node on the label path (arguments as :func:`tree_on_path`)."""
-    tree, on_path = tree_on_path(block_logits, labels, max(budgets))
-    depth_of = torch.where(on_path, tree.depths.long(), 0)
+    depths, on_path = tree_on_path(block_logits, labels, max(budgets))
+    depth_of = torch.where(on_path, depths.long(), 0)
     # The deepest on-path node among the first b nodes, per budget.
     best = depth_of.cummax(dim=1).values
     return torch.stack([best[:, b - 1] for b in budgets], dim=1)

@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import conftest  # noqa: E402,F401  (this working tree's vllm/ modules first)
+from benchmarks.checkout import use_checkout  # noqa: E402
+
+use_checkout()
 
 
 # Requests per step up to which every mix of trees and short prompts is planned.

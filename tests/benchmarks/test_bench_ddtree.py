@@ -20,7 +20,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_ddtree as bd
+from benchmarks import bench_ddtree_config as bdc
+from benchmarks import bench_ddtree_offline as bdo
+from benchmarks import bench_ddtree_procs as bdp
 from benchmarks import bench_ddtree_report as rep
+from benchmarks import bench_ddtree_serve as bds
 from benchmarks import host_usage as hu
 from benchmarks import project_8b as proj
 
@@ -34,13 +38,13 @@ PAIR = Path(bd.__file__).parent / "models" / "pycode"
 
 
 def test_configs_expand_and_sort():
-    assert bd.parse_configs("ddtree,dflash,none", [128, 16]) == [
+    assert bdc.parse_configs("ddtree,dflash,none", [128, 16]) == [
         "none",
         "dflash",
         "ddtree-16",
         "ddtree-128",
     ]
-    assert bd.parse_configs("ddtree-512, none,ddtree-512", [16]) == [
+    assert bdc.parse_configs("ddtree-512, none,ddtree-512", [16]) == [
         "none",
         "ddtree-512",
     ]
@@ -57,29 +61,29 @@ def test_configs_expand_and_sort():
 )
 def test_bad_configs(text, match):
     with pytest.raises(ValueError, match=match):
-        bd.parse_configs(text, [16])
+        bdc.parse_configs(text, [16])
 
 
 def test_number_lists():
-    assert bd.parse_int_list("8,1,8", "--batches", 1) == [1, 8]
-    assert bd.parse_float_list("1,0", "--temperatures") == [0.0, 1.0]
+    assert bdc.parse_int_list("8,1,8", "--batches", 1) == [1, 8]
+    assert bdc.parse_float_list("1,0", "--temperatures") == [0.0, 1.0]
     with pytest.raises(ValueError, match="--batches must be >= 1"):
-        bd.parse_int_list("0,1", "--batches", 1)
+        bdc.parse_int_list("0,1", "--batches", 1)
     with pytest.raises(ValueError, match=r"--budgets must be in \[1, 1024\]"):
-        bd.parse_int_list("16,4096", "--budgets", 1, 1024)
+        bdc.parse_int_list("16,4096", "--budgets", 1, 1024)
     with pytest.raises(ValueError, match="comma list of integers"):
-        bd.parse_int_list("1,two", "--batches", 1)
+        bdc.parse_int_list("1,two", "--batches", 1)
     with pytest.raises(ValueError, match="is empty"):
-        bd.parse_int_list(",", "--batches", 1)
+        bdc.parse_int_list(",", "--batches", 1)
     with pytest.raises(ValueError, match="must be >= 0"):
-        bd.parse_float_list("-1", "--temperatures")
+        bdc.parse_float_list("-1", "--temperatures")
     with pytest.raises(ValueError, match="must be >= 0"):
-        bd.parse_float_list("nan", "--temperatures")
+        bdc.parse_float_list("nan", "--temperatures")
 
 
 def test_cost_defaults(tmp_path):
     args = bd.parse_args(["cost", "--out", str(tmp_path)])
-    assert args.configs == ["none", "dflash"] + [f"ddtree-{b}" for b in bd.ALL_BUDGETS]
+    assert args.configs == ["none", "dflash"] + [f"ddtree-{b}" for b in bdc.ALL_BUDGETS]
     assert args.batches == [1, 4, 16, 64] and args.temperatures == [0.0]
     assert args.target == MODEL_CONFIGS / "qwen3_8b"
     assert args.drafter == MODEL_CONFIGS / "dflash_qwen3_8b"
@@ -155,10 +159,10 @@ def test_e2e_needs_a_pair(tmp_path, capsys):
 
 def test_min_waves_in_setup_only_when_set(tmp_path):
     base = ["e2e", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
-    assert "min_waves" not in bd.setup_of(bd.parse_args(base))
+    assert "min_waves" not in bdc.setup_of(bd.parse_args(base))
     args = bd.parse_args([*base, "--min-waves", "4", "--batches", "8"])
-    assert bd.setup_of(args)["min_waves"] == 4
-    spec = bd.worker_spec(args, "dflash", 8, [(8, 0.0)], ["p"] * 3, "r")
+    assert bdc.setup_of(args)["min_waves"] == 4
+    spec = bdo.worker_spec(args, "dflash", 8, [(8, 0.0)], ["p"] * 3, "r")
     assert len(spec["requests"]["8"]) == 4 * 8
 
 
@@ -167,15 +171,15 @@ def test_serve_cells_are_long_enough(tmp_path, capsys):
     never fewer than --num-prompts; the cap is part of the setup."""
     base = ["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
     args = bd.parse_args(base)
-    counts = {c: bd.serve_num_prompts(args, c) for c in (1, 8, 32, 64)}
+    counts = {c: bds.serve_num_prompts(args, c) for c in (1, 8, 32, 64)}
     assert counts == {1: 32, 8: 256, 32: 512, 64: 512}
-    assert bd.setup_of(args)["max_prompts"] == 512
+    assert bdc.setup_of(args)["max_prompts"] == 512
     capped = bd.parse_args([*base, "--max-prompts", "128"])
-    assert [bd.serve_num_prompts(capped, c) for c in (1, 8, 64)] == [32, 128, 128]
-    assert bd.setup_of(capped)["max_prompts"] == 128
+    assert [bds.serve_num_prompts(capped, c) for c in (1, 8, 64)] == [32, 128, 128]
+    assert bdc.setup_of(capped)["max_prompts"] == 128
     more = bd.parse_args([*base, "--num-prompts", "1000", "--max-prompts", "128"])
-    assert bd.serve_num_prompts(more, 64) == 1000  # --num-prompts is kept
-    assert "max_prompts" not in bd.setup_of(
+    assert bds.serve_num_prompts(more, 64) == 1000  # --num-prompts is kept
+    assert "max_prompts" not in bdc.setup_of(
         bd.parse_args(["e2e", "--out", str(tmp_path / "e"), *_pair(tmp_path)])
     )
     with pytest.raises(SystemExit):
@@ -188,12 +192,12 @@ def test_continuous_arrivals_option(tmp_path, capsys):
     its rows never merge with waves' rows) and in the worker's spec."""
     base = ["e2e", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
     waves = bd.parse_args(base)
-    assert waves.arrivals == "waves" and "arrivals" not in bd.setup_of(waves)
+    assert waves.arrivals == "waves" and "arrivals" not in bdc.setup_of(waves)
     args = bd.parse_args([*base, "--arrivals", "continuous", "--batches", "8"])
-    assert bd.setup_of(args)["arrivals"] == "continuous"
+    assert bdc.setup_of(args)["arrivals"] == "continuous"
     with pytest.raises(ValueError, match="differ"):
-        rep.check_setup(bd.setup_of(waves), bd.setup_of(args), "o")
-    spec = bd.worker_spec(args, "dflash", 8, [(8, 0.0)], ["p"] * 3, "r")
+        rep.check_setup(bdc.setup_of(waves), bdc.setup_of(args), "o")
+    spec = bdo.worker_spec(args, "dflash", 8, [(8, 0.0)], ["p"] * 3, "r")
     assert spec["arrivals"] == "continuous" and spec["llm"]["max_num_seqs"] == 8
     with pytest.raises(SystemExit):
         bd.parse_args([*base, "--arrivals", "continuous", "--batches", "1,8"])
@@ -221,19 +225,19 @@ def test_context_cascade_switch_in_setup(tmp_path, monkeypatch):
     setup records it, so such rows never merge with rows run without it."""
     from vllm.v1.attention.backends import tree_attn
 
-    assert bd.CONTEXT_CASCADE_ENV == tree_attn.CONTEXT_CASCADE_ENV
-    assert bd.CONTEXT_CASCADE_REQS_ENV == tree_attn.CONTEXT_CASCADE_REQS_ENV
+    assert bdc.CONTEXT_CASCADE_ENV == tree_attn.CONTEXT_CASCADE_ENV
+    assert bdc.CONTEXT_CASCADE_REQS_ENV == tree_attn.CONTEXT_CASCADE_REQS_ENV
     args = bd.parse_args(["e2e", "--out", str(tmp_path / "o"), *_pair(tmp_path)])
-    monkeypatch.delenv(bd.CONTEXT_CASCADE_ENV, raising=False)
-    monkeypatch.delenv(bd.CONTEXT_CASCADE_REQS_ENV, raising=False)
-    plain = bd.setup_of(args)
-    assert not set(bd.CASCADE_SETUP_KEYS.values()) & set(plain)
-    monkeypatch.setenv(bd.CONTEXT_CASCADE_ENV, "32")
-    cascade = bd.setup_of(args)
+    monkeypatch.delenv(bdc.CONTEXT_CASCADE_ENV, raising=False)
+    monkeypatch.delenv(bdc.CONTEXT_CASCADE_REQS_ENV, raising=False)
+    plain = bdc.setup_of(args)
+    assert not set(bdc.CASCADE_SETUP_KEYS.values()) & set(plain)
+    monkeypatch.setenv(bdc.CONTEXT_CASCADE_ENV, "32")
+    cascade = bdc.setup_of(args)
     assert cascade["tree_attn_context_cascade_min_query_len"] == "32"
     assert cascade != plain
-    monkeypatch.setenv(bd.CONTEXT_CASCADE_REQS_ENV, "16")
-    large = bd.setup_of(args)
+    monkeypatch.setenv(bdc.CONTEXT_CASCADE_REQS_ENV, "16")
+    large = bdc.setup_of(args)
     assert large["tree_attn_context_cascade_min_reqs"] == "16"
     assert large != cascade
 
@@ -245,38 +249,38 @@ def test_context_cascade_switch_in_setup(tmp_path, monkeypatch):
 
 def test_speculative_configs():
     drafter = Path("/d")
-    assert bd.speculative_config("none", drafter) is None
-    assert bd.speculative_config("dflash", drafter) == {
+    assert bdc.speculative_config("none", drafter) is None
+    assert bdc.speculative_config("dflash", drafter) == {
         "method": "dflash",
         "model": "/d",
         "num_speculative_tokens": 15,
     }
     # Every DDTree config says which budget it runs, whatever the default.
-    assert bd.speculative_config("ddtree-128", drafter) == {
+    assert bdc.speculative_config("ddtree-128", drafter) == {
         "method": "ddtree",
         "model": "/d",
         "tree_budget": 128,
         "adaptive_budget": False,
     }
-    assert bd.speculative_config("ddtree-auto", drafter, adaptive=True) == {
+    assert bdc.speculative_config("ddtree-auto", drafter, adaptive=True) == {
         "method": "ddtree",
         "model": "/d",
         "tree_budget": "auto",
         "adaptive_budget": True,
     }
-    assert bd.speculative_config("dflash", drafter, adaptive=True) == {
+    assert bdc.speculative_config("dflash", drafter, adaptive=True) == {
         "method": "dflash",
         "model": "/d",
         "num_speculative_tokens": 15,
     }
     # One command can run a config with and without the adaptive budget.
-    assert bd.speculative_config("ddtree-128-adaptive", drafter) == {
+    assert bdc.speculative_config("ddtree-128-adaptive", drafter) == {
         "method": "ddtree",
         "model": "/d",
         "tree_budget": 128,
         "adaptive_budget": True,
     }
-    assert bd.speculative_config("ddtree-128-adaptive", drafter, fixed=True) == {
+    assert bdc.speculative_config("ddtree-128-adaptive", drafter, fixed=True) == {
         "method": "ddtree",
         "model": "/d",
         "tree_budget": 128,
@@ -285,7 +289,7 @@ def test_speculative_configs():
 
 
 def test_adaptive_configs_parse_and_sort():
-    names = bd.parse_configs(
+    names = bdc.parse_configs(
         "ddtree-auto-adaptive,ddtree-128-adaptive,ddtree-auto,dflash,none,ddtree-128",
         [128],
     )
@@ -297,36 +301,36 @@ def test_adaptive_configs_parse_and_sort():
         "ddtree-auto",
         "ddtree-auto-adaptive",
     ]
-    assert bd.step_tokens("ddtree-128-adaptive", 8) == 8 * 129
+    assert bdc.step_tokens("ddtree-128-adaptive", 8) == 8 * 129
     for bad in ("dflash-adaptive", "none-adaptive", "ddtree-2000-adaptive"):
         with pytest.raises(ValueError):
-            bd.parse_configs(bad, [128])
+            bdc.parse_configs(bad, [128])
 
 
 def test_step_tokens_and_skipped_batches():
-    assert bd.step_tokens("none", 64) == 64
-    assert bd.step_tokens("dflash", 64) == 1024
-    assert bd.step_tokens("ddtree-128", 8) == 8 * 129
+    assert bdc.step_tokens("none", 64) == 64
+    assert bdc.step_tokens("dflash", 64) == 1024
+    assert bdc.step_tokens("ddtree-128", 8) == 8 * 129
     batches = [1, 4, 16, 32, 64]
-    assert bd.fitting_batches("ddtree-1024", batches, 33000) == ([1, 4, 16, 32], [64])
-    assert bd.fitting_batches("ddtree-512", batches, 33000) == (batches, [])
-    assert bd.fitting_batches("dflash", batches, 100) == ([1, 4], [16, 32, 64])
+    assert bdc.fitting_batches("ddtree-1024", batches, 33000) == ([1, 4, 16, 32], [64])
+    assert bdc.fitting_batches("ddtree-512", batches, 33000) == (batches, [])
+    assert bdc.fitting_batches("dflash", batches, 100) == ([1, 4], [16, 32, 64])
 
 
 def test_capture_sizes_follow_the_ddtree_ladder():
-    assert bd.request_ladder(1) == [1]
-    assert bd.request_ladder(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert bd.request_ladder(32) == [1, 2, 4, 8, 16, 24, 32]
-    assert bd.capture_sizes("none", 8) == [1, 2, 4, 8]
-    assert bd.capture_sizes("dflash", 64)[-1] == 64 * 16  # past vLLM's 512 default
-    assert bd.capture_sizes("ddtree-64", 64) is None
+    assert bdc.request_ladder(1) == [1]
+    assert bdc.request_ladder(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert bdc.request_ladder(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert bdc.capture_sizes("none", 8) == [1, 2, 4, 8]
+    assert bdc.capture_sizes("dflash", 64)[-1] == 64 * 16  # past vLLM's 512 default
+    assert bdc.capture_sizes("ddtree-64", 64) is None
     # DDTree's tuned maximum covers the same ladder (its plugin fills in sizes).
-    assert bd.tuned_max_capture_size("ddtree-64", 64) == 64 * 65
-    assert bd.tuned_max_capture_size("ddtree-7", 64) == 64 * 16  # the drafter's
-    auto = bd.tuned_max_capture_size(bd.AUTO_CONFIG, 64)
+    assert bdc.tuned_max_capture_size("ddtree-64", 64) == 64 * 65
+    assert bdc.tuned_max_capture_size("ddtree-7", 64) == 64 * 16  # the drafter's
+    auto = bdc.tuned_max_capture_size(bd.AUTO_CONFIG, 64)
     assert auto == max(
-        n * (bd.schedule_budget(bd.auto_schedule(), n) + 1)
-        for n in bd.request_ladder(64)
+        n * (bdc.schedule_budget(bdc.auto_schedule(), n) + 1)
+        for n in bdc.request_ladder(64)
     )
 
 
@@ -335,7 +339,7 @@ def test_engine_kwargs(tmp_path):
     would not set to vLLM; tuned is the earlier benchmark's."""
     args = bd.parse_args(["cost", "--out", str(tmp_path)])
     assert args.settings == "defaults"
-    kw = bd.engine_kwargs(args, "dflash", 64)
+    kw = bdc.engine_kwargs(args, "dflash", 64)
     assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"]
     assert not kw["disable_log_stats"]
     for key in (
@@ -346,11 +350,11 @@ def test_engine_kwargs(tmp_path):
     ):
         assert key not in kw, key
     args = bd.parse_args(["cost", "--out", str(tmp_path), "--settings", "tuned"])
-    kw = bd.engine_kwargs(args, "dflash", 64)
+    kw = bdc.engine_kwargs(args, "dflash", 64)
     assert kw["max_num_seqs"] == 64 and kw["gpu_memory_utilization"] == 0.85
     assert not kw["enable_prefix_caching"]
     assert kw["compilation_config"]["cudagraph_capture_sizes"][-1] == 1024
-    kw = bd.engine_kwargs(args, "ddtree-256", 16)
+    kw = bdc.engine_kwargs(args, "ddtree-256", 16)
     assert kw["speculative_config"]["tree_budget"] == 256
     assert kw["compilation_config"] == {"max_cudagraph_capture_size": 16 * 257}
     assert "max_num_batched_tokens" not in kw
@@ -369,14 +373,14 @@ def test_defaults_continuous_arrivals_set_only_the_concurrency(tmp_path):
             "8",
         ]
     )
-    kw = bd.engine_kwargs(args, "dflash", 8)
+    kw = bdc.engine_kwargs(args, "dflash", 8)
     assert kw["max_num_seqs"] == 8
     assert "enable_prefix_caching" not in kw and "compilation_config" not in kw
-    assert bd.setup_of(args)["settings"] == "defaults"
+    assert bdc.setup_of(args)["settings"] == "defaults"
     tuned = bd.parse_args(
         ["e2e", "--out", str(tmp_path / "t"), *_pair(tmp_path), "--settings", "tuned"]
     )
-    assert "settings" not in bd.setup_of(tuned)  # what earlier setups meant
+    assert "settings" not in bdc.setup_of(tuned)  # what earlier setups meant
 
 
 def test_engine_args_on_top_of_the_settings(tmp_path, capsys):
@@ -396,10 +400,10 @@ def test_engine_args_on_top_of_the_settings(tmp_path, capsys):
             "kv_cache_dtype=auto",
         ]
     )
-    kw = bd.engine_kwargs(args, "ddtree-auto", 1)
+    kw = bdc.engine_kwargs(args, "ddtree-auto", 1)
     assert kw["max_num_seqs"] == 1 and kw["enable_prefix_caching"] is False
     assert kw["kv_cache_dtype"] == "auto"
-    assert bd.setup_of(args)["engine_args"] == {
+    assert bdc.setup_of(args)["engine_args"] == {
         "max_num_seqs": 1,
         "enable_prefix_caching": False,
         "kv_cache_dtype": "auto",
@@ -418,7 +422,7 @@ def test_engine_args_on_top_of_the_settings(tmp_path, capsys):
             "enforce_eager=true",
         ]
     )
-    cmd = bd.serve_command(serve, "dflash", 8, 8000)
+    cmd = bds.serve_command(serve, "dflash", 8, 8000)
     assert "--no-enable-prefix-caching" in cmd and "--enforce-eager" in cmd
     assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "4096"
     for bad in ("max_num_seqs", "=3", "model=x"):
@@ -438,13 +442,13 @@ def test_engine_args_on_top_of_the_settings(tmp_path, capsys):
 
 def test_fresh_prompts_share_no_prefix_block():
     text = "def f(x):\n    return x\n"
-    a, b = bd.fresh_prompt(text, 1), bd.fresh_prompt(text, 2)
+    a, b = bdc.fresh_prompt(text, 1), bdc.fresh_prompt(text, 2)
     assert a != b and a.endswith(text) and a.startswith("# request 1\n")
     tokens = list(range(100, 140))
-    tagged = [bd.fresh_prompt(tokens, t) for t in (0, 1, 151643, 3_000_001)]
+    tagged = [bdc.fresh_prompt(tokens, t) for t in (0, 1, 151643, 3_000_001)]
     assert len({tuple(t[:2]) for t in tagged}) == 4
     assert all(len(t) == 40 and t[2:] == tokens[2:] for t in tagged)
-    assert bd.fresh_prompt([7], 5) == [5]
+    assert bdc.fresh_prompt([7], 5) == [5]
 
 
 def test_schedule_config(tmp_path):
@@ -468,10 +472,10 @@ def test_schedule_config(tmp_path):
         )
         assert args.schedule == schedule
         assert args.configs == ["dflash", "ddtree-64", "ddtree-schedule"]
-    kw = bd.engine_kwargs(args, "ddtree-schedule", 64)
+    kw = bdc.engine_kwargs(args, "ddtree-schedule", 64)
     assert kw["speculative_config"]["tree_budget_per_batch_size"] == schedule
     assert "compilation_config" not in kw
-    assert [bd.schedule_budget(schedule, b) for b in (1, 2, 16, 17, 64, 100)] == [
+    assert [bdc.schedule_budget(schedule, b) for b in (1, 2, 16, 17, 64, 100)] == [
         512,
         128,
         128,
@@ -479,20 +483,22 @@ def test_schedule_config(tmp_path):
         32,
         32,
     ]
-    assert bd.step_tokens("ddtree-schedule", 16, schedule) == 16 * 129
-    assert bd.fitting_batches("ddtree-schedule", [1, 16, 64, 512], 10000, schedule) == (
+    assert bdc.step_tokens("ddtree-schedule", 16, schedule) == 16 * 129
+    assert bdc.fitting_batches(
+        "ddtree-schedule", [1, 16, 64, 512], 10000, schedule
+    ) == (
         [1, 16, 64],
         [512],
     )
-    assert bd.setup_of(args)["schedule"] == schedule
-    assert "schedule" not in bd.setup_of(
+    assert bdc.setup_of(args)["schedule"] == schedule
+    assert "schedule" not in bdc.setup_of(
         bd.parse_args(["cost", "--out", str(tmp_path / "p")])
     )
-    spec = bd.worker_spec(args, "ddtree-schedule", 1, [(1, 0.0)], None, "r")
+    spec = bdo.worker_spec(args, "ddtree-schedule", 1, [(1, 0.0)], None, "r")
     assert spec["row"]["tree_budget_per_batch_size"] == schedule
     assert (
         "tree_budget_per_batch_size"
-        not in bd.worker_spec(args, "ddtree-64", 1, [(1, 0.0)], None, "r")["row"]
+        not in bdo.worker_spec(args, "ddtree-64", 1, [(1, 0.0)], None, "r")["row"]
     )
 
 
@@ -506,16 +512,16 @@ def test_auto_config(tmp_path):
         ["cost", "--out", str(tmp_path), "--configs", "ddtree-auto,dflash,ddtree-64"]
     )
     assert args.configs == ["dflash", "ddtree-64", "ddtree-auto"]
-    kw = bd.engine_kwargs(args, "ddtree-auto", 64)
+    kw = bdc.engine_kwargs(args, "ddtree-auto", 64)
     assert kw["speculative_config"]["tree_budget"] == "auto"
     assert "tree_budget_per_batch_size" not in kw["speculative_config"]
     assert "compilation_config" not in kw
     for batch in (1, 4, 5, 64):
-        assert bd.step_tokens("ddtree-auto", batch) == batch * (
-            bd.schedule_budget(auto, batch) + 1
+        assert bdc.step_tokens("ddtree-auto", batch) == batch * (
+            bdc.schedule_budget(auto, batch) + 1
         )
-    assert "schedule" not in bd.setup_of(args)
-    row = bd.worker_spec(args, "ddtree-auto", 1, [(1, 0.0)], None, "r")["row"]
+    assert "schedule" not in bdc.setup_of(args)
+    row = bdo.worker_spec(args, "ddtree-auto", 1, [(1, 0.0)], None, "r")["row"]
     assert row["tree_budget_per_batch_size"] == auto
 
 
@@ -631,7 +637,7 @@ def test_8b_configs_pass_vllms_checks(tmp_path, cuda_platform, config):
 
     vllm_ddtree.register()
     args = bd.parse_args(["cost", "--out", str(tmp_path)])
-    kw = bd.engine_kwargs(args, config, 16)
+    kw = bdc.engine_kwargs(args, config, 16)
     kw.pop("disable_log_stats")
     kw.pop("compilation_config", None)  # the CPU platform captures no graphs
     vllm_config = EngineArgs(**kw).create_engine_config()
@@ -672,12 +678,12 @@ def test_load_prompts_formats(tmp_path):
             }
         )
     )
-    assert bd.load_prompts(path) == ["def f():", "import os"]
+    assert bdc.load_prompts(path) == ["def f():", "import os"]
     path.write_text(json.dumps([[1, 2, 3], [4]]))
-    assert bd.load_prompts(path) == [[1, 2, 3], [4]]
+    assert bdc.load_prompts(path) == [[1, 2, 3], [4]]
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('{"prompt_token_ids": [5, 6]}\n\n[7]\n')
-    assert bd.load_prompts(jsonl) == [[5, 6], [7]]
+    assert bdc.load_prompts(jsonl) == [[5, 6], [7]]
 
 
 @pytest.mark.parametrize(
@@ -695,22 +701,22 @@ def test_bad_prompt_files(tmp_path, content, match):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(content))
     with pytest.raises(ValueError, match=match):
-        bd.load_prompts(path)
+        bdc.load_prompts(path)
 
 
 def test_requests_and_random_prompts():
-    assert bd.batch_requests(["a", "b", "c"], 2, 3) == ["a", "b", "c", "a"]
-    assert bd.batch_requests(["a"], 8, 1) == ["a"] * 8
-    assert len(bd.batch_requests(list("abcdefgh"), 1, 5)) == 5
+    assert bdc.batch_requests(["a", "b", "c"], 2, 3) == ["a", "b", "c", "a"]
+    assert bdc.batch_requests(["a"], 8, 1) == ["a"] * 8
+    assert len(bdc.batch_requests(list("abcdefgh"), 1, 5)) == 5
     # --min-waves: at least that many waves, whatever --num-prompts says.
-    assert bd.batch_requests(["a", "b", "c"], 2, 3, min_waves=3) == list("abcabc")
-    assert len(bd.batch_requests(list("abcdefgh"), 1, 5, min_waves=3)) == 5
-    a = bd.random_prompts(3, 50, seed=7)
-    assert a == bd.random_prompts(3, 50, seed=7) != bd.random_prompts(3, 50, seed=8)
+    assert bdc.batch_requests(["a", "b", "c"], 2, 3, min_waves=3) == list("abcabc")
+    assert len(bdc.batch_requests(list("abcdefgh"), 1, 5, min_waves=3)) == 5
+    a = bdc.random_prompts(3, 50, seed=7)
+    assert a == bdc.random_prompts(3, 50, seed=7) != bdc.random_prompts(3, 50, seed=8)
     assert all(len(p) == 50 and 0 <= min(p) and max(p) < 151643 for p in a)
-    bd.check_prompt_lengths([[1] * 10, "text"], 6, 16)
+    bdc.check_prompt_lengths([[1] * 10, "text"], 6, 16)
     with pytest.raises(ValueError, match=r"prompts \[0\] plus --max-tokens 7"):
-        bd.check_prompt_lengths([[1] * 10], 7, 16)
+        bdc.check_prompt_lengths([[1] * 10], 7, 16)
 
 
 # ---------------------------------------------------------------------------
@@ -848,11 +854,11 @@ def _params(**kw):
 
 def test_measure_with_a_fake_engine(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(bd, "time", clock)
+    monkeypatch.setattr(bdo, "time", clock)
     monkeypatch.setattr(hu, "time", clock)
     llm = FakeLLM(clock, tau=4, budget=64)
     spec = {"max_tokens": 33, "ignore_eos": True, "detokenize": False}
-    row = bd.measure(llm, _params, [[1, 2]] * 6, 2, 0.0, spec)
+    row = bdo.measure(llm, _params, [[1, 2]] * 6, 2, 0.0, spec)
     # warm-up (16 tokens), prefill-only, then the timed run, each in 3 waves of 2
     assert llm.calls == [(2, 16, 0.0)] + [(2, 1, 0.0)] * 3 + [(2, 33, 0.0)] * 3
     assert row["num_requests"] == 6 and row["output_tokens"] == 6 * 33
@@ -878,7 +884,7 @@ def test_measure_under_defaults_never_repeats_a_prompt(monkeypatch):
     """Warm-up, prefill-only and timed passes, and two runs of one engine,
     each send prompts the engine has not seen (prefix caching is on)."""
     clock = Clock()
-    monkeypatch.setattr(bd, "time", clock)
+    monkeypatch.setattr(bdo, "time", clock)
     llm = RecordingLLM(clock, tau=4, budget=64)
     spec = {
         "max_tokens": 9,
@@ -887,13 +893,13 @@ def test_measure_under_defaults_never_repeats_a_prompt(monkeypatch):
         "settings": "defaults",
     }
     for k in range(2):
-        bd.measure(
+        bdo.measure(
             llm,
             _params,
             ["x = 1\n"] * 4,
             2,
             0.0,
-            {**spec, "tag_base": k * bd.TAGS_PER_RUN},
+            {**spec, "tag_base": k * bdc.TAGS_PER_RUN},
         )
     # Per run: 2 warm-up prompts (one wave) + 4 prefill-only + 4 timed.
     assert len(llm.prompts) == 2 * (2 + 4 + 4)
@@ -905,7 +911,7 @@ def test_measure_continuous_arrivals(monkeypatch):
     """Under arrivals: continuous every timed generation is one call with all
     requests (the engine's max_num_seqs keeps batch of them running)."""
     clock = Clock()
-    monkeypatch.setattr(bd, "time", clock)
+    monkeypatch.setattr(bdo, "time", clock)
     llm = FakeLLM(clock, tau=4, budget=64)
     spec = {
         "max_tokens": 33,
@@ -913,7 +919,7 @@ def test_measure_continuous_arrivals(monkeypatch):
         "detokenize": False,
         "arrivals": "continuous",
     }
-    row = bd.measure(llm, _params, [[1, 2]] * 6, 2, 0.0, spec)
+    row = bdo.measure(llm, _params, [[1, 2]] * 6, 2, 0.0, spec)
     assert llm.calls == [(2, 16, 0.0), (6, 1, 0.0), (6, 33, 0.0)]
     assert row["num_requests"] == 6 and row["output_tokens"] == 6 * 33
 
@@ -956,7 +962,7 @@ def test_worker_with_a_fake_engine(tmp_path, monkeypatch):
         ]
     )
     tmp_path.mkdir(exist_ok=True)
-    spec = bd.worker_spec(args, "ddtree-16", 4, [(1, 0.0), (4, 0.0)], None, "rid")
+    spec = bdo.worker_spec(args, "ddtree-16", 4, [(1, 0.0), (4, 0.0)], None, "rid")
     assert [len(p) for p in spec["requests"]["4"]] == [8] * 8  # 2 waves of 4
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
@@ -1163,7 +1169,7 @@ def test_sweep_stops_at_the_time_limit(tmp_path, fake_runs, capsys):
     )
     assert fake_runs == []
     assert "stopping" in capsys.readouterr().out
-    clock = bd.Clock(limit_s=100, default_config_s=300)
+    clock = bdp.Clock(limit_s=100, default_config_s=300)
     assert not clock.can_start()
     clock.record(30)  # a measured config replaces the guess
     assert clock.can_start()
@@ -1171,7 +1177,7 @@ def test_sweep_stops_at_the_time_limit(tmp_path, fake_runs, capsys):
     assert not clock.can_start()
     clock.record(10)  # a fast config later does not hide it
     assert not clock.can_start()
-    assert bd.Clock(0, 1e9).can_start()  # no limit
+    assert bdp.Clock(0, 1e9).can_start()  # no limit
 
 
 @pytest.mark.parametrize(
@@ -1363,7 +1369,7 @@ def test_markdown_report_serve_latency():
 
 
 def test_serve_row_and_commands(tmp_path):
-    row = bd.serve_row(
+    row = bds.serve_row(
         {
             "duration": 10.0,
             "total_output_tokens": 2000,
@@ -1388,9 +1394,9 @@ def test_serve_row_and_commands(tmp_path):
         17.0,
         30.0,
     )
-    assert bd.serve_row({"output_throughput": 50.0})["acceptance_length"] is None
+    assert bds.serve_row({"output_throughput": 50.0})["acceptance_length"] is None
     args = bd.parse_args(["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)])
-    cmd = bd.serve_command(args, "ddtree-64", 32, 8000)
+    cmd = bds.serve_command(args, "ddtree-64", 32, 8000)
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {
         "method": "ddtree",
@@ -1398,7 +1404,7 @@ def test_serve_row_and_commands(tmp_path):
         "tree_budget": 64,
         "adaptive_budget": False,
     }
-    dflash = bd.serve_command(args, "dflash", 32, 8000)
+    dflash = bds.serve_command(args, "dflash", 32, 8000)
     for flag in (
         "--max-num-seqs",
         "--compilation-config",
@@ -1409,19 +1415,19 @@ def test_serve_row_and_commands(tmp_path):
         # DFlash: the one setting vLLM's serve defaults make a user change.
         assert (flag in dflash) == (flag == "--max-num-seqs")
     assert dflash[dflash.index("--max-num-seqs") + 1] == str(
-        bd.DFLASH_SERVE_MAX_NUM_SEQS
+        bdc.DFLASH_SERVE_MAX_NUM_SEQS
     )
     tuned = bd.parse_args(
         ["serve", "--out", str(tmp_path / "t"), *_pair(tmp_path), "--settings", "tuned"]
     )
-    cmd = bd.serve_command(tuned, "ddtree-64", 32, 8000)
+    cmd = bds.serve_command(tuned, "ddtree-64", 32, 8000)
     assert cmd[cmd.index("--max-num-seqs") + 1] == "32"
     assert "--no-enable-prefix-caching" in cmd
-    assert "--compilation-config" in bd.serve_command(tuned, "dflash", 32, 8000)
+    assert "--compilation-config" in bds.serve_command(tuned, "dflash", 32, 8000)
     # Defaults: a warm-up over prompts of its own, then the timed run over
     # prompts no earlier request had, vLLM's warm-up (the first prompt) off.
     result = tmp_path / "r.json"
-    warm, timed = bd.serve_run_commands(
+    warm, timed = bds.serve_run_commands(
         args, "http://h:1", ["a", "b", "c"], None, 2, 0.0, result, 1
     )
     assert warm[warm.index("--num-prompts") + 1] == "2"
@@ -1435,11 +1441,11 @@ def test_serve_row_and_commands(tmp_path):
     assert len(texts) == 2 + 64 and len(set(texts)) == len(texts)  # 32 waves of 2
     assert timed[timed.index("--num-prompts") + 1] == "64"
     assert timed[timed.index("--result-filename") + 1] == "r.json"
-    (only,) = bd.serve_run_commands(
+    (only,) = bds.serve_run_commands(
         tuned, "http://h:1", ["a"], tmp_path / "d.json", 2, 0.0, result, 0
     )
     assert only[only.index("--num-warmups") + 1] == "2"
-    bench = bd.bench_command(
+    bench = bds.bench_command(
         args, "http://h:1", tmp_path / "d.jsonl", 8, 1.0, tmp_path / "r.json"
     )
     assert bench[bench.index("--max-concurrency") + 1] == "8"
@@ -1453,12 +1459,12 @@ def test_engine_env(monkeypatch):
     """Offline workers keep the engine in their process; vllm serve keeps
     vLLM's default (the first serve run inherited the offline setting)."""
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    assert bd._worker_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    served = bd._worker_env(engine_in_process=False)
+    assert bdp._worker_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    served = bdp._worker_env(engine_in_process=False)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in served
     assert served["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    assert bd._worker_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert bdp._worker_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def test_offline_engine_process_follows_the_settings(tmp_path, monkeypatch):
@@ -1469,20 +1475,22 @@ def test_offline_engine_process_follows_the_settings(tmp_path, monkeypatch):
     earlier in-process defaults results are not resumed into it."""
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     seen = []
-    monkeypatch.setattr(bd, "_run_logged", lambda cmd, log, left, env: seen.append(env))
+    monkeypatch.setattr(
+        bdo, "_run_logged", lambda cmd, log, left, env: seen.append(env)
+    )
     defaults = bd.parse_args(["e2e", "--out", str(tmp_path / "d"), *_pair(tmp_path)])
     tuned = bd.parse_args(
         ["e2e", "--out", str(tmp_path / "t"), *_pair(tmp_path), "--settings", "tuned"]
     )
-    assert bd.engine_process_of(defaults) == "multiprocess"
-    assert bd.engine_process_of(tuned) == "in-process"
-    assert bd.setup_of(defaults)["engine_process"] == "multiprocess"
-    assert "engine_process" not in bd.setup_of(tuned)
+    assert bdc.engine_process_of(defaults) == "multiprocess"
+    assert bdc.engine_process_of(tuned) == "in-process"
+    assert bdc.setup_of(defaults)["engine_process"] == "multiprocess"
+    assert "engine_process" not in bdc.setup_of(tuned)
     for args in (defaults, tuned):
         args.out.mkdir()
-        bd.run_offline_config(args, "dflash", 1, [(1, 0.0)], ["x"], "r", 10.0)
+        bdo.run_offline_config(args, "dflash", 1, [(1, 0.0)], ["x"], "r", 10.0)
         spec = json.loads((args.out / "logs" / "dflash.spec.json").read_text())
-        assert spec["row"]["engine_process"] == bd.engine_process_of(args)
+        assert spec["row"]["engine_process"] == bdc.engine_process_of(args)
     multi, single = seen
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in multi
     site = Path(multi["PYTHONPATH"].split(os.pathsep)[0])
@@ -1491,37 +1499,36 @@ def test_offline_engine_process_follows_the_settings(tmp_path, monkeypatch):
     assert str(bd.ROOT) in multi["PYTHONPATH"].split(os.pathsep)
     assert single["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    assert bd.engine_process_of(defaults) == "in-process"
-    assert "engine_process" not in bd.setup_of(defaults)
+    assert bdc.engine_process_of(defaults) == "in-process"
+    assert "engine_process" not in bdc.setup_of(defaults)
 
 
 def test_gpu_numa_node_is_vllms(monkeypatch):
     """The placement's GPU node is what vLLM's platform reports (NVML); None
     without a GPU."""
     import torch
-
     from vllm.platforms import current_platform
 
-    assert bd._gpu_numa_node() is None  # CPU-only here
+    assert bdo._gpu_numa_node() is None  # CPU-only here
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(
         current_platform, "get_device_numa_node", lambda d: {3: 1}[d], raising=False
     )
-    assert bd._gpu_numa_node() == 1
+    assert bdo._gpu_numa_node() == 1
 
 
 def test_host_placement_parsers():
-    assert bd.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
-    assert bd.parse_cpulist("") == []
+    assert bdo.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert bdo.parse_cpulist("") == []
     maps = (
         "7f00 default file=/lib/x.so mapped=3 N0=2 N1=1 kernelpagesize_kB=4\n"
         "7f10 interleave:0-1 anon=10 dirty=10 N1=10 kernelpagesize_kB=4\n"
     )
-    assert bd.numa_kib(maps) == {0: 8, 1: 44}
+    assert bdo.numa_kib(maps) == {0: 8, 1: 44}
     huge = "7f20 default file=/h huge dirty=2 N1=2 kernelpagesize_kB=2048\n"
-    assert bd.numa_kib(maps + huge) == {0: 8, 1: 44 + 4096}
-    placement = bd.host_placement()  # this machine: one process, no GPU
+    assert bdo.numa_kib(maps + huge) == {0: 8, 1: 44 + 4096}
+    placement = bdo.host_placement()  # this machine: one process, no GPU
     me = placement["processes"][0]
     assert me["pid"] == os.getpid() and me["cpus_allowed"] >= 1
     assert os.getpid() in {t["tid"] for t in me["threads"]}  # the main thread
@@ -1637,8 +1644,8 @@ def test_serve_dataset_reads_back_through_vllm_bench(tmp_path):
     from vllm.benchmarks.datasets import ShareGPTDataset
     from vllm.tokenizers import get_tokenizer
 
-    prompts = bd.load_prompts(PAIR / "eval_prompts.json")[:4]
-    path = bd.write_serve_dataset(prompts, tmp_path / "d.json")
+    prompts = bdc.load_prompts(PAIR / "eval_prompts.json")[:4]
+    path = bds.write_serve_dataset(prompts, tmp_path / "d.json")
     got = ShareGPTDataset(
         random_seed=0, dataset_path=str(path), disable_shuffle=True
     ).sample(
@@ -1852,7 +1859,7 @@ def test_host_usage_sees_a_busy_thread_and_a_child(tmp_path):
     try:
         time.sleep(0.2)
         before, start = cpu_s(child.pid), time.monotonic()
-        usage = bd.HostUsage()
+        usage = bdo.HostUsage()
         time.sleep(1.0)
         got = usage.stop()
         share = 100 * (cpu_s(child.pid) - before) / (time.monotonic() - start)
@@ -1867,7 +1874,7 @@ def test_host_usage_sees_a_busy_thread_and_a_child(tmp_path):
     assert got["busy_cpus"] >= 0.6 * share / 100, got
     assert got["steal_pct"] is None or 0.0 <= got["steal_pct"] <= 100.0
     # A pass with nobody busy: the busiest thread is far below 100 %.
-    idle = bd.HostUsage()
+    idle = bdo.HostUsage()
     time.sleep(0.5)
     assert idle.stop()["step_thread_busy_pct"] < 50.0
 
@@ -1907,19 +1914,19 @@ def test_interleave_options(tmp_path, capsys):
     base = ["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
     base += ["--configs", "dflash,ddtree-auto"]
     plain = bd.parse_args(base)
-    assert bd.interleave_of(plain) == 0 and "interleave" not in bd.setup_of(plain)
+    assert bdc.interleave_of(plain) == 0 and "interleave" not in bdc.setup_of(plain)
     args = bd.parse_args([*base, "--interleave", "4"])
-    assert bd.setup_of(args)["interleave"] == 4
-    assert bd.setup_of(args)["interleave_gpu_memory"] == 0.45
-    assert bd.interleave_memory(args) == 0.45
+    assert bdc.setup_of(args)["interleave"] == 4
+    assert bdc.setup_of(args)["interleave_gpu_memory"] == 0.45
+    assert bdc.interleave_memory(args) == 0.45
     three = bd.parse_args(
         [*base, "--interleave", "4", "--configs", "none,dflash,ddtree-8"]
     )
-    assert bd.interleave_memory(three) == 0.3
+    assert bdc.interleave_memory(three) == 0.3
     own = bd.parse_args([*base, "--interleave", "2", "--gpu-memory-utilization", "0.2"])
-    assert bd.interleave_memory(own) == 0.2
+    assert bdc.interleave_memory(own) == 0.2
     with pytest.raises(ValueError, match="differ"):
-        rep.check_setup(bd.setup_of(plain), bd.setup_of(args), "o")
+        rep.check_setup(bdc.setup_of(plain), bdc.setup_of(args), "o")
     for extra, message in (
         (["--interleave", "2", "--configs", "dflash"], "two or more"),
         (["--interleave", "2", "--gpu-memory-utilization", "0.5"], "does not fit"),
@@ -1946,15 +1953,15 @@ def test_interleave_options(tmp_path, capsys):
 def test_slice_sizes():
     """An even count (ABBA pairs), at most one slice per two waves, never
     under two slices."""
-    assert bd.slice_sizes(512, 32, 4) == [128] * 4
-    assert bd.slice_sizes(512, 64, 4) == [128] * 4  # 8 waves: two per slice
-    assert bd.slice_sizes(512, 64, 8) == [128] * 4  # not one wave per slice
-    assert bd.slice_sizes(32, 1, 4) == [8] * 4
-    assert bd.slice_sizes(17, 4, 4) == [9, 8]
-    assert bd.slice_sizes(10, 8, 4) == [5, 5]  # under two waves: still a pair
-    assert bd.slice_sizes(1, 1, 2) == [1]  # one request cannot be split
+    assert bds.slice_sizes(512, 32, 4) == [128] * 4
+    assert bds.slice_sizes(512, 64, 4) == [128] * 4  # 8 waves: two per slice
+    assert bds.slice_sizes(512, 64, 8) == [128] * 4  # not one wave per slice
+    assert bds.slice_sizes(32, 1, 4) == [8] * 4
+    assert bds.slice_sizes(17, 4, 4) == [9, 8]
+    assert bds.slice_sizes(10, 8, 4) == [5, 5]  # under two waves: still a pair
+    assert bds.slice_sizes(1, 1, 2) == [1]  # one request cannot be split
     for n, b, s in ((512, 64, 6), (33, 2, 10), (7, 1, 2)):
-        sizes = bd.slice_sizes(n, b, s)
+        sizes = bds.slice_sizes(n, b, s)
         assert sum(sizes) == n and len(sizes) % 2 == 0
 
 
@@ -1993,7 +2000,7 @@ def test_combine_slices():
         "spec_decode_acceptance_length": 2.0,
         "spec_decode_per_position_acceptance_rates": [0.4, 0.0, 0.1],
     }
-    c = bd.combine_slices([a, b])
+    c = bds.combine_slices([a, b])
     assert c["output_throughput"] == 250.0  # 2000 tokens in 8 s
     assert c["completed"] == 16 and c["slices"] == 2
     assert c["mean_tpot_ms"] == pytest.approx((4 * 4 + 12 * 8) / 16)
@@ -2005,11 +2012,11 @@ def test_combine_slices():
     assert c["spec_decode_per_position_acceptance_rates"] == pytest.approx(
         [0.5, 0.1, 0.075]
     )
-    row = bd.serve_row(c)
+    row = bds.serve_row(c)
     assert row["tok_s"] == 250.0 and row["acceptance_length"] == pytest.approx(2.5)
-    plain = bd.combine_slices([{k: v for k, v in a.items() if "spec" not in k}])
+    plain = bds.combine_slices([{k: v for k, v in a.items() if "spec" not in k}])
     assert "spec_decode_num_drafts" not in plain
-    assert bd.serve_row(plain)["acceptance_length"] is None
+    assert bds.serve_row(plain)["acceptance_length"] is None
 
 
 def test_cpu_lists():
@@ -2041,7 +2048,7 @@ def test_pin_cpus_options(tmp_path, capsys):
     base = ["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
     mine = sorted(os.sched_getaffinity(0))
     plain = bd.parse_args(base)
-    assert bd.pin_cpus_of(plain) is None and "pin_cpus" not in bd.setup_of(plain)
+    assert bdc.pin_cpus_of(plain) is None and "pin_cpus" not in bdc.setup_of(plain)
     cases = [
         (["--pin-cpus", str(os.cpu_count())], "does not exist here"),
         (["--pin-cpus", "0-4000000000"], "does not exist here"),
@@ -2063,10 +2070,10 @@ def test_pin_cpus_options(tmp_path, capsys):
     if len(mine) < 2:
         pytest.skip("one CPU here: nothing to pin a server to apart from clients")
     args = bd.parse_args([*base, "--pin-cpus", str(mine[-1])])
-    assert bd.pin_cpus_of(args) == {mine[-1]}
-    assert bd.setup_of(args)["pin_cpus"] == str(mine[-1])
+    assert bdc.pin_cpus_of(args) == {mine[-1]}
+    assert bdc.setup_of(args)["pin_cpus"] == str(mine[-1])
     with pytest.raises(ValueError, match="differ"):
-        rep.check_setup(bd.setup_of(plain), bd.setup_of(args), "o")
+        rep.check_setup(bdc.setup_of(plain), bdc.setup_of(args), "o")
 
 
 def test_pin_process_tree_pins_every_thread(tmp_path):

@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_ddtree as bd
+from benchmarks import bench_ddtree_config as bdc
+from benchmarks import bench_ddtree_procs as bdp
+from benchmarks import bench_ddtree_serve as bds
 from benchmarks import bench_serve_client as client
 from benchmarks import host_usage as hu
 from tests.benchmarks import fake_completions_server as fake
@@ -26,7 +29,7 @@ from tests.benchmarks.test_bench_ddtree import _pair
 
 def _bench_cmd(tmp_path, batch=8, temperature=1.0):
     args = bd.parse_args(["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)])
-    return bd.bench_command(
+    return bds.bench_command(
         args, "http://h:1", tmp_path / "d.json", batch, temperature, tmp_path / "r.json"
     )
 
@@ -95,7 +98,7 @@ def test_serve_client_runs_fails_and_is_killed_at_the_limit(tmp_path):
     cmd = _bench_cmd(tmp_path)
     with (tmp_path / "log").open("w") as log:
         argv = [sys.executable, str(script)]
-        c = bd.ServeClient(log, dict(bd.os.environ), argv=argv)
+        c = bdp.ServeClient(log, dict(bdc.os.environ), argv=argv)
         try:
             assert c.run(cmd, 60.0) and c.last_usage == {"calls": 1}
             assert not c.run(cmd + ["--fail"], 60.0) and c.last_usage is None
@@ -106,7 +109,7 @@ def test_serve_client_runs_fails_and_is_killed_at_the_limit(tmp_path):
         finally:
             c.close()
         # A client that dies mid-run: that run and every later one fail at once.
-        c = bd.ServeClient(log, dict(bd.os.environ), argv=argv)
+        c = bdp.ServeClient(log, dict(bdc.os.environ), argv=argv)
         try:
             assert c.run(cmd, 60.0)
             start = time.monotonic()
@@ -140,20 +143,20 @@ def test_serve_client_runs_vllm_bench_serve_twice_in_one_process(tmp_path):
     """The real client against a fake server: a warm-up and a timed run of one
     (batch, temperature), as run_serve_config sends them, each writes vLLM's
     result JSON with every request completed, from one process."""
-    from tests.e2e.servers import free_port
+    from benchmarks.checkout import free_port
 
     port = free_port()
     seen, stop = fake.start_in_thread(port, chunks=6)
     pair = PAIR
     args = bd.parse_args([*_serve_argv(6), "--out", str(tmp_path / "o")])
-    prompts = bd.load_prompts(pair / "eval_prompts.json")
+    prompts = bdc.load_prompts(pair / "eval_prompts.json")
     result = tmp_path / "r.json"
-    warm, timed = bd.serve_run_commands(
+    warm, timed = bds.serve_run_commands(
         args, f"http://127.0.0.1:{port}", prompts, None, 2, 0.0, result, 0
     )
     try:
         with (tmp_path / "log").open("w") as log:
-            c = bd.ServeClient(log, dict(bd.os.environ))
+            c = bdp.ServeClient(log, dict(bdc.os.environ))
             try:
                 assert c.run(warm, 300.0), (tmp_path / "log").read_text()[-3000:]
                 assert c.run(timed, 300.0), (tmp_path / "log").read_text()[-3000:]
@@ -162,7 +165,7 @@ def test_serve_client_runs_vllm_bench_serve_twice_in_one_process(tmp_path):
                 c.close()
     finally:
         stop()
-    n = bd.serve_num_prompts(args, 2)
+    n = bds.serve_num_prompts(args, 2)
     for path, want in ((result.with_suffix(".warmup.json"), 2), (result, n)):
         data = json.loads(path.read_text())
         assert data["completed"] == want and data["failed"] == 0, path
@@ -180,7 +183,6 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
     (throughput, acceptance from the server's spec-decode counters, latency)
     and the host over its timed run (the server's busiest thread), and the
     warm-up and timed runs of all cells come from one client process."""
-    from tests.e2e.servers import free_port
 
     chunks = 5
     pair = PAIR
@@ -189,7 +191,7 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
     args.out.mkdir(parents=True)
     script = Path(fake.__file__)
     monkeypatch.setattr(
-        bd,
+        bds,
         "serve_command",
         lambda a, config, max_batch, port: [
             sys.executable,
@@ -200,16 +202,16 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
         ],
     )
     clients = []
-    real = bd.ServeClient
+    real = bdp.ServeClient
 
     def recording(*a, **kw):
         clients.append(real(*a, **kw))
         return clients[-1]
 
-    monkeypatch.setattr(bd, "ServeClient", recording)
-    prompts = bd.load_prompts(pair / "eval_prompts.json")
+    monkeypatch.setattr(bds, "ServeClient", recording)
+    prompts = bdc.load_prompts(pair / "eval_prompts.json")
     runs = [(1, 0.0), (4, 1.0)]
-    ok = bd.run_serve_config(args, "ddtree-64", 4, runs, prompts, "rid", 300.0)
+    ok = bds.run_serve_config(args, "ddtree-64", 4, runs, prompts, "rid", 300.0)
     log = (args.out / "logs" / "ddtree-64.log").read_text()
     assert ok, log[-3000:]
     assert len(clients) == 1  # one client for every cell of the server
@@ -237,7 +239,7 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
     # Tuned: one command with vLLM's own warm-up requests, counted as such.
     tuned = bd.parse_args([*argv, "--out", str(tmp_path / "t"), "--settings", "tuned"])
     tuned.out.mkdir(parents=True)
-    assert bd.run_serve_config(tuned, "ddtree-64", 4, [(2, 0.0)], prompts, "r2", 300.0)
+    assert bds.run_serve_config(tuned, "ddtree-64", 4, [(2, 0.0)], prompts, "r2", 300.0)
     (row,) = [
         json.loads(x) for x in (tuned.out / bd.RESULTS_FILE).read_text().splitlines()
     ]
@@ -250,7 +252,7 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
             [*argv, "--out", str(tmp_path / "p"), "--pin-cpus", str(max(mine))]
         )
         pin.out.mkdir(parents=True)
-        assert bd.run_serve_config(pin, "ddtree-64", 4, [(1, 0.0)], prompts, "r3", 300)
+        assert bds.run_serve_config(pin, "ddtree-64", 4, [(1, 0.0)], prompts, "r3", 300)
         assert os.sched_getaffinity(0) == mine
         log = (pin.out / "logs" / "ddtree-64.log").read_text()
         assert re.search(
@@ -262,7 +264,7 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
         assert row["pin_cpus"] == str(max(mine))  # on the row, not only the setup
         # A server that cannot be pinned is a failed one, and the CPUs come back.
         monkeypatch.setattr(
-            bd,
+            bdc,
             "pin_process_tree",
             lambda pid, cpus: (_ for _ in ()).throw(OSError(22, "Invalid argument")),
         )
@@ -270,7 +272,7 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
             [*argv, "--out", str(tmp_path / "b"), "--pin-cpus", str(max(mine))]
         )
         bad.out.mkdir(parents=True)
-        assert not bd.run_serve_config(
+        assert not bds.run_serve_config(
             bad, "ddtree-64", 4, [(1, 0.0)], prompts, "r4", 300
         )
         assert os.sched_getaffinity(0) == mine
@@ -279,8 +281,8 @@ def test_run_serve_config_through_the_client(tmp_path, monkeypatch):
 
 
 # The client class and server start themselves (tests below replace them).
-REAL_CLIENT = bd.ServeClient
-REAL_START_SERVER = bd.start_server
+REAL_CLIENT = bdp.ServeClient
+REAL_START_SERVER = bds.start_server
 
 
 def _interleaved(
@@ -292,7 +294,7 @@ def _interleaved(
     (config, result file, prompt texts, the configs whose servers were up),
     the rows, run_sweep's return code). ``affinity``, a list: per run, the CPUs
     of (every server thread, that run's client, this process) appended."""
-    from tests.e2e.servers import free_port  # noqa: F401  (bench_ddtree's)
+    from benchmarks.checkout import free_port  # noqa: F401  (bench_ddtree's)
 
     chunks = 4
     argv = [*_serve_argv(chunks), "--num-prompts", "8", "--min-waves", "4"]
@@ -311,7 +313,7 @@ def _interleaved(
             cmd.append(str(die_after[config]))
         return cmd
 
-    monkeypatch.setattr(bd, "serve_command", fake_serve)
+    monkeypatch.setattr(bds, "serve_command", fake_serve)
     pids = {}
 
     def start_server(*a, **kw):
@@ -319,7 +321,7 @@ def _interleaved(
         pids[ports[int(base.rsplit(":", 1)[1])]] = server.pid
         return server, base
 
-    monkeypatch.setattr(bd, "start_server", start_server)
+    monkeypatch.setattr(bds, "start_server", start_server)
     order = []
 
     class Recording(REAL_CLIENT):
@@ -332,7 +334,7 @@ def _interleaved(
             up = []
             for other in ports:
                 try:
-                    bd.urllib.request.urlopen(
+                    bds.urllib.request.urlopen(
                         f"http://127.0.0.1:{other}/health", timeout=5
                     )
                     up.append(ports[other])
@@ -357,10 +359,10 @@ def _interleaved(
                 )
             return super().run(cmd, time_left)
 
-    monkeypatch.setattr(bd, "ServeClient", Recording)
+    monkeypatch.setattr(bds, "ServeClient", Recording)
     # The fake servers' requests last tens of ms: sample their /metrics often.
     monkeypatch.setattr(
-        bd, "KvSampler", functools.partial(bd.KvSampler, interval_s=0.005)
+        bds, "KvSampler", functools.partial(bds.KvSampler, interval_s=0.005)
     )
     rc = bd.run_sweep(args)
     assert memory == {"dflash": 0.45, "ddtree-auto": 0.45}
@@ -382,13 +384,13 @@ def test_interleaved_serve_through_the_client(tmp_path, monkeypatch):
         tmp_path, monkeypatch, "o", ["--batches", "1,2"], accepted
     )
     assert rc == 0, (args.out / "logs" / "dflash.log").read_text()[-3000:]
-    setup = bd.setup_of(args)
+    setup = bdc.setup_of(args)
     assert setup["interleave"] == 2 and setup["interleave_gpu_memory"] == 0.45
     assert sorted((r["config"], r["batch"]) for r in rows) == sorted(
         (c, b) for c in ("dflash", "ddtree-auto") for b in (1, 2)
     )
     for r in rows:
-        n = bd.serve_num_prompts(args, r["batch"])  # 8 at batch 1 and 2
+        n = bds.serve_num_prompts(args, r["batch"])  # 8 at batch 1 and 2
         assert r["slices"] == 2 and len(r["slices_tok_s"]) == 2
         assert r["interleaved_with"] == [c for c in accepted if c != r["config"]]
         assert r["completed"] == n and r["failed"] == 0
@@ -459,7 +461,7 @@ def test_interleaved_servers_pinned_to_the_same_cpus(tmp_path, monkeypatch):
         assert servers == {frozenset(pinned)}
         assert client_cpus == own == mine - pinned
     assert len(rows) == 2
-    assert bd.setup_of(args)["pin_cpus"] == str(max(mine))
+    assert bdc.setup_of(args)["pin_cpus"] == str(max(mine))
     for config in ("dflash", "ddtree-auto"):
         log = (args.out / "logs" / f"{config}.log").read_text()
         assert f"to CPUs {max(mine)}" in log

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_ddtree as bd
+from benchmarks import bench_ddtree_config as bdc
 from benchmarks import profile_step as ps
 
 ROOT = Path(ps.__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def test_worker_spec_is_bench_ddtrees_cost_engine(tmp_path):
     args = ps.parse_args(["--out", str(tmp_path), "--batch", "2"])
     for config in args.configs:
         spec = ps.worker_spec(args, config, "H200")
-        assert spec["llm"] == bd.engine_kwargs(args, config, 2)
+        assert spec["llm"] == bdc.engine_kwargs(args, config, 2)
         assert spec["llm"]["load_format"] == "dummy"
         assert spec["llm"]["skip_tokenizer_init"]
         assert not spec["llm"]["enable_prefix_caching"]
@@ -104,7 +104,7 @@ def test_worker_spec_is_bench_ddtrees_cost_engine(tmp_path):
         == 128
     )
     # bench_ddtree cost's first wave at this batch: same seed, same prompts.
-    assert spec["prompts"] == bd.random_prompts(2, 1024, 0 + 2)
+    assert spec["prompts"] == bdc.random_prompts(2, 1024, 0 + 2)
     assert len(spec["prompts"]) == 2 and len(spec["prompts"][0]) == 1024
     defaults = ps.parse_args(["--out", str(tmp_path), "--settings", "defaults"])
     llm = ps.worker_spec(defaults, "dflash", "H200")["llm"]
@@ -115,7 +115,7 @@ def test_worker_spec_is_bench_ddtrees_cost_engine(tmp_path):
     )
 
 
-PAIR = Path(bd.__file__).parent / "models" / "pycode"
+PAIR = Path(ps.__file__).parent / "models" / "pycode"
 
 
 def test_continuous_requests_and_the_pair(tmp_path, capsys):
@@ -178,14 +178,14 @@ def test_continuous_requests_and_the_pair(tmp_path, capsys):
     )
     assert (pair.target, pair.drafter) == (PAIR / "target", PAIR / "drafter")
     spec = ps.worker_spec(pair, "ddtree-auto", "H200")
-    held_out = bd.load_prompts(PAIR / "eval_prompts.json")
+    held_out = bdc.load_prompts(PAIR / "eval_prompts.json")
     assert spec["prompts"] == held_out[:5] and not spec["ignore_eos"]
     assert "load_format" not in spec["llm"] and "skip_tokenizer_init" not in spec["llm"]
     assert spec["llm"]["model"] == str(PAIR / "target")
     assert spec["llm"]["speculative_config"]["tree_budget"] == "auto"
     setup = ps.setup_of(pair)
     assert setup["info"]["prompts"] == str(PAIR / "eval_prompts.json")
-    assert setup["prompts"] == bd._sha(PAIR / "eval_prompts.json")
+    assert setup["prompts"] == bdc._sha(PAIR / "eval_prompts.json")
     json.dumps(spec)
     report = ps.markdown_report([_result("dflash", setup=setup)])
     assert "5 requests arriving as others finish" in report
@@ -1078,9 +1078,9 @@ def test_cascade_switch_in_setup_and_header(tmp_path, fake_gpu, monkeypatch, cap
     """TREE_ATTN's cascade form, switched on through the environment the engines
     inherit, is part of a profile's setup (a profile without it does not mix
     with one with it) and named in the report's header."""
-    cascade_env = bd.CONTEXT_CASCADE_ENV
+    cascade_env = bdc.CONTEXT_CASCADE_ENV
     monkeypatch.delenv(cascade_env, raising=False)
-    monkeypatch.delenv(bd.CONTEXT_CASCADE_REQS_ENV, raising=False)
+    monkeypatch.delenv(bdc.CONTEXT_CASCADE_REQS_ENV, raising=False)
     plain = tmp_path / "plain"
     assert ps.main(["--out", str(plain), "--configs", "dflash"]) == 0
     assert "cascade" not in (plain / "profile.md").read_text()
@@ -1173,7 +1173,7 @@ def test_config_cut_by_the_time_limit_is_not_a_failure(tmp_path, monkeypatch, ca
         time_mod.sleep(min(time_left, 5.0))
         return False
 
-    monkeypatch.setattr(ps.bd, "_run_logged", killed_at_the_limit)
+    monkeypatch.setattr(ps.bdp, "_run_logged", killed_at_the_limit)
     argv = [
         "--out",
         str(tmp_path / "a"),
@@ -1190,7 +1190,7 @@ def test_config_cut_by_the_time_limit_is_not_a_failure(tmp_path, monkeypatch, ca
     assert "ran out while profiling ['dflash']" in printed
     assert "failed" not in printed and "ddtree-15: starting" not in printed
 
-    monkeypatch.setattr(ps.bd, "_run_logged", lambda *a: False)  # fails at once
+    monkeypatch.setattr(ps.bdp, "_run_logged", lambda *a: False)  # fails at once
     argv[1] = str(tmp_path / "b")
     assert ps.main(argv) == 1
     assert "failed configs" in capsys.readouterr().out

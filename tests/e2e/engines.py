@@ -4,15 +4,15 @@
 
 Each configuration runs in its own process (``tests.e2e.generate``). An engine
 start costs ~50-80 s on the H200 (compile and CUDA graph capture, mostly CPU), so
-``DDTREE_E2E_PARALLEL`` (default 1; ``benchmarks/run_h200.sh`` sets 5) runs that
+``DDTREE_E2E_PARALLEL`` (default 1; ``benchmarks/run_gpu.sh`` sets 5) runs that
 many configurations at once on the one GPU. That is safe because every engine
 gets a fixed KV cache (``kv_cache_memory_bytes``, which skips vLLM's memory
 profiling: that profile fails when another process frees GPU memory meanwhile)
 and its own compile cache folder. The reference engines (no speculation, DFlash)
 are shared by the test modules that compare against them.
 
-``DDTREE_E2E_CACHE_DIR`` (set by ``benchmarks/run_h200.sh``) makes that sharing
-span pytest runs on the same machine: the tiny checkpoints are made there once
+``DDTREE_E2E_CACHE_DIR`` (set by ``benchmarks/run_gpu.sh``) makes that sharing
+span pytest runs: the tiny checkpoints are made there once
 (deterministic seeds), and each finished configuration's result is stored under
 a key of its configuration and of every source file it runs (this checkout's
 ``vllm/``, ``vllm_ddtree/`` and the e2e helpers), so a changed file never reuses

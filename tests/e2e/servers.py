@@ -3,7 +3,7 @@
 """``vllm serve`` in a subprocess for the end-to-end tests, and small HTTP helpers.
 
 The server runs as vLLM's own CLI with the multiprocess engine core (spawned, as
-the H200 machine needs). The plugin is found the way an installed package is:
+the engines here need). The plugin is found the way an installed package is:
 through its ``vllm.general_plugins`` entry point, from a ``.dist-info`` written
 next to this checkout on ``PYTHONPATH``. Traffic goes to 127.0.0.1 only.
 """
@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from benchmarks.checkout import free_port, plugin_site
 from tests.e2e.generate import save_log
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,25 +46,6 @@ def ddtree_log_lines(text: str) -> tuple[list[tuple[str, str]], list[str]]:
         else:
             bare.append(line)
     return lines, bare
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def plugin_site(path: Path) -> Path:
-    """A directory whose dist-info advertises the plugin's entry point."""
-    info = path / "vllm_ddtree-0.1.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.1.0\n"
-    )
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nddtree = vllm_ddtree:register\n"
-    )
-    return path
 
 
 def post(url: str, body: dict, stream: bool = False, timeout: float = 120):

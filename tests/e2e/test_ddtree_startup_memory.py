@@ -6,8 +6,8 @@ vLLM's memory profile (Model Runner V2) sizes the KV cache before the CUDA graph
 are captured and reserves nothing for them, so graphs and the first real steps
 must fit in what ``gpu_memory_utilization`` leaves free. With capture sizes up
 to ``max_num_batched_tokens`` they did not: on the H200, budgets 7, 15 and 127
-ran out of memory at start-up (``benchmarks/results/bench_ddtree_cost_8b_defaults_s16``)
-while DFlash started. Here each engine gets nothing but the model, dummy weights,
+ran out of memory at start-up while DFlash started (a cost run of 2026-12-02,
+in git history). Here each engine gets nothing but the model, dummy weights,
 ``max_model_len`` and the speculative config (vLLM's memory profiling, its
 ``max_num_seqs`` and capture sizes, multiprocess off as in every e2e engine),
 one at a time (the profile needs the GPU to itself), and then decodes a full

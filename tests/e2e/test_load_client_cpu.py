@@ -22,9 +22,9 @@ import time
 import pytest
 from aiohttp import web
 
+from benchmarks.checkout import free_port
 from tests.e2e import load_client
 from tests.e2e import test_ddtree_load as load_module
-from tests.e2e.servers import free_port
 
 DEPTH = load_module.DEPTH
 

@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+# GPU tests and benchmarks by name, from the repo root of a checkout on a GPU machine
+# with vLLM 0.26.0 and this package installed (`pip install ".[test]"`):
+#
+#   bash benchmarks/run_gpu.sh MODE [args]
+#
+# MODE: tests|tests-v1|e2e|serving|load|compiles|startup-8b|profile-b1|b1-rounds|
+#       serve|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
+# (tests: pytest arguments; train-pair: seconds for the steps; the others: the
+# script's own, see benchmarks/README.md). OUT: where logs and results go (default
+# build/gpu_results); LIMIT: seconds a mode may run (default 3600).
+set -uo pipefail
+# One host, engines started by their own processes (as the recorded results ran).
+export VLLM_WORKER_MULTIPROC_METHOD=${VLLM_WORKER_MULTIPROC_METHOD:-spawn} \
+  VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} \
+  VLLM_HOST_IP=${VLLM_HOST_IP:-127.0.0.1} PYTHONUNBUFFERED=1
+OUT=${OUT:-build/gpu_results}
+LIMIT=${LIMIT:-3600}
+mkdir -p "$OUT"
+# Engine logs of the end-to-end tests, kept with the results.
+export DDTREE_E2E_LOG_DIR=${DDTREE_E2E_LOG_DIR:-$OUT/e2e_logs}
+# Tiny checkpoints and finished engine results, reused by later e2e runs
+# (keyed by configuration and source files: tests/e2e/engines.py).
+export DDTREE_E2E_CACHE_DIR=${DDTREE_E2E_CACHE_DIR:-build/ddtree_e2e_cache}
+# Engine configurations started side by side (start-up is mostly CPU).
+export DDTREE_E2E_PARALLEL=${DDTREE_E2E_PARALLEL:-5}
+# pytest in the background of a mode that runs several at once: LOG ARGS...
+pytest_to() {
+  local log=$1; shift
+  # shellcheck disable=SC2086
+  timeout $LIMIT python3 -m pytest -q -p no:cacheprovider -rfE "$@" > "$log" 2>&1
+}
+# One summary line (and the failures) per log: PREFIX NAME...
+summarize() {
+  local prefix=$1; shift
+  for name in "$@"; do
+    echo "$name: $(grep -E '(passed|failed|error|skipped|no tests ran)' \
+      "$OUT/${prefix}_$name.log" | tail -1)"
+    grep -E '^(FAILED|ERROR)' "$OUT/${prefix}_$name.log" | head -20
+  done
+}
+# bench_ddtree.py on the trained pair: NAME MODE ARGS..., output in $OUT/NAME.
+# RESUME: an earlier output folder whose finished cells are kept (--resume-from).
+pair_bench() {
+  local name=$1 mode=$2 P=benchmarks/models/pycode
+  shift 2
+  timeout $LIMIT python3 benchmarks/bench_ddtree.py "$mode" --out "$OUT/$name" \
+    --target $P/target --drafter $P/drafter --prompts $P/eval_prompts.json \
+    ${RESUME:+--resume-from "$RESUME"} --limit-seconds $((LIMIT - 30)) "$@" 2>&1 \
+    | tee -a "$OUT/$name.log" | grep -v -i warn | tail -40
+  return "${PIPESTATUS[0]}"
+}
+what=${1:-}; shift || true
+case "$what" in
+  tests)
+    timeout $LIMIT python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 "$@" \
+      2>&1 | tee -a "$OUT/pytest_gpu.log" | grep -v -i warn | tail -40 ;;
+  tests-v1)
+    # tests/v1 in three pytest processes at once (mostly CPU: the heap reference
+    # and Triton compiles); each group's log in $OUT/pytest_v1_<group>.log.
+    declare -A groups=(
+      [attention]="tests/v1/attention"
+      [builder]="tests/v1/spec_decode/test_dflash_tree_builder.py"
+      [rest]="tests/v1/sample tests/v1/spec_decode/test_ddtree_config.py \
+tests/v1/spec_decode/test_ddtree_inputs.py tests/v1/spec_decode/test_ddtree.py \
+tests/v1/test_sm90_compile.py"
+    )
+    pids=()
+    for g in "${!groups[@]}"; do
+      # shellcheck disable=SC2086
+      pytest_to "$OUT/pytest_v1_$g.log" "$@" ${groups[$g]} &
+      pids+=($!)
+    done
+    rc=0
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    summarize pytest_v1 "${!groups[@]}"
+    exit $rc ;;
+  e2e)
+    # The offline DDTree module, then TREE_ATTN's (reusing its reference
+    # engines), next to the serve module; logs in $OUT/pytest_e2e_<module>.log.
+    run_e2e() { pytest_to "$OUT/pytest_e2e_$(basename "${@: -1}" .py).log" "$@"; }
+    ( run_e2e "$@" tests/e2e/test_ddtree_llm.py; first=$?
+      run_e2e "$@" tests/e2e/test_tree_attn_llm.py || exit 1
+      exit $first ) &
+    chain=$!
+    run_e2e "$@" tests/e2e/test_ddtree_serve.py &
+    serve=$!
+    rc=0
+    wait $chain || rc=1
+    wait $serve || rc=1
+    summarize pytest_e2e test_ddtree_llm test_tree_attn_llm test_ddtree_serve
+    exit $rc ;;
+  serving)
+    # tests/e2e/test_ddtree_serving.py (9 engines side by side); its measured
+    # lines also go to $DDTREE_E2E_LOG_DIR/serving_report.log.
+    DDTREE_E2E_PARALLEL=${SERVING_PARALLEL:-9} pytest_to \
+      "$OUT/pytest_e2e_serving.log" -s "$@" tests/e2e/test_ddtree_serving.py
+    rc=$?
+    grep -E 'passed|failed|^(FAILED|ERROR)' "$OUT/pytest_e2e_serving.log" | tail -20
+    exit $rc ;;
+  load)
+    # tests/e2e/test_ddtree_load.py: the module shortens its streams to fit
+    # DDTREE_LOAD_BUDGET_S and keeps its summary as each phase ends.
+    export DDTREE_LOAD_SECONDS=${DDTREE_LOAD_SECONDS:-300}
+    export DDTREE_LOAD_BUDGET_S=${DDTREE_LOAD_BUDGET_S:-$((LIMIT - 25))}
+    pytest_to "$OUT/pytest_e2e_load.log" -s "$@" tests/e2e/test_ddtree_load.py
+    rc=$?
+    grep -E '^\[load|: \{|passed|failed|^(FAILED|ERROR)' "$OUT/pytest_e2e_load.log" | tail -40
+    exit $rc ;;
+  compiles)
+    # Two servers at vLLM's defaults, the traffic twice, then the Triton
+    # variants met after ready.
+    pytest_to "$OUT/pytest_e2e_compiles.log" -s "$@" tests/e2e/test_ddtree_compiles.py
+    rc=$?
+    grep -E 'after ready|kernel|passed|failed|^(FAILED|ERROR)' \
+      "$OUT/pytest_e2e_compiles.log" | tail -40
+    exit $rc ;;
+  startup-8b)
+    # DDTree engines on Qwen3-8B shapes (dummy weights) under vLLM's memory
+    # profiling and defaults, one at a time, then a batch of 64 and one request.
+    pytest_to "$OUT/pytest_e2e_startup_8b.log" -s "$@" tests/e2e/test_ddtree_startup_memory.py
+    rc=$?
+    grep -E 'ddtree-|passed|failed|^(FAILED|ERROR)' "$OUT/pytest_e2e_startup_8b.log" | tail -20
+    exit $rc ;;
+  profile-b1)
+    # The trained pair at batch 1 under vLLM's defaults, one config after
+    # another (configs: the argument).
+    timeout $LIMIT python3 benchmarks/profile_step.py --out "$OUT/profile_b1_defaults" \
+      --pair benchmarks/models/pycode --settings defaults \
+      --configs "${1:-dflash,ddtree-32,ddtree-auto}" --batch 1 --max-tokens 256 \
+      --timing-repeats 2 --limit-seconds $((LIMIT - 20)) 2>&1 \
+      | tee "$OUT/profile_b1_defaults.log" | grep -v -i warn | tail -30
+    exit "${PIPESTATUS[0]}" ;;
+  b1-rounds)
+    # The pair under vLLM's defaults at batch 1, each config in fresh processes,
+    # ROUNDS rounds (medians in rounds.md). NUMA_BIND=1 adds vLLM's --numa-bind.
+    pair_bench "${OUT_NAME:-b1_rounds}" e2e \
+      --configs "${1:-dflash,ddtree-auto}" --batches 1 --temperatures 0 \
+      --num-prompts 16 --rounds "${ROUNDS:-3}" \
+      ${NUMA_BIND:+--engine-arg numa_bind=true}
+    exit $? ;;
+  serve)
+    # vllm serve + vllm bench serve on the pair under vLLM's defaults, T=0 and 1.
+    # ROUNDS=N: N fresh servers per config, alternating order. INTERLEAVE=S: the
+    # servers side by side, S alternating slices per cell. PIN_CPUS=LIST: every
+    # server on the same CPUs once up (a measurement control, labelled).
+    pair_bench "${OUT_NAME:-serve}" serve \
+      --configs "${1:-none,dflash,ddtree-auto-adaptive,ddtree-128-adaptive}" --batches "${BATCHES:-1,8,32,64}" \
+      --temperatures 0,1 ${ROUNDS:+--rounds $ROUNDS} \
+      ${INTERLEAVE:+--interleave $INTERLEAVE} ${PIN_CPUS:+--pin-cpus $PIN_CPUS}
+    exit $? ;;
+  profile-8b)
+    # Qwen3-8B shapes (dummy weights), batch 1: the steps of budgets 127 and 255
+    # against DFlash's, by kernel category.
+    timeout $LIMIT python3 benchmarks/profile_step.py --out "$OUT/profile_8b_b1" \
+      --configs "${1:-dflash,ddtree-127,ddtree-255}" --batch 1 \
+      --limit-seconds $((LIMIT - 20)) 2>&1 \
+      | tee "$OUT/profile_8b_b1.log" | grep -v -i warn | tail -40
+    exit "${PIPESTATUS[0]}" ;;
+  bench-ops)
+    timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
+      | tee "$OUT/bench_tree_ops.log" | tail -30 ;;
+  bench-attn)
+    timeout $LIMIT python3 benchmarks/bench_tree_attn.py --out "$OUT" "$@" 2>&1 \
+      | tee "$OUT/bench_tree_attn.log" | tail -40 ;;
+  bench-ddtree)
+    timeout $LIMIT python3 benchmarks/bench_ddtree.py "$@" 2>&1 \
+      | tee -a "$OUT/bench_ddtree.log" | tail -40 ;;
+  train-pair)
+    # The train_pair steps not yet done (benchmarks/train_pair/run_all.sh).
+    timeout $LIMIT bash benchmarks/train_pair/run_all.sh "${1:-$((LIMIT - 20))}" \
+      2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
+  *)
+    echo "usage: $0 tests|tests-v1|e2e|serving|load|compiles|startup-8b|profile-b1|b1-rounds|serve|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    exit 2 ;;
+esac
