@@ -31,7 +31,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     install_requires=["vllm==0.26.0"],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest", "tblib"]},
     packages=["vllm_ddtree"],
     py_modules=VLLM_MODULES,
     entry_points={"vllm.general_plugins": ["ddtree = vllm_ddtree:register"]},

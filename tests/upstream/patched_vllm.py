@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A copy of the installed vLLM 0.26.0 with the upstream series applied, and
+pytest runs against it in a subprocess with the DDTree plugin disabled.
+
+The copy takes exactly the files vLLM's own distribution lists (its RECORD),
+so the overlay's modules that ``pip install vllm-ddtree`` put into the same
+``site-packages/vllm`` are left out and come only from the series. Python files
+are copied (``git apply`` edits them); compiled extensions and data files are
+symlinked.
+"""
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The DDTree plugin's entry-point name is "ddtree"; vLLM loads only the general
+# plugins named in VLLM_PLUGINS.
+NO_PLUGINS = "none"
+
+# Test infrastructure for the patched tree (not part of the series): Triton in
+# the interpreter without a GPU, as the overlay's conftest.py does.
+CONFTEST = """\
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton
+    import triton.language as tl
+    import triton.language.extra.libdevice as tldevice
+    import vllm.triton_utils as triton_utils
+
+    if not triton_utils.HAS_TRITON:
+        triton_utils.triton, triton_utils.tl = triton, tl
+        triton_utils.tldevice = tldevice
+        triton_utils.HAS_TRITON = True
+        triton_utils.importing.HAS_TRITON = True
+"""
+
+PYTEST_INI = """\
+[pytest]
+markers =
+    gpu: needs a CUDA GPU (skipped on the CPU)
+    slow: long-running
+"""
+
+
+def series_patches(series: Path) -> list[Path]:
+    names = (series / "series").read_text().split()
+    return [series / name for name in names]
+
+
+def copy_installed_vllm(dest: Path) -> Path:
+    """``dest/vllm``: vLLM's own installed files; returns ``dest``."""
+    dist = importlib.metadata.distribution("vllm")
+    copied = 0
+    for entry in dist.files or ():
+        parts = Path(entry).parts
+        if not parts or parts[0] != "vllm" or "__pycache__" in parts:
+            continue
+        src = Path(dist.locate_file(entry))
+        if not src.is_file():
+            continue
+        out = dest / entry
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.suffix == ".py":
+            shutil.copyfile(src, out)
+        else:
+            out.symlink_to(src)
+        copied += 1
+    assert copied > 1000, f"only {copied} files of vLLM's RECORD found"
+    return dest
+
+
+def apply_series(tree: Path, series: Path) -> list[str]:
+    """Apply every patch of ``series`` in order (``git apply --check``
+    first); returns the applied names."""
+    applied = []
+    for patch in series_patches(series):
+        for args in (["--check"], []):
+            proc = subprocess.run(
+                ["git", "apply", *args, str(patch)],
+                cwd=tree,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert proc.returncode == 0, (
+                f"git apply {args} {patch.name}:\n{proc.stderr}"
+            )
+        applied.append(patch.name)
+    return applied
+
+
+def add_test_infra(tree: Path) -> None:
+    (tree / "conftest.py").write_text(CONFTEST)
+    (tree / "pytest.ini").write_text(PYTEST_INI)
+
+
+class Outcome(NamedTuple):
+    passed: set[str]
+    failed: set[str]
+    skipped: set[str]
+    output: str
+
+
+def run_pytest(
+    cwd: Path,
+    args: list[str],
+    pythonpath: list[Path],
+    timeout: int,
+    junit: Path,
+    extra_env: dict[str, str] | None = None,
+) -> Outcome:
+    """pytest in a fresh process with the plugin disabled; per-test outcomes
+    from its JUnit report (a skipped test is never a pass)."""
+    env = dict(os.environ, **(extra_env or {}))
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
+    env["VLLM_PLUGINS"] = NO_PLUGINS
+    env.setdefault("TRITON_INTERPRET", "1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            *args,
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    output = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert junit.is_file(), f"pytest wrote no report (rc {proc.returncode}):\n{output}"
+    passed, failed, skipped = set(), set(), set()
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.add(name)
+        elif case.find("skipped") is not None:
+            skipped.add(name)
+        else:
+            passed.add(name)
+    return Outcome(passed, failed, skipped, output)

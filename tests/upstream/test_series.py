@@ -1,0 +1,330 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The upstream series (upstream/series/), tested as applied (CPU).
+
+* upstream/make_series.py places every module of the package in the series,
+  and its ``--check`` tells a stale series; every file the series adds equals
+  the package's file.
+* It applies with ``git apply``, in order, to a copy of the installed vLLM
+  0.26.0, and in that copy, with the DDTree plugin disabled
+  (``VLLM_PLUGINS=none``), the tests the series adds pass, and so do the
+  checks of its edits to vLLM's files (tests/upstream/applied_wiring.py),
+  which fail on stock vLLM.
+* vLLM 0.26.0's own scheduler, spec-decode and config tests (from its release
+  sdist) pass and fail the same with and without the series.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.upstream import patched_vllm as pv
+
+ROOT = pv.ROOT
+WIRING = ROOT / "tests" / "upstream" / "applied_wiring.py"
+WIRING_IN_TREE = "tests/upstream_applied/test_ddtree_wiring.py"
+# Test helpers the checks import that the series does not add.
+HELPERS = ("tests/models/tiny_models.py",)
+
+# Floors: what the runs pass today, less a margin for tests the package's
+# authors may merge or drop. A run that passes fewer means tests went missing.
+MIN_SERIES_PASSED = 300
+MIN_WIRING_PASSED = 14
+MIN_VLLM_PASSED = 180
+
+VLLM_VERSION = "0.26.0"
+SDIST = f"vllm-{VLLM_VERSION}.tar.gz"
+# vLLM's tests that exercise what the series edits (the scheduler, speculative
+# decoding, engine arguments and configs) and collect on the CPU; the
+# spec-decode files left out build GPU engines at collection.
+VLLM_TESTS = (
+    "tests/v1/core/test_scheduler.py",
+    "tests/v1/spec_decode/test_dflash_lookahead.py",
+    "tests/v1/spec_decode/test_dynamic_sd.py",
+    "tests/v1/spec_decode/test_ngram.py",
+    "tests/v1/spec_decode/test_vocab_mapping.py",
+    "tests/v1/spec_decode/test_mtp.py",
+    "tests/v1/spec_decode/test_rejection_sampler_utils.py",
+    "tests/config",
+    "tests/test_config.py",
+    "tests/test_attention_backend_registry.py",
+)
+# A pytest plugin for vLLM's tests on a CPU-only machine: EngineArgs and
+# ModelConfig ask the platform for a device type, which is empty there (the
+# overlay's own tests do the same).
+CPU_DEVICE_TYPE = """\
+from vllm.platforms import current_platform
+
+if current_platform.device_type == "":
+    type(current_platform).device_type = "cuda"
+"""
+# vLLM's scheduler tests build their configs from facebook/opt-125m (config and
+# tokenizer only, no weights). Both runs read a stand-in from a private,
+# offline Hugging Face cache: OPT-125m's architecture values and a byte-level
+# tokenizer, so the runs need no Hugging Face access and see the same model.
+OPT_125M = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 768,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "ffn_dim": 3072,
+    "vocab_size": 50272,
+    "max_position_embeddings": 2048,
+    "word_embed_proj_dim": 768,
+    "do_layer_norm_before": True,
+    "torch_dtype": "float16",
+    "pad_token_id": 1,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "activation_function": "relu",
+    "enable_bias": True,
+    "layer_norm_elementwise_affine": True,
+}
+
+
+def _make_series():
+    sys.path.insert(0, str(ROOT / "upstream"))
+    try:
+        import make_series
+    finally:
+        sys.path.pop(0)
+    return make_series
+
+
+def _series_new_files() -> dict[str, str]:
+    """Upstream path -> repository path of every file the series adds."""
+    make_series = _make_series()
+    return {
+        make_series.upstream_path(path): path
+        for patch in make_series.PATCHES
+        for path in patch.files
+    }
+
+
+@pytest.fixture(scope="session")
+def series(tmp_path_factory) -> Path:
+    """The series as upstream/make_series.py writes it from the package now."""
+    out = tmp_path_factory.mktemp("series")
+    _make_series().build(out)
+    return out
+
+
+def test_every_module_is_in_the_series(monkeypatch):
+    make_series = _make_series()
+    make_series.check_coverage()
+    first, *rest = make_series.PATCHES
+    dropped = first.files[0]
+    short = dataclasses.replace(first, files=first.files[1:])
+    monkeypatch.setattr(make_series, "PATCHES", (short, *rest))
+    with pytest.raises(SystemExit, match=dropped):
+        make_series.check_coverage()
+
+
+def test_check_tells_a_stale_series(series, tmp_path):
+    """``make_series.py --check`` passes on a fresh build and fails once a
+    patch differs from what the package gives."""
+    copy = tmp_path / "series"
+    shutil.copytree(series, copy)
+    script = str(ROOT / "upstream" / "make_series.py")
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, script, "--check", "--out", str(copy)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    fresh = check()
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    patch = copy / (copy / "series").read_text().split()[-1]
+    patch.write_text(patch.read_text().replace("+", "+ ", 1))
+    stale = check()
+    assert stale.returncode == 1
+    assert patch.name in stale.stderr
+
+
+@pytest.fixture(scope="session")
+def patched_tree(tmp_path_factory, series) -> Path:
+    tree = pv.copy_installed_vllm(tmp_path_factory.mktemp("patched_vllm"))
+    applied = pv.apply_series(tree, series)
+    assert applied == [p.name for p in pv.series_patches(series)]
+    _add_checks(tree)
+    return tree
+
+
+def _add_checks(tree: Path) -> None:
+    """The test infrastructure, helpers and the checks of the edits."""
+    pv.add_test_infra(tree)
+    for src, dest in [(ROOT / h, h) for h in HELPERS] + [(WIRING, WIRING_IN_TREE)]:
+        (tree / dest).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, tree / dest)
+
+
+def test_applied_files_are_the_package_files(patched_tree):
+    files = _series_new_files()
+    assert len(files) >= 20
+    for dest, src in files.items():
+        assert (patched_tree / dest).read_bytes() == (ROOT / src).read_bytes(), dest
+    print(f"{len(files)} files added by the series equal the package's")
+
+
+def test_series_tests_pass_as_applied(patched_tree, tmp_path):
+    """The series' own tests and the checks of its edits, in the patched tree
+    with the plugin disabled."""
+    tests = sorted(
+        str(p.relative_to(patched_tree))
+        for p in (patched_tree / "tests").rglob("test_*.py")
+    )
+    assert WIRING_IN_TREE in tests
+    out = pv.run_pytest(
+        patched_tree,
+        tests,
+        [patched_tree],
+        timeout=2400,
+        junit=tmp_path / "series.xml",
+    )
+    assert not out.failed, f"{sorted(out.failed)}\n{out.output}"
+    wiring = {n for n in out.passed if "test_ddtree_wiring" in n}
+    print(
+        f"patched tree: {len(out.passed)} passed ({len(wiring)} of them checks "
+        f"of the edits), {len(out.skipped)} skipped, over {len(tests)} files"
+    )
+    assert len(wiring) >= MIN_WIRING_PASSED, out.output
+    assert len(out.passed) >= MIN_SERIES_PASSED, out.output
+
+
+def test_edit_checks_fail_on_stock_vllm(tmp_path):
+    """The control: the checks of the edits, against stock vLLM 0.26.0 plus
+    only the series' new files (no edits), fail where the edits matter."""
+    tree = pv.copy_installed_vllm(tmp_path / "stock")
+    files = _series_new_files()
+    for dest, src in files.items():
+        (tree / dest).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / src, tree / dest)
+    _add_checks(tree)
+    out = pv.run_pytest(
+        tree, [WIRING_IN_TREE], [tree], timeout=900, junit=tmp_path / "stock.xml"
+    )
+    # Every check of an edit fails; only the check that stock DFlash is left
+    # alone, and the one that the run imports the tree, pass without edits.
+    passed = {n.rsplit("::", 1)[1] for n in out.passed}
+    assert passed == {
+        "test_runs_against_the_patched_tree",
+        "test_plain_dflash_is_untouched",
+    }, f"passed on stock vLLM: {sorted(passed)}\n{out.output}"
+    assert len(out.failed) >= MIN_WIRING_PASSED - 2, out.output
+    print(f"stock vLLM: {len(out.failed)} of the edit checks fail, as they must")
+
+
+def _cache_dir() -> Path:
+    return Path(
+        os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree")
+    )
+
+
+def _download_sdist(dest: Path) -> None:
+    """vLLM's release sdist from PyPI's simple index (PEP 691 JSON, as pip reads
+    it), checked against the index's sha256. ``pip download --no-binary``
+    would build the sdist's metadata, which needs vLLM's whole build
+    toolchain."""
+    req = urllib.request.Request(
+        "https://pypi.org/simple/vllm/",
+        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        index = json.load(resp)
+    (entry,) = [f for f in index["files"] if f["filename"] == SDIST]
+    with urllib.request.urlopen(entry["url"], timeout=600) as resp:
+        data = resp.read()
+    digest = hashlib.sha256(data).hexdigest()
+    assert digest == entry["hashes"]["sha256"], f"{SDIST}: sha256 mismatch"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".part")
+    tmp.write_bytes(data)
+    tmp.replace(dest)
+
+
+@pytest.fixture(scope="session")
+def vllm_sdist_tests(tmp_path_factory) -> Path:
+    """vLLM 0.26.0's tests/ and pyproject.toml from its release sdist (cached)."""
+    sdist = _cache_dir() / SDIST
+    if not sdist.is_file():
+        try:
+            _download_sdist(sdist)
+        except OSError as e:
+            pytest.skip(f"PyPI unreachable, no {SDIST} in {sdist.parent}: {e}")
+    pytest.importorskip("tblib", reason="vLLM's tests/conftest.py imports tblib")
+    root = tmp_path_factory.mktemp("vllm_sdist")
+    prefix = f"vllm-{VLLM_VERSION}/"
+    with tarfile.open(sdist) as tar:
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith(prefix + "tests/")
+            or m.name == prefix + "pyproject.toml"
+        ]
+        tar.extractall(root, members=members, filter="data")
+    return root / f"vllm-{VLLM_VERSION}"
+
+
+def _offline_hf_home(home: Path) -> Path:
+    from tests.models.tiny_models import make_tokenizer
+
+    repo = home / "hub" / "models--facebook--opt-125m"
+    revision = "0" * 40
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    (snapshot / "config.json").write_text(json.dumps(OPT_125M))
+    make_tokenizer(snapshot)
+    return home
+
+
+def test_vllm_tests_unchanged_by_the_series(vllm_sdist_tests, patched_tree, tmp_path):
+    stock = pv.copy_installed_vllm(tmp_path / "stock")
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "cpu_device_type.py").write_text(CPU_DEVICE_TYPE)
+    env = {
+        "HF_HOME": str(_offline_hf_home(tmp_path / "hf")),
+        "HF_HUB_OFFLINE": "1",
+    }
+    runs = {}
+    for name, tree in (("stock", stock), ("patched", patched_tree)):
+        # vllm from the copy, vLLM's tests/ package from the sdist.
+        runs[name] = pv.run_pytest(
+            vllm_sdist_tests,
+            ["-p", "cpu_device_type", "--continue-on-collection-errors"]
+            + list(VLLM_TESTS),
+            [tree, vllm_sdist_tests, plugins],
+            timeout=2400,
+            junit=tmp_path / f"{name}.xml",
+            extra_env=env,
+        )
+    stock_out, patched_out = runs["stock"], runs["patched"]
+    print(
+        f"vLLM {VLLM_VERSION} tests: stock {len(stock_out.passed)} passed, "
+        f"{len(stock_out.failed)} failed; patched {len(patched_out.passed)} "
+        f"passed, {len(patched_out.failed)} failed"
+    )
+    assert patched_out.failed <= stock_out.failed, (
+        f"failing only with the series: {sorted(patched_out.failed - stock_out.failed)}"
+        f"\n{patched_out.output}"
+    )
+    assert patched_out.passed == stock_out.passed, (
+        f"passing only without the series: "
+        f"{sorted(stock_out.passed - patched_out.passed)}"
+    )
+    assert len(stock_out.passed) >= MIN_VLLM_PASSED, stock_out.output

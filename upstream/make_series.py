@@ -1,0 +1,395 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Build the upstream patch series against vLLM v0.26.0 (commit f2654939e).
+
+    python upstream/make_series.py [--out DIR]   # write the series (upstream/series/)
+    python upstream/make_series.py --check       # fail if upstream/series/ is stale
+
+Each patch is one reviewable change: the new files it adds, read from this
+repository (so patch and package cannot drift), and its hand-written edits to
+vLLM's own files (``upstream/edits/NNNN-name.diff``, unified diffs against the
+v0.26.0 files; they do in vLLM's code what ``vllm_ddtree/glue.py`` does at run
+time). The output is ``NNNN-name.patch`` in ``git format-patch`` style,
+applicable in order with ``git apply`` or ``git am``, and ``series`` (the order).
+
+The output is not committed (upstream/series/ is ignored): it repeats the
+package's modules, and a committed copy would need regenerating with every
+change to one. Generate it to read or send it; ``--check`` tells whether a
+generated copy is still current.
+
+The build fails when a module under ``vllm/`` is in no patch or in two, or a
+listed file is missing: a module added, moved or renamed in the package must be
+placed in the series by hand.
+"""
+
+import argparse
+import difflib
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+UPSTREAM = ROOT / "upstream"
+EDITS = UPSTREAM / "edits"
+SERIES = UPSTREAM / "series"
+BASE = "v0.26.0 (f2654939e)"
+AUTHOR = "vllm-ddtree contributors <vllm-ddtree@users.noreply.github.com>"
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    title: str
+    body: str
+    # Repository paths of new files; each lands at the same path upstream.
+    files: tuple[str, ...] = ()
+    # Whether upstream/edits/<name>.diff holds edits to vLLM's files.
+    edits: bool = False
+
+
+PATCHES = (
+    Patch(
+        "0001-tree-primitives",
+        "[Spec Decode] Tree builder, tree rejection sampler and tree KV compaction",
+        """\
+The GPU pieces a tree speculator needs, independent of any model runner:
+
+* dflash_tree_builder.py: the best-first tree of B nodes per request from a
+  block drafter's per-position logits, batched on the GPU depth by depth
+  with no host sync (the B most probable prefixes under the product of the
+  per-position marginals), with parent ids, depths and bit-packed
+  ancestor-or-self masks.
+* tree_rejection_sampler.py: the lossless tree walk. Every node's token is
+  sampled from the target's processed distribution (the request's own
+  generator), and the walk follows the child whose token matches; a chain
+  reproduces the greedy rejection sampler token for token. Penalties and
+  bad words are read along each node's path.
+* ops/tree_kv_compaction.py: moves the accepted path's KV to the slots
+  after the committed tokens in every layer, one fused launch with a fixed
+  grid (CUDA-graph safe).
+
+The modules sit where the DDTree overlay keeps them (vllm/v1/spec_decode,
+vllm/v1/sample, vllm/v1/attention/ops); nothing calls them yet.
+
+Tests: each kernel against a slow torch reference in tests/v1/ddtree_reference.py
+(exact match), the sampler's statistical check and seeded determinism,
+degenerate trees (budget 1, a chain, all and none accepted) and awkward
+vocabulary sizes; on the CPU through TRITON_INTERPRET=1.""",
+        files=(
+            "vllm/v1/spec_decode/dflash_tree_builder.py",
+            "vllm/v1/sample/tree_rejection_sampler.py",
+            "vllm/v1/attention/ops/tree_kv_compaction.py",
+            "tests/v1/ddtree_reference.py",
+            "tests/v1/sample/mrv2_stubs.py",
+            "tests/v1/spec_decode/top_search_spy.py",
+            "tests/e2e/biased_verifier.py",
+            "tests/v1/spec_decode/test_dflash_tree_builder.py",
+            "tests/v1/sample/test_tree_rejection_sampler.py",
+            "tests/v1/sample/test_tree_penalties.py",
+            "tests/v1/attention/test_tree_kv_compaction.py",
+        ),
+    ),
+    Patch(
+        "0002-tree-attn-backend",
+        "[Attention] TREE_ATTN: paged attention with per-request token-tree masks",
+        """\
+Revives tree attention (the old backend was removed in #42121), with a mask
+per request instead of one [Q, Q] bias shared by the batch, which DDTree
+(#42910) needs.
+
+* backends/tree_attn.py: the backend. Tree rows (a request's root and its
+  B nodes) run the Triton kernel with the request's bit-packed ancestor
+  mask; plain decodes and prefills take the causal path.
+* ops/triton_tree_attention.py: the kernel (paged KV, GQA heads packed per
+  tile, head sizes 64/128/256, bf16/fp16, int64 offsets, fixed launch
+  shapes for CUDA graphs).
+* registry.py: register_tree_attn_backend(). TreeAttentionBackend.get_name()
+  returns "CUSTOM" in this version, and the attention layer maps that name
+  back to an enum member, so the backend is loaded in the CUSTOM slot (only
+  by DDTree engines, in the engine and in each worker); a TREE_ATTN member
+  of AttentionBackendEnum needs get_name() to say "TREE_ATTN" first (see
+  upstream/README.md).
+
+Tests: every tree node's output equals causal attention over the committed
+prefix plus its own root-to-node path (float32 torch reference); a chain
+equals causal attention; odd sizes. tests/v1/attention/test_tree_attn_backend.py
+(metadata builder and layer) still calls the overlay's registration and is
+not in this patch.""",
+        files=(
+            "vllm/v1/attention/ops/triton_tree_attention.py",
+            "vllm/v1/attention/backends/tree_attn.py",
+            "tests/v1/attention/test_tree_attention.py",
+        ),
+        edits=True,
+    ),
+    Patch(
+        "0003-ddtree-method-config",
+        '[Spec Decode] method "ddtree" with tree_budget in --speculative-config',
+        """\
+EngineArgs accepts {"method": "ddtree", "model": <DFlash drafter>,
+"tree_budget": B, ...}. The DDTree keys are checked by ddtree_config.py
+(tree_budget 1..1024 or "auto", tree_budget_per_batch_size, adaptive_budget)
+together with the engine settings DDTree cannot run with (pipeline or
+context parallelism, LoRA, a quantized KV cache, non-dense targets, Model
+Runner V1), and mapped onto a DFlash SpeculativeConfig with B draft slots per
+request; the tree settings travel in additional_config["vllm_ddtree"] as plain
+values (DDTreeConfig), so spawned processes unpickle them. The target's
+attention backend becomes TREE_ATTN; the drafter keeps its own.
+
+Batch defaults: max_num_seqs and max_num_batched_tokens fit trees of B + 1
+tokens (or the user's values are checked), and CUDA graphs are captured in
+multiples of B + 1 within vLLM's largest capture size, unless the user set
+sizes. parallel_drafting is off for DDTree, so the DFlash reservation of
+(B - 1) x max_num_seqs step tokens does not apply. The finished config must
+run on Model Runner V2.
+
+The adaptive budget (each step's tree size chosen on the worker by measured
+cost and acceptance, the overlay's default) needs scheduler and model-runner
+hooks that this series does not have yet: "adaptive_budget": true is refused
+with a clear error here, and "adaptive_budget": false must be given.
+
+In a later revision SpeculativeConfig itself would carry tree_budget (with
+"ddtree" in SpeculativeMethod) and these checks would move to _verify_args;
+today DDTree's modules read the settings from additional_config.
+
+Tests: tests/v1/spec_decode/test_ddtree_budget.py and test_ddtree_cost.py
+(the budget and cost models the config's schedules use); the engine-config
+path through EngineArgs is checked against the patched tree by
+tests/upstream/applied_wiring.py in the overlay's repository.""",
+        files=(
+            "vllm/v1/spec_decode/ddtree_cost.py",
+            "vllm/v1/spec_decode/ddtree_budget.py",
+            "vllm/v1/spec_decode/ddtree_config.py",
+            "tests/log_records.py",
+            "tests/v1/spec_decode/test_ddtree_budget.py",
+            "tests/v1/spec_decode/test_ddtree_cost.py",
+        ),
+        edits=True,
+    ),
+    Patch(
+        "0004-scheduler-lookahead-stats",
+        "[Core] Scheduler lookahead, structured outputs and stats for DDTree",
+        """\
+* Lookahead slots: DDTree's drafter writes KV for [bonus, mask x depth]
+  past the committed tokens, so num_lookahead_tokens is the drafter's block
+  (depth + 1 = 16 for DFlash b16), not DFlash's num_speculative_tokens + 1
+  (too few for budgets under 15, wasted KV above).
+* Spec-decode stats: a tree's accepted path is at most the drafter's depth
+  long, so SpecDecodingStats and the Prometheus per-position counters are
+  sized by the depth (ddtree_metrics.py), not by tree_budget (up to 1024
+  series).
+* Structured-output requests decode without drafts: vLLM validates drafts
+  against the grammar as a chain, which a tree in node order is not. The
+  scheduler records them in add_request and clears their spec_token_ids
+  before each step is sized.
+
+The tree is fed as B draft tokens, parents before children, so any prefix
+the scheduler keeps is still a tree; nothing else in the scheduler changes.
+
+Tests: the scheduler's lookahead for a DDTree config is checked against the
+patched tree by the overlay's tests/upstream/applied_wiring.py; vLLM's own
+tests/v1/core/test_scheduler.py gives the same results with and without the
+series.""",
+        files=("vllm/v1/spec_decode/ddtree_metrics.py",),
+        edits=True,
+    ),
+    Patch(
+        "0005-ddtree-speculator-mrv2",
+        "[Spec Decode][MRv2] DDTree speculator and tree verification",
+        """\
+* ddtree.py: DDTreeSpeculator subclasses MRv2's DFlashSpeculator and
+  overrides the input preparation (context = root + accepted path), the
+  graph body (logits -> build_ddtree), propose and init_cudagraph_manager.
+  Upstream it would move to vllm/v1/worker/gpu/spec_decode/ddtree/; it keeps
+  the overlay's path here.
+* ddtree_verify.py: DDTreeModelState (a DefaultModelState) writes tree
+  positions and masks in place after MRv2's slot mapping, installs the tree
+  rejection sampler and compacts the accepted path's KV; ddtree_inputs.py
+  holds the per-request tree state (reset in add_request).
+* ddtree_adaptive.py and ddtree_slots.py: the adaptive budget's planner and
+  the scheduler's slots for it. DDTreeSpeculator builds the planner; the
+  scheduler and model-runner hooks that drive them are not in this series
+  yet (the config refuses adaptive budgets, so they stay idle).
+* init_speculator and init_model_state pick them for a DDTree config; the
+  model runner registers TREE_ATTN in the worker before the model is built
+  and, once the KV caches exist, compiles every TREE_ATTN variant a step
+  can pick (warm_up_tree_attention), so none is first compiled in a user's
+  step.
+
+Tests: tests/v1/spec_decode/test_ddtree_inputs.py (tree positions, masks and
+slots), test_ddtree_adaptive.py and test_ddtree_tp.py (kernels on sharded
+heads). The speculator's end-to-end tests (greedy output equal to no
+speculation on every serving path) need a GPU and the overlay's engine
+fixtures (tests/e2e), which are not in this patch.""",
+        files=(
+            "vllm/v1/spec_decode/ddtree_inputs.py",
+            "vllm/v1/spec_decode/ddtree_adaptive.py",
+            "vllm/v1/spec_decode/ddtree_slots.py",
+            "vllm/v1/spec_decode/ddtree.py",
+            "vllm/v1/spec_decode/ddtree_verify.py",
+            "tests/v1/spec_decode/test_ddtree_inputs.py",
+            "tests/v1/spec_decode/test_ddtree_adaptive.py",
+            "tests/v1/spec_decode/test_ddtree_tp.py",
+        ),
+        edits=True,
+    ),
+    Patch(
+        "0006-docs",
+        "[Docs] DDTree speculative decoding",
+        """\
+The user guide: what DDTree does, how to run it, budgets, supported
+settings and measured results (docs/ddtree.md in the overlay).""",
+        files=("docs/ddtree.md",),
+    ),
+)
+
+# Where a repository file lands upstream, when not at the same path.
+UPSTREAM_PATHS = {
+    "docs/ddtree.md": "docs/features/speculative_decoding/ddtree.md",
+}
+
+
+def upstream_path(repo_path: str) -> str:
+    return UPSTREAM_PATHS.get(repo_path, repo_path)
+
+
+def check_coverage() -> None:
+    """Every module under vllm/ in exactly one patch; every listed file
+    present."""
+    listed: dict[str, str] = {}
+    for patch in PATCHES:
+        for path in patch.files:
+            if path in listed:
+                raise SystemExit(f"{path} is in {listed[path]} and {patch.name}")
+            listed[path] = patch.name
+            if not (ROOT / path).is_file():
+                raise SystemExit(f"{patch.name} lists {path}, which does not exist")
+        if patch.edits and not (EDITS / f"{patch.name}.diff").is_file():
+            raise SystemExit(f"{patch.name}: upstream/edits/{patch.name}.diff missing")
+    modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "vllm").rglob("*.py"))
+    missing = [m for m in modules if m not in listed]
+    if missing:
+        raise SystemExit(
+            "modules in no patch (place them in PATCHES in upstream/make_series.py): "
+            + ", ".join(missing)
+        )
+
+
+def new_file_diff(repo_path: str) -> str:
+    dest = upstream_path(repo_path)
+    text = (ROOT / repo_path).read_text()
+    lines = text.splitlines(keepends=True)
+    out = [
+        f"diff --git a/{dest} b/{dest}\n",
+        "new file mode 100644\n",
+        "--- /dev/null\n",
+        f"+++ b/{dest}\n",
+        f"@@ -0,0 +1,{len(lines)} @@\n" if len(lines) != 1 else "@@ -0,0 +1 @@\n",
+    ]
+    for line in lines:
+        if line.endswith("\n"):
+            out.append("+" + line)
+        else:
+            out.append("+" + line + "\n\\ No newline at end of file\n")
+    return "".join(out)
+
+
+def diffstat(diff_text: str) -> str:
+    """``git apply --stat``'s summary of a diff."""
+    proc = subprocess.run(
+        ["git", "apply", "--stat", "-"],
+        input=diff_text,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return proc.stdout
+
+
+def render(index: int, patch: Patch) -> str:
+    diffs = [new_file_diff(path) for path in patch.files]
+    if patch.edits:
+        diffs.append((EDITS / f"{patch.name}.diff").read_text())
+    diff_text = "".join(diffs)
+    return (
+        "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+        f"From: {AUTHOR}\n"
+        f"Subject: [PATCH {index}/{len(PATCHES)}] {patch.title}\n"
+        "\n"
+        f"{patch.body}\n"
+        "\n"
+        f"Base: vLLM {BASE}. Generated by upstream/make_series.py.\n"
+        "---\n"
+        f"{diffstat(diff_text)}\n"
+        f"{diff_text}"
+        "-- \n"
+        "vllm-ddtree upstream/make_series.py\n"
+    )
+
+
+def build(out_dir: Path) -> list[str]:
+    check_coverage()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    for index, patch in enumerate(PATCHES, 1):
+        (out_dir / f"{patch.name}.patch").write_text(render(index, patch))
+        names.append(f"{patch.name}.patch")
+    (out_dir / "series").write_text("".join(n + "\n" for n in names))
+    return names
+
+
+def check(series: Path = SERIES) -> int:
+    """0 if ``series`` is what the generator writes now."""
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = Path(tmp)
+        build(fresh)
+        want = {p.name: p.read_text() for p in fresh.iterdir()}
+    have = (
+        {p.name: p.read_text() for p in series.iterdir() if p.is_file()}
+        if series.is_dir()
+        else {}
+    )
+    stale = sorted(n for n in want.keys() | have.keys() if want.get(n) != have.get(n))
+    for name in stale:
+        diff = difflib.unified_diff(
+            have.get(name, "").splitlines(keepends=True),
+            want.get(name, "").splitlines(keepends=True),
+            f"committed/{name}",
+            f"generated/{name}",
+            n=1,
+        )
+        sys.stderr.write("".join(list(diff)[:40]))
+    if stale:
+        sys.stderr.write(
+            f"{series} is stale ({', '.join(stale)}); "
+            "run python upstream/make_series.py\n"
+        )
+        return 1
+    print(f"{series} is up to date ({len(want) - 1} patches)")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=SERIES, help="where to write the series"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="fail if the series in --out is stale"
+    )
+    args = parser.parse_args()
+    if args.check:
+        return check(args.out)
+    if args.out.is_dir():
+        for old in args.out.glob("*"):
+            if old.is_file():
+                old.unlink()
+    names = build(args.out)
+    print(f"wrote {len(names)} patches to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
