@@ -69,6 +69,9 @@ The GPU pieces a tree speculator needs, independent of any model runner:
 * ops/tree_kv_compaction.py: moves the accepted path's KV to the slots
   after the committed tokens in every layer, one fused launch with a fixed
   grid (CUDA-graph safe).
+* ops/tree_mask.py: the bit-packed ancestor-mask layout the builder writes
+  and tree attention reads (attention-side, so the backend does not import
+  the drafter's builder).
 
 The modules sit where the DDTree overlay keeps them (vllm/v1/spec_decode,
 vllm/v1/sample, vllm/v1/attention/ops); nothing calls them yet.
@@ -81,6 +84,7 @@ vocabulary sizes; on the CPU through TRITON_INTERPRET=1.""",
             "vllm/v1/spec_decode/dflash_tree_builder.py",
             "vllm/v1/sample/tree_rejection_sampler.py",
             "vllm/v1/attention/ops/tree_kv_compaction.py",
+            "vllm/v1/attention/ops/tree_mask.py",
             "tests/v1/ddtree_reference.py",
             "tests/v1/sample/mrv2_stubs.py",
             "tests/v1/spec_decode/top_search_spy.py",
