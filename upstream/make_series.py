@@ -147,12 +147,13 @@ tokens (or the user's values are checked), and CUDA graphs are captured in
 multiples of B + 1 within vLLM's largest capture size, unless the user set
 sizes. parallel_drafting is off for DDTree, so the DFlash reservation of
 (B - 1) x max_num_seqs step tokens does not apply. The finished config must
-run on Model Runner V2.
+run on Model Runner V2. DDTree is untested with tensor_parallel_size > 1: a
+warning says so.
 
 The adaptive budget (each step's tree size chosen on the worker by measured
-cost and acceptance, the overlay's default) needs scheduler and model-runner
-hooks that this series does not have yet: "adaptive_budget": true is refused
-with a clear error here, and "adaptive_budget": false must be given.
+cost and acceptance, the overlay's default) needs the scheduler and
+model-runner hooks of patch 6: until then "adaptive_budget": true is refused
+with a clear error here, and patch 6 lifts the refusal.
 
 In a later revision SpeculativeConfig itself would carry tree_budget (with
 "ddtree" in SpeculativeMethod) and these checks would move to _verify_args;
@@ -212,15 +213,20 @@ series.""",
   positions and masks in place after MRv2's slot mapping, installs the tree
   rejection sampler and compacts the accepted path's KV; ddtree_inputs.py
   holds the per-request tree state (reset in add_request).
-* ddtree_adaptive.py and ddtree_slots.py: the adaptive budget's planner and
-  the scheduler's slots for it. DDTreeSpeculator builds the planner; the
-  scheduler and model-runner hooks that drive them are not in this series
-  yet (the config refuses adaptive budgets, so they stay idle).
+* ddtree_adaptive.py: the adaptive budget's planner. DDTreeSpeculator
+  builds it; the scheduler and model-runner hooks that drive it are patch 6
+  (the config refuses adaptive budgets until then, so it stays idle).
 * init_speculator and init_model_state pick them for a DDTree config; the
   model runner registers TREE_ATTN in the worker before the model is built
   and, once the KV caches exist, compiles every TREE_ATTN variant a step
   can pick (warm_up_tree_attention), so none is first compiled in a user's
   step.
+* load_model: the structured-output bitmask of a DDTree runner is sized by
+  the step's token limit, not max_num_reqs x (1 + tree_budget) logit rows
+  (about 10 GiB at 512 requests, budget 1024 and a 152K vocabulary); a step
+  has no more logit rows than tokens. Prompt logprobs of a one-token prompt
+  padded with placeholder drafts drop the placeholders' rows
+  (ddtree_verify.trim_prompt_logprobs).
 
 Tests: tests/v1/spec_decode/test_ddtree_inputs.py (tree positions, masks and
 slots), test_ddtree_adaptive.py and test_ddtree_tp.py (kernels on sharded
@@ -230,7 +236,6 @@ fixtures (tests/e2e), which are not in this patch.""",
         files=(
             "vllm/v1/spec_decode/ddtree_inputs.py",
             "vllm/v1/spec_decode/ddtree_adaptive.py",
-            "vllm/v1/spec_decode/ddtree_slots.py",
             "vllm/v1/spec_decode/ddtree.py",
             "vllm/v1/spec_decode/ddtree_verify.py",
             "tests/v1/spec_decode/test_ddtree_inputs.py",
@@ -240,7 +245,53 @@ fixtures (tests/e2e), which are not in this patch.""",
         edits=True,
     ),
     Patch(
-        "0006-docs",
+        "0006-ddtree-adaptive-budget",
+        "[Spec Decode][Core][MRv2] DDTree adaptive tree budget",
+        """\
+With "adaptive_budget": true (the default) tree_budget is a per-request cap
+and each step's trees are sized on the worker, from a step-cost model seeded
+by timing the captured CUDA graphs and from the measured acceptance
+(ddtree_adaptive.py, patch 5). This patch wires it into vLLM and lifts the
+config's refusal of adaptive budgets (patch 3):
+
+* arg_utils.py: an adaptive config carries the ladder of budgets a step may
+  choose and the per-batch-size caps (DDTreeConfig); without async
+  scheduling a warning says the slots per batch size do not apply.
+* scheduler.py: the draft slots per batch size (dynamic_sd_lookup) are a
+  TreeSlots (ddtree_slots.py, added here): the engine's caps
+  (engine_tree_slots), lowered per batch size to a few times the budget the
+  worker last reported (slot_ladder). When the async scheduler's slots drop,
+  each running request's blocks past its computed tokens and the drafter's
+  lookahead go back to the pool (trim_tail_blocks; in this schedule and the
+  next, as the step in flight still uses the old tree's), and the blocks
+  kept go to the worker in SchedulerOutput.ddtree_kept_blocks.
+  update_from_output reads the worker's ModelRunnerOutput.ddtree_budget (a
+  BudgetReport): the slots follow its next budget and the spec-decode
+  counters count the step's nodes per request, not the slots.
+* model_runner.py (MRv2): execute_model cuts the block table rows the
+  scheduler cut (truncate_block_tables) and plans the step's budget before
+  the batch is padded and dispatched; prepare_inputs applies the
+  batch-wide split of the step's nodes; sample_tokens attaches the budget
+  report to the step's output; initialize_kv_cache compiles the budget's
+  kernels for every tree width and cap; capture_model times the captured
+  graphs for the step-cost prior.
+* outputs.py / sched/output.py: the two new fields, None for every other
+  engine.
+
+Tests: the config, slots, advice and block freeing are checked on the CPU
+against the patched tree by the overlay's tests/upstream/applied_wiring.py
+(vLLM's async scheduler over four requests: each request holds exactly the
+blocks its tokens need, and a worker's block table rebuilt from the
+scheduler outputs matches). The model-runner hooks need a GPU: they are
+checked to import and to call functions that exist, not run;
+tests/v1/spec_decode/test_ddtree_slots.py (the overlay's) tests
+ddtree_slots.py and still calls the overlay's glue in one test, so it is not
+in this patch.""",
+        files=("vllm/v1/spec_decode/ddtree_slots.py",),
+        edits=True,
+    ),
+    Patch(
+        "0007-docs",
         "[Docs] DDTree speculative decoding",
         """\
 The user guide: what DDTree does, how to run it, budgets, supported

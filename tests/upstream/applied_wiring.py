@@ -9,10 +9,14 @@ vLLM and runs it there. Every check here would fail on stock vLLM (method
 "ddtree" is unknown there) and none goes through ``vllm_ddtree``.
 """
 
+import ast
+import inspect
+import itertools
 import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -136,8 +140,6 @@ def test_spec_flags(models):
 @pytest.mark.parametrize(
     "spec, match",
     [
-        # The adaptive budget's hooks are not in the series yet.
-        ({}, "adaptive budget is not supported yet"),
         ({"tree_budget": 0, "adaptive_budget": False}, r"in \[1, 1024\], got 0"),
         ({"tree_budget": 2048, "adaptive_budget": False}, r"got 2048"),
         (
@@ -193,7 +195,177 @@ def test_plain_dflash_is_untouched(models):
     assert _scheduler(config).num_lookahead_tokens == 16
 
 
-def _scheduler(vllm_config, log_stats=False):
+def _adaptive_config(models, budget=128, **kwargs):
+    """An adaptive DDTree engine (the overlay's default: no "adaptive_budget"
+    key)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = models
+    spec = {"method": "ddtree", "model": drafter, "tree_budget": budget}
+    return EngineArgs(
+        model=target, speculative_config=spec, max_model_len=2048, **kwargs
+    ).create_engine_config()
+
+
+def test_adaptive_engine_config_builds(models):
+    """No refusal: the adaptive config carries the budgets a step may choose."""
+    from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+
+    config = _adaptive_config(models, max_num_batched_tokens=4096)
+    cfg = DDTreeConfig.from_vllm_config(config)
+    assert cfg.adaptive and cfg.tree_budget == 128
+    assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 127, 128)
+    assert config.speculative_config.num_speculative_tokens == 128
+
+
+def test_fixed_budget_scheduler_keeps_vllms_slots(models):
+    from vllm.v1.spec_decode.ddtree_slots import TreeSlots
+
+    _, config = _engine_config(models, budget=8)
+    sched = _scheduler(config)
+    assert not sched.ddtree_adaptive
+    assert not isinstance(sched.dynamic_sd_lookup, TreeSlots)
+
+
+def test_adaptive_scheduler_slots_are_tree_slots(models):
+    from vllm.v1.spec_decode.ddtree_config import (
+        DDTreeConfig,
+        engine_tree_slots,
+        slot_ladder,
+    )
+    from vllm.v1.spec_decode.ddtree_slots import TreeSlots
+
+    config = _adaptive_config(models, max_num_batched_tokens=4096)
+    cfg = DDTreeConfig.from_vllm_config(config)
+    sched = _scheduler(config)
+    lookup = sched.dynamic_sd_lookup
+    assert isinstance(lookup, TreeSlots)
+    assert lookup.caps == engine_tree_slots(cfg, config)
+    assert lookup.slot_ladder == tuple(sorted(set(slot_ladder(cfg)) | {0}))
+    assert sched.num_lookahead_tokens == 16
+
+
+KV_TEST_ACCEPTED = [3, 0, 7, 1, 2]
+
+
+def _adaptive_async_run(models, reports):
+    """vLLM's async scheduler for an adaptive ``"tree_budget": 128`` engine
+    over four requests, the worker's budget reports given by ``reports``
+    (step -> next budget), drafts accepted as KV_TEST_ACCEPTED says. At every
+    schedule a worker's block table rebuilt from the scheduler outputs (new
+    blocks appended, cut rows cut) must equal the scheduler's. Returns per
+    schedule (slots given, blocks held, tokens needing a slot per request,
+    free blocks), and the spec-decode counters' draft tokens and the nodes
+    the steps verified by the reports (the port of the overlay's
+    tests/v1/spec_decode/test_ddtree_config.py run, without the plugin)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from vllm.v1.spec_decode.ddtree_adaptive import BudgetReport
+
+    config = _adaptive_config(
+        models, max_num_batched_tokens=4096, async_scheduling=True
+    )
+    sched = _scheduler(
+        config, log_stats=True, scheduler_cls=AsyncScheduler, num_blocks=1024
+    )
+    # Prefix caching on (vLLM's default): blocks are hashed as the engine does.
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    block_hasher = get_request_block_hasher(16, hash_fn)
+    req_ids = [f"r{i}" for i in range(4)]
+    for i, req_id in enumerate(req_ids):
+        params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+        prompt = [5 + i] * (20 + 7 * i)
+        sched.add_request(_request(req_id, params, prompt, block_hasher))
+    manager, lookahead = sched.kv_cache_manager, sched.num_lookahead_tokens
+    pool = manager.block_pool
+    worker: dict[str, list[int]] = {}
+    records, counted, verified, num_cut = [], 0, 0, 0
+    pending = None  # the step in flight: (scheduler output, its budget)
+    for step in range(len(reports) + 1):
+        out = sched.schedule()
+        for req_id, kept in (out.ddtree_kept_blocks or {}).items():
+            del worker[req_id][kept[0] :]
+            num_cut += 1
+        for new in out.scheduled_new_reqs:
+            worker[new.req_id] = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for req_id, ids in zip(cached.req_ids, cached.new_block_ids):
+            if ids is not None:
+                worker[req_id].extend(ids[0])
+        for req_id in req_ids:
+            assert worker[req_id] == manager.get_block_ids(req_id)[0], step
+        slots = {len(v) for v in out.scheduled_spec_decode_tokens.values()}
+        held = [len(manager.get_block_ids(r)[0]) for r in req_ids]
+        need = [sched.requests[r].num_computed_tokens + lookahead for r in req_ids]
+        records.append((slots, held, need, pool.get_num_free_blocks()))
+        if pending is not None:
+            prev, prev_budget = pending
+            accepted = KV_TEST_ACCEPTED[step % len(KV_TEST_ACCEPTED)]
+            sampled = []
+            for req_id in req_ids:
+                drafts = len(prev.scheduled_spec_decode_tokens.get(req_id, []))
+                # Each request verifies the step's budget (no split here).
+                nodes = drafts if prev_budget is None else min(drafts, prev_budget)
+                sampled.append([7] * (1 + min(accepted, nodes, 15)))
+                verified += nodes
+            output = ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                ddtree_budget=BudgetReport(prev_budget, 4, reports[step - 1]),
+            )
+            result = sched.update_from_output(prev, output)
+            stats = result[0].scheduler_stats.spec_decoding_stats
+            counted += stats.num_draft_tokens if stats is not None else 0
+        # The worker verifies the report's budget of a step with drafts.
+        budget = reports[step - 1] if step else None
+        pending = (out, budget if out.scheduled_spec_decode_tokens else None)
+    return records, counted, verified, num_cut
+
+
+def test_adaptive_slots_follow_the_budget_and_free_rejected_blocks(models, monkeypatch):
+    """While the worker reports budgets that need the cap, requests get 128
+    draft slots; once it reports budget 3 they get 15, the blocks past each
+    request's computed tokens and the drafter's lookahead go back to the pool
+    (the worker's rows cut to match), and each request holds exactly the
+    blocks its tokens need. The counters count the verified nodes, not the
+    slots. Without the freeing, the larger trees' blocks stay held."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    reports = [127] * 4 + [3] * 10
+    records, counted, verified, num_cut = _adaptive_async_run(models, reports)
+    given = [slots for slots, *_ in records]
+    assert given[0] == set()  # the prompts
+    assert 128 in set().union(*given[:5]) and given[-1] == {15}
+    checked = 0
+    for slots, held, need, _ in records:
+        for h, n in zip(held, need):
+            assert h == cdiv(n, 16), (slots, held, need)
+            checked += 1
+    assert checked == 4 * len(records) >= 4 * 15
+    freed = [b - a for (*_, a), (*_, b) in itertools.pairwise(records)]
+    assert max(freed) > 0 and num_cut > 0
+    assert counted == verified > 0
+    print(
+        f"slots given {[sorted(g) for g in given]}; most blocks freed by one "
+        f"schedule {max(freed)}; rows cut {num_cut}; draft tokens counted "
+        f"{counted} of {verified} verified"
+    )
+    # The same reports without freeing: the cap's blocks stay held.
+    monkeypatch.setattr(Scheduler, "_trim_ddtree_dropped_slots", lambda self: None)
+    records, *_ = _adaptive_async_run(models, reports)
+    assert any(
+        h > cdiv(n, 16) for _, held, need, _ in records for h, n in zip(held, need)
+    )
+
+
+def _scheduler(vllm_config, log_stats=False, scheduler_cls=None, num_blocks=64):
     """vLLM's Scheduler over a one-group KV cache stand-in (no GPU)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
@@ -207,12 +379,12 @@ def _scheduler(vllm_config, log_stats=False):
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16
     )
     kv = KVCacheConfig(
-        num_blocks=64,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
-    vllm_config.cache_config.num_gpu_blocks = 64
-    return Scheduler(
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return (scheduler_cls or Scheduler)(
         vllm_config,
         kv,
         StructuredOutputManager(vllm_config),
@@ -238,14 +410,14 @@ def test_scheduler_stats_are_per_depth(models):
     assert stats.num_draft_tokens == 64
 
 
-def _request(req_id, params):
+def _request(req_id, params, prompt=(1, 2, 3), block_hasher=None):
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.request import Request
 
     return Request.from_engine_core_request(
         EngineCoreRequest(
             request_id=req_id,
-            prompt_token_ids=[1, 2, 3],
+            prompt_token_ids=list(prompt),
             mm_features=None,
             sampling_params=params,
             pooling_params=None,
@@ -254,7 +426,7 @@ def _request(req_id, params):
             cache_salt=None,
             data_parallel_rank=None,
         ),
-        block_hasher=None,
+        block_hasher=block_hasher,
     )
 
 
@@ -320,3 +492,169 @@ def test_runner_picks_ddtree_speculator_and_model_state(models, monkeypatch):
     assert model_states.init_model_state(config, model, None, "cpu") == "state"
     assert [m[0] for m in made] == ["speculator", "state"]
     assert made[1][1][1] is model
+
+
+# The model runner's hooks (MRv2) need a GPU to run: what follows checks, on
+# the CPU, that the patched model_runner.py imports, that every call it makes
+# on the adaptive budget names a method of AdaptiveTreeBudget with arguments
+# its signature takes, from the runner method that glue wraps for it, and
+# runs the two hooks whose runner code ends before any GPU work
+# (execute_model's cut and plan, capture_model without graphs). The hooks are
+# not run on a GPU here.
+
+# runner method -> the AdaptiveTreeBudget method it calls (vllm_ddtree/glue.py)
+ADAPTIVE_HOOKS = {
+    ("execute_model", "plan"),
+    ("prepare_inputs", "reallocate"),
+    ("sample_tokens", "report"),
+    ("initialize_kv_cache", "warm_up"),
+    ("capture_model", "profile"),
+}
+
+
+def _runner_calls(name_of_call):
+    """(runner method, what name_of_call(call) returns) for every call in
+    GPUModelRunner's source where it returns something."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    tree = ast.parse(inspect.getsource(GPUModelRunner))
+    found = []
+    for method in ast.walk(tree):
+        if isinstance(method, ast.FunctionDef):
+            for node in ast.walk(method):
+                if isinstance(node, ast.Call):
+                    got = name_of_call(node)
+                    if got is not None:
+                        found.append((method.name, got, node))
+    return found
+
+
+def _adaptive_method(call):
+    func = call.func
+    if (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Attribute)
+        and func.value.attr == "ddtree_adaptive"
+    ):
+        return func.attr
+    return None
+
+
+def test_model_runner_calls_the_adaptive_budget():
+    from vllm.v1.spec_decode.ddtree_adaptive import AdaptiveTreeBudget
+
+    calls = _runner_calls(_adaptive_method)
+    assert {(m, name) for m, name, _ in calls} == ADAPTIVE_HOOKS
+    for method, name, call in calls:
+        signature = inspect.signature(getattr(AdaptiveTreeBudget, name))
+        # Arguments as placeholders: the call's count and keywords must bind.
+        signature.bind(
+            object(), *call.args, **{k.arg: None for k in call.keywords if k.arg}
+        )
+    # The step's budget report travels on the output's declared field.
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    assert ModelRunnerOutput(req_ids=[], req_id_to_index={}).ddtree_budget is None
+
+
+def test_model_runner_adaptive_budget_is_the_speculators():
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    get = GPUModelRunner.ddtree_adaptive.fget
+    budget = object()
+    spec = types.SimpleNamespace(adaptive=budget)
+    assert get(types.SimpleNamespace(speculator=spec)) is budget
+    assert get(types.SimpleNamespace(speculator=None)) is None
+    # A DFlash speculator has no budget.
+    assert get(types.SimpleNamespace(speculator=types.SimpleNamespace())) is None
+
+
+class _StepStarted(Exception):
+    pass
+
+
+class _Uva:
+    def __init__(self, array):
+        self.np = array
+        self.copies = 0
+
+    def copy_to_uva(self):
+        self.copies += 1
+
+
+def test_execute_model_cuts_rows_and_plans_before_the_step():
+    """The runner's own execute_model, up to its first request-state update
+    (stand-ins for the runner): the scheduler's cut rows are cut and the
+    step planned before it, and the planned output is what the step uses."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    seen = []
+    planned = types.SimpleNamespace(name="planned")
+    adaptive = types.SimpleNamespace(
+        plan=lambda out: seen.append(("plan", out)) or planned
+    )
+    num_blocks = _Uva(np.array([[9, 9]], dtype=np.int32))
+
+    def first_update(out=None):
+        seen.append(("step", num_blocks.np.tolist()))
+        raise _StepStarted
+
+    runner = types.SimpleNamespace(
+        ddtree_adaptive=adaptive,
+        block_tables=types.SimpleNamespace(
+            num_blocks=num_blocks, blocks_per_kv_block=[1]
+        ),
+        req_states=types.SimpleNamespace(req_id_to_index={"a": 1}),
+        update_pp_decode_requests=first_update,
+        finish_requests=lambda out: seen.append(("finish", out)),
+    )
+    out = types.SimpleNamespace(ddtree_kept_blocks={"a": (5,), "gone": (1,)})
+    with pytest.raises(_StepStarted):
+        GPUModelRunner.execute_model(runner, out)
+    assert seen == [("plan", out), ("step", [[9, 5]])]
+    assert num_blocks.copies == 1
+    # A dummy run is never planned.
+    seen.clear()
+    with pytest.raises(AttributeError):
+        GPUModelRunner.execute_model(runner, types.SimpleNamespace(), dummy_run=True)
+    assert not seen
+
+
+def test_capture_model_profiles_without_graphs():
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    profiled = []
+    runner = types.SimpleNamespace(
+        cudagraph_manager=types.SimpleNamespace(needs_capture=lambda: False),
+        ddtree_adaptive=types.SimpleNamespace(profile=profiled.append),
+    )
+    assert GPUModelRunner.capture_model(runner) == 0
+    assert profiled == [runner]
+
+
+def test_model_runner_sizes_ddtree_outputs():
+    """load_model's structured-output rows bounded by the step's tokens, and
+    sample_tokens' prompt logprobs trimmed of padded joins' placeholder rows
+    (the functions it imports exist and take the arguments it passes)."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from vllm.v1.spec_decode import ddtree_verify
+
+    def named(call):
+        func = call.func
+        return func.id if isinstance(func, ast.Name) else None
+
+    calls = [(m, n, c) for m, n, c in _runner_calls(named) if n in ("min",)]
+    assert any(
+        m == "load_model" and "max_num_batched_tokens" in ast.unparse(c)
+        for m, _, c in calls
+    )
+    trims = [c for m, n, c in _runner_calls(named) if n == "trim_prompt_logprobs"]
+    assert [m for m, n, _ in _runner_calls(named) if n == "trim_prompt_logprobs"] == [
+        "sample_tokens"
+    ]
+    inspect.signature(ddtree_verify.trim_prompt_logprobs).bind(*trims[0].args)
+    source = inspect.getsource(GPUModelRunner.sample_tokens)
+    assert "from vllm.v1.spec_decode.ddtree_verify import trim_prompt_logprobs" in (
+        source
+    )
