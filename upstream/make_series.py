@@ -188,7 +188,8 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
 * Structured-output requests decode without drafts: vLLM validates drafts
   against the grammar as a chain, which a tree in node order is not. The
   scheduler records them in add_request and clears their spec_token_ids
-  before each step is sized.
+  before each step is sized; the grammar bitmask (host memory) is then
+  sized one row per request, not 1 + tree_budget.
 
 The tree is fed as B draft tokens, parents before children, so any prefix
 the scheduler keeps is still a tree; nothing else in the scheduler changes.

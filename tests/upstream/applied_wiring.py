@@ -452,6 +452,30 @@ def test_structured_output_requests_get_no_drafts(models):
     assert plain.spec_token_ids == [5, 6]
 
 
+class _Allocated(Exception):
+    pass
+
+
+def test_grammar_bitmask_has_one_row_per_request(models):
+    """DDTree's structured-output requests verify no drafts: the scheduler's
+    grammar bitmask has max_num_seqs rows, not max_num_seqs x (1 + budget)."""
+    _, config = _engine_config(models, budget=64)
+    sched = _scheduler(config)
+    rows = []
+
+    def allocate_token_bitmask(n):
+        rows.append(n)
+        raise _Allocated
+
+    manager = sched.structured_output_manager
+    manager.backend = types.SimpleNamespace(
+        allocate_token_bitmask=allocate_token_bitmask
+    )
+    with pytest.raises(_Allocated):
+        manager.grammar_bitmask({}, ["g"], {})
+    assert rows == [config.scheduler_config.max_num_seqs]
+
+
 def test_prometheus_counters_per_depth(models):
     from vllm.v1.metrics.loggers import PrometheusStatLogger
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
