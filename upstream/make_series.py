@@ -140,7 +140,9 @@ context parallelism, LoRA, a quantized KV cache, non-dense targets, Model
 Runner V1), and mapped onto a DFlash SpeculativeConfig with B draft slots per
 request; the tree settings travel in additional_config["vllm_ddtree"] as plain
 values (DDTreeConfig), so spawned processes unpickle them. The target's
-attention backend becomes TREE_ATTN; the drafter keeps its own.
+attention backend becomes TREE_ATTN; the drafter keeps its own. TREE_ATTN is
+registered once the engine config is built, so an engine that fails to build
+leaves no registration behind.
 
 Batch defaults: max_num_seqs and max_num_batched_tokens fit trees of B + 1
 tokens (or the user's values are checked), and CUDA graphs are captured in

@@ -118,6 +118,27 @@ def test_capture_sizes_in_multiples_of_the_tree(models, monkeypatch):
     assert sizes[-1] == 512
 
 
+def test_failed_build_leaves_no_tree_attn_registration(models, monkeypatch):
+    """TREE_ATTN is registered once a DDTree engine config is built, so one
+    that fails to build leaves the CUSTOM slot as it was."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    custom = AttentionBackendEnum.CUSTOM
+    custom.clear_override()
+
+    def refuse(config):
+        raise ValueError("refused after the config was built")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(EngineArgs, "_check_ddtree_engine_config", staticmethod(refuse))
+        with pytest.raises(ValueError, match="refused after"):
+            _engine_config(models, budget=8)
+    assert not custom.is_overridden()
+    _engine_config(models, budget=8)
+    assert custom.get_path() == TREE_ATTN_PATH
+
+
 def test_spec_flags(models):
     from vllm.engine.arg_utils import EngineArgs
 
