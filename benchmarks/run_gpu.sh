@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/run_gpu.sh MODE [args]
 #
-# MODE: tests|tests-v1|e2e|serving|load|compiles|startup-8b|profile-b1|b1-rounds|
+# MODE: tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|
 #       serve|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see benchmarks/README.md). OUT: where logs and results go (default
@@ -100,6 +100,27 @@ tests/v1/test_sm90_compile.py"
     rc=$?
     grep -E 'passed|failed|^(FAILED|ERROR)' "$OUT/pytest_e2e_serving.log" | tail -20
     exit $rc ;;
+  patched)
+    # The offline, serving-path and serve modules against vLLM with the upstream
+    # series applied and no plugin (tests/upstream/patched_vllm.py builds it in
+    # PATCHED), side by side; logs in $OUT/pytest_patched_<module>.log.
+    PATCHED=${PATCHED:-build/patched_vllm}
+    rm -rf "$PATCHED"
+    python3 -m tests.upstream.patched_vllm "$PATCHED" > "$OUT/patched_vllm.log" 2>&1 \
+      || { tail -20 "$OUT/patched_vllm.log"; exit 1; }
+    export DDTREE_E2E_PATCHED_VLLM=$PATCHED
+    pids=()
+    for module in test_ddtree_llm test_ddtree_serving test_ddtree_serve; do
+      parallel=3
+      [ $module = test_ddtree_serving ] && parallel=${SERVING_PARALLEL:-7}
+      DDTREE_E2E_PARALLEL=$parallel pytest_to "$OUT/pytest_patched_$module.log" -s \
+        "$@" "tests/e2e/$module.py" &
+      pids+=($!)
+    done
+    rc=0
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    summarize pytest_patched test_ddtree_llm test_ddtree_serving test_ddtree_serve
+    exit $rc ;;
   load)
     # tests/e2e/test_ddtree_load.py: the module shortens its streams to fit
     # DDTREE_LOAD_BUDGET_S and keeps its summary as each phase ends.
@@ -173,6 +194,6 @@ tests/v1/test_sm90_compile.py"
     timeout $LIMIT bash benchmarks/train_pair/run_all.sh "${1:-$((LIMIT - 20))}" \
       2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|load|compiles|startup-8b|profile-b1|b1-rounds|serve|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac

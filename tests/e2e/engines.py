@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from tests.e2e.compare import NUM_LOGPROBS
-from tests.e2e.generate import save_log
+from tests.e2e.generate import patched_vllm, save_log
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,9 +136,13 @@ def tiny_pair(tmp_dir: Path) -> tuple[Path, Path]:
 
 def _source_digest() -> str:
     digest = hashlib.sha256()
+    # A patched vLLM (generate.PATCHED_VLLM_ENV) is this checkout's series.
+    digest.update(str(patched_vllm()).encode())
     files = [
         *sorted((ROOT / "vllm").rglob("*.py")),
         *sorted((ROOT / "vllm_ddtree").rglob("*.py")),
+        *sorted((ROOT / "upstream").rglob("*.py")),
+        *sorted((ROOT / "upstream" / "edits").glob("*.diff")),
         ROOT / "conftest.py",
         ROOT / "tests" / "e2e" / "generate.py",
         ROOT / "tests" / "models" / "tiny_models.py",

@@ -15,6 +15,12 @@ is aborted after n engine steps and left out of the results.
 ``register_tree_attn: true`` registers TREE_ATTN as ``CUSTOM`` before the engine
 starts (for an engine that uses it without DDTree).
 
+With ``DDTREE_E2E_PATCHED_VLLM`` set to a folder holding a ``vllm/`` package with
+the upstream series applied (``python -m tests.upstream.patched_vllm DEST``), the
+engine runs that vLLM with no plugin loaded (``VLLM_PLUGINS=none``) instead of
+the installed vLLM with this checkout's plugin: the end-to-end tests of the
+patch series.
+
 A run with ``requests`` instead of ``prompts`` is a serving scenario, stepped by
 hand (:func:`_run_scenario`): each request has its own ``sampling`` and joins at
 engine step ``at_step`` (0: before the first step), so requests arrive while
@@ -38,6 +44,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+PATCHED_VLLM_ENV = "DDTREE_E2E_PATCHED_VLLM"
+
+
+def patched_vllm() -> Path | None:
+    """The patched vLLM's folder (``DDTREE_E2E_PATCHED_VLLM``), or None."""
+    value = os.environ.get(PATCHED_VLLM_ENV)
+    if not value:
+        return None
+    path = Path(value).resolve()
+    if not (path / "vllm" / "__init__.py").is_file():
+        raise ValueError(f"{PATCHED_VLLM_ENV}={value!r} holds no vllm/ package")
+    return path
 
 
 def save_log(name: str, text: str) -> None:
@@ -240,18 +258,34 @@ def main(config_path: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     sys.path.insert(0, str(ROOT))
-    import conftest  # noqa: F401  (this working tree's vllm/ modules first)
-    import vllm_ddtree
+    patched = patched_vllm()
+    if patched is None:
+        import conftest  # noqa: F401  (this working tree's vllm/ modules first)
+        import vllm_ddtree
 
-    vllm_ddtree.register()
+        vllm_ddtree.register()
+    else:
+        # vLLM's own code path: the series' edits, no plugin.
+        os.environ["VLLM_PLUGINS"] = "none"
+        sys.path.insert(0, str(patched))
+    import vllm
     from vllm import LLM, SamplingParams
+
+    print(f"vllm from {Path(vllm.__file__).parent}", flush=True)
+    if patched is not None:
+        assert Path(vllm.__file__).is_relative_to(patched), vllm.__file__
 
     config = json.loads(Path(config_path).read_text())
     if config.get("register_tree_attn"):
         # The plugin registers TREE_ATTN (as CUSTOM) for DDTree engines only; an
         # engine that names it without DDTree needs it here (the engine core and
         # its worker run in this process).
-        from vllm_ddtree.glue import register_tree_attn_backend
+        if patched is None:
+            from vllm_ddtree.glue import register_tree_attn_backend
+        else:
+            from vllm.v1.attention.backends.registry import (
+                register_tree_attn_backend,
+            )
 
         register_tree_attn_backend()
     if config.get("verifier") == "biased":
@@ -293,6 +327,13 @@ def main(config_path: str, out_path: str) -> None:
         result["metrics"] = _spec_metrics(llm)
     if single:
         result.update(result["runs"]["default"])
+    if patched is not None:
+        # Nothing of the overlay was imported on the way.
+        overlay = sorted(
+            name for name in sys.modules if name.split(".")[0] == "vllm_ddtree"
+        )
+        assert not overlay, overlay
+    result["vllm"] = str(Path(vllm.__file__).parent)
     Path(out_path).write_text(json.dumps(result))
 
 

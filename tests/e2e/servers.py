@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.checkout import free_port, plugin_site
-from tests.e2e.generate import save_log
+from tests.e2e.generate import patched_vllm, save_log
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 420
@@ -87,11 +87,15 @@ def server_env(tmp: Path, name: str, extra_env: dict | None = None) -> dict:
     extra = dict(extra_env or {})
     # Servers started side by side must not share a compile cache folder.
     env["VLLM_CACHE_ROOT"] = str(tmp / "vllm_cache" / name)
+    patched = patched_vllm()
+    if patched is not None:
+        # The patched vLLM's own code path (generate.PATCHED_VLLM_ENV).
+        env["VLLM_PLUGINS"] = "none"
     env["PYTHONPATH"] = os.pathsep.join(
         p
         for p in [
             extra.pop("PYTHONPATH", ""),
-            str(plugin_site(tmp / "site")),
+            str(patched or plugin_site(tmp / "site")),
             str(ROOT),
             env.get("PYTHONPATH", ""),
         ]

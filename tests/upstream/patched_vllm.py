@@ -8,8 +8,13 @@ so the overlay's modules that ``pip install vllm-ddtree`` put into the same
 ``site-packages/vllm`` are left out and come only from the series. Python files
 are copied (``git apply`` edits them); compiled extensions and data files are
 symlinked.
+
+``python -m tests.upstream.patched_vllm DEST`` writes the series from this
+checkout and the patched copy to ``DEST/vllm`` (the end-to-end tests run it with
+``DDTREE_E2E_PATCHED_VLLM=DEST``).
 """
 
+import argparse
 import importlib.metadata
 import os
 import shutil
@@ -157,3 +162,32 @@ def run_pytest(
         else:
             passed.add(name)
     return Outcome(passed, failed, skipped, output)
+
+
+def build_patched_vllm(dest: Path) -> list[str]:
+    """The series from this checkout, applied to a copy of the installed vLLM
+    in ``dest``; returns the applied patch names."""
+    sys.path.insert(0, str(ROOT / "upstream"))
+    try:
+        import make_series
+    finally:
+        sys.path.pop(0)
+    series = dest / "series"
+    make_series.build(series)
+    copy_installed_vllm(dest)
+    return apply_series(dest, series)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=build_patched_vllm.__doc__)
+    parser.add_argument("dest", type=Path, help="an empty or missing folder")
+    dest = parser.parse_args().dest
+    if dest.exists() and any(dest.iterdir()):
+        parser.error(f"{dest} is not empty")
+    for name in build_patched_vllm(dest):
+        print(f"applied {name}")
+    print(f"patched vLLM in {dest / 'vllm'}")
+
+
+if __name__ == "__main__":
+    main()
