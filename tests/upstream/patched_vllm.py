@@ -90,11 +90,16 @@ def apply_series(tree: Path, series: Path) -> list[str]:
     """Apply every patch of ``series`` in order (``git apply --check``
     first); returns the applied names."""
     applied = []
+    # Inside a git work tree, ``git apply`` takes paths from that tree's root
+    # and skips those outside the current folder without an error: stop its
+    # repository search above ``tree``.
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.resolve().parent))
     for patch in series_patches(series):
         for args in (["--check"], []):
             proc = subprocess.run(
-                ["git", "apply", *args, str(patch)],
+                ["git", "apply", *args, str(patch.resolve())],
                 cwd=tree,
+                env=env,
                 capture_output=True,
                 text=True,
                 check=False,
@@ -175,13 +180,21 @@ def build_patched_vllm(dest: Path) -> list[str]:
     series = dest / "series"
     make_series.build(series)
     copy_installed_vllm(dest)
-    return apply_series(dest, series)
+    applied = apply_series(dest, series)
+    added = [
+        make_series.upstream_path(path)
+        for patch in make_series.PATCHES
+        for path in patch.files
+    ]
+    missing = [path for path in added if not (dest / path).is_file()]
+    assert not missing, f"the series' files missing after git apply: {missing}"
+    return applied
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=build_patched_vllm.__doc__)
     parser.add_argument("dest", type=Path, help="an empty or missing folder")
-    dest = parser.parse_args().dest
+    dest = parser.parse_args().dest.resolve()
     if dest.exists() and any(dest.iterdir()):
         parser.error(f"{dest} is not empty")
     for name in build_patched_vllm(dest):
