@@ -286,12 +286,13 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> ParsedSpeculativeConfig:
             f"{', '.join(sorted(DRAFTER_KEYS))}"
         )
     backend = cfg.get("attention_backend")
+    tree_attn = _tree_attn_name()
     if backend is not None and str(getattr(backend, "name", backend)).upper() == (
-        "CUSTOM"
+        tree_attn
     ):
         raise ValueError(
             "the DFlash drafter attends bidirectionally within its block and "
-            "cannot use TREE_ATTN (CUSTOM), which is causal-only; drop the "
+            f"cannot use TREE_ATTN ({tree_attn}), which is causal-only; drop the "
             "speculative config's 'attention_backend' or name a non-causal "
             "backend such as FLASH_ATTN"
         )
@@ -456,18 +457,29 @@ def _raise_unsupported(unsupported: Mapping[str, bool]) -> None:
         )
 
 
+def _tree_attn_name() -> str:
+    # Imported here, not at the top: the backend module loads attention
+    # kernels, which a process that only reads these settings (the
+    # scheduler's) does not need.
+    from vllm.v1.attention.backends.tree_attn import TREE_ATTN_NAME
+
+    return TREE_ATTN_NAME
+
+
 def target_attention_backend(backend: Any) -> str:
-    """The target's attention backend for DDTree: TREE_ATTN, registered as
-    ``AttentionBackendEnum.CUSTOM``. ``backend`` is what the user chose, if any."""
+    """The name of the target's attention backend for DDTree: TREE_ATTN's
+    ``AttentionBackendEnum`` member (``TREE_ATTN_NAME``: its own, or ``CUSTOM``
+    where vLLM has none). ``backend`` is what the user chose, if any."""
+    tree_attn = _tree_attn_name()
     name = None if backend is None else str(getattr(backend, "name", backend))
-    if name is not None and name.upper() not in ("CUSTOM", "AUTO"):
+    if name is not None and name.upper() not in (tree_attn, "AUTO"):
         raise ValueError(
-            f"DDTree verifies trees with TREE_ATTN (attention backend CUSTOM), "
+            f"DDTree verifies trees with TREE_ATTN (attention backend {tree_attn}), "
             f"but the target's attention backend is set to {name}; drop "
             "--attention-backend / attention_config.backend (set the drafter's "
             "backend with the speculative config's 'attention_backend')"
         )
-    return "CUSTOM"
+    return tree_attn
 
 
 def batch_limits(

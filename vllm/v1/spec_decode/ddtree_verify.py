@@ -28,6 +28,7 @@ from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.tree_attn import (
+    TREE_ATTN_NAME,
     TreeAttentionBackend,
     TreeAttentionInputs,
     TreeAttentionMetadataBuilder,
@@ -297,8 +298,8 @@ class DDTreeModelState(DefaultModelState):
         ]
         if not tree_groups:
             raise ValueError(
-                "DDTree needs TREE_ATTN (attention backend CUSTOM) for the target "
-                "model's attention layers"
+                f"DDTree needs TREE_ATTN (attention backend {TREE_ATTN_NAME}) for "
+                "the target model's attention layers"
             )
         for group in tree_groups:
             for builder in group.metadata_builders:

@@ -24,9 +24,12 @@ The backend is causal-only: ``supports_non_causal()`` is false and ``build``
 rejects non-causal metadata, so it can never serve the DFlash drafter, whose
 block-diffusion attention is bidirectional; the drafter keeps its own backend.
 
-On vLLM 0.26 a backend is named by an ``AttentionBackendEnum`` member, so the
-plugin registers TREE_ATTN as ``CUSTOM`` for DDTree engines
-(``vllm_ddtree.glue.register_tree_attn_backend``); upstream it is its own member.
+A backend is named by an ``AttentionBackendEnum`` member, and the attention
+layer maps ``get_name()`` back to one. Where the enum has a ``TREE_ATTN`` member
+(:data:`TREE_ATTN_NAME` says which), that member is this backend; where it has
+none (vLLM 0.26 as released), the backend takes the ``CUSTOM`` slot, which must
+be registered to :data:`TREE_ATTN_BACKEND_PATH` before use (the DDTree plugin
+does so for DDTree engines only).
 """
 
 from dataclasses import dataclass
@@ -50,10 +53,18 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.attention.ops.tree_mask import num_mask_words
 from vllm.v1.attention.ops.triton_tree_attention import tree_attention
 from vllm.v1.kv_cache_interface import AttentionSpec
+
+TREE_ATTN_BACKEND_PATH = "vllm.v1.attention.backends.tree_attn.TreeAttentionBackend"
+# The AttentionBackendEnum member that names this backend: its own where vLLM
+# lists one, else the CUSTOM slot (get_name() must name an existing member).
+TREE_ATTN_NAME = (
+    "TREE_ATTN" if "TREE_ATTN" in AttentionBackendEnum.__members__ else "CUSTOM"
+)
 
 
 def split_kv_cache(
@@ -195,8 +206,7 @@ class TreeAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        # vLLM 0.26 resolves layer backends by enum member name.
-        return "CUSTOM"
+        return TREE_ATTN_NAME
 
     @staticmethod
     def get_impl_cls() -> type["TreeAttentionImpl"]:
