@@ -109,12 +109,13 @@ per request instead of one [Q, Q] bias shared by the batch, which DDTree
 * ops/triton_tree_attention.py: the kernel (paged KV, GQA heads packed per
   tile, head sizes 64/128/256, bf16/fp16, int64 offsets, fixed launch
   shapes for CUDA graphs).
-* registry.py: register_tree_attn_backend(). TreeAttentionBackend.get_name()
-  returns "CUSTOM" in this version, and the attention layer maps that name
-  back to an enum member, so the backend is loaded in the CUSTOM slot (only
-  by DDTree engines, in the engine and in each worker); a TREE_ATTN member
-  of AttentionBackendEnum needs get_name() to say "TREE_ATTN" first (see
-  upstream/README.md).
+* registry.py: TREE_ATTN, a member of AttentionBackendEnum. The backend's
+  get_name() returns TREE_ATTN_NAME, "TREE_ATTN" wherever the enum has that
+  member (the attention layer maps the name back to it), so nothing
+  registers it and the CUSTOM slot stays free for out-of-tree backends.
+  (The same module runs out of tree on vLLM 0.26 as released, where the enum
+  has no such member: get_name() then says "CUSTOM" and the DDTree plugin
+  registers that slot.)
 
 Tests: every tree node's output equals causal attention over the committed
 prefix plus its own root-to-node path (float32 torch reference); a chain
@@ -140,9 +141,8 @@ context parallelism, LoRA, a quantized KV cache, non-dense targets, Model
 Runner V1), and mapped onto a DFlash SpeculativeConfig with B draft slots per
 request; the tree settings travel in additional_config["vllm_ddtree"] as plain
 values (DDTreeConfig), so spawned processes unpickle them. The target's
-attention backend becomes TREE_ATTN; the drafter keeps its own. TREE_ATTN is
-registered once the engine config is built, so an engine that fails to build
-leaves no registration behind.
+attention backend becomes TREE_ATTN (patch 2's member; a user's other choice
+is an error); the drafter keeps its own.
 
 Batch defaults: max_num_seqs and max_num_batched_tokens fit trees of B + 1
 tokens (or the user's values are checked), and CUDA graphs are captured in
@@ -219,11 +219,10 @@ series.""",
 * ddtree_adaptive.py: the adaptive budget's planner. DDTreeSpeculator
   builds it; the scheduler and model-runner hooks that drive it are patch 6
   (the config refuses adaptive budgets until then, so it stays idle).
-* init_speculator and init_model_state pick them for a DDTree config; the
-  model runner registers TREE_ATTN in the worker before the model is built
-  and, once the KV caches exist, compiles every TREE_ATTN variant a step
-  can pick (warm_up_tree_attention), so none is first compiled in a user's
-  step.
+* init_speculator and init_model_state pick them for a DDTree config; once
+  the KV caches exist, the model runner compiles every TREE_ATTN variant a
+  step can pick (warm_up_tree_attention), so none is first compiled in a
+  user's step.
 * load_model: the structured-output bitmask of a DDTree runner is sized by
   the step's token limit, not max_num_reqs x (1 + tree_budget) logit rows
   (about 10 GiB at 512 requests, budget 1024 and a 152K vocabulary); a step

@@ -86,8 +86,8 @@ def test_engine_config_maps_ddtree_onto_dflash(models):
     assert spec.method == "dflash"
     assert spec.num_speculative_tokens == 128
     assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(128, 15)
-    assert config.attention_config.backend == AttentionBackendEnum.CUSTOM
-    assert AttentionBackendEnum.CUSTOM.get_path() == TREE_ATTN_PATH
+    assert config.attention_config.backend == AttentionBackendEnum.TREE_ATTN
+    assert AttentionBackendEnum.TREE_ATTN.get_path() == TREE_ATTN_PATH
     # The drafter picks its own (non-causal) backend.
     assert spec.attention_backend is None
     # No DFlash slot reservation cuts DDTree's step budget.
@@ -118,25 +118,43 @@ def test_capture_sizes_in_multiples_of_the_tree(models, monkeypatch):
     assert sizes[-1] == 512
 
 
-def test_failed_build_leaves_no_tree_attn_registration(models, monkeypatch):
-    """TREE_ATTN is registered once a DDTree engine config is built, so one
-    that fails to build leaves the CUSTOM slot as it was."""
-    from vllm.engine.arg_utils import EngineArgs
+def test_tree_attn_is_its_own_backend():
+    """The registry lists TREE_ATTN, and the name the backend gives the
+    attention layer maps back to that member, with no registration."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm.v1.attention.backends.tree_attn import (
+        TREE_ATTN_NAME,
+        TreeAttentionBackend,
+    )
+
+    assert TREE_ATTN_NAME == "TREE_ATTN"
+    member = AttentionBackendEnum[TreeAttentionBackend.get_name()]
+    assert member is AttentionBackendEnum.TREE_ATTN
+    assert not member.is_overridden()
+    assert member.get_class() is TreeAttentionBackend
+
+
+def test_ddtree_engine_leaves_custom_alone(models):
+    """A DDTree engine verifies with TREE_ATTN and leaves the CUSTOM slot as
+    it was: another backend registered there stays (no DDTree error)."""
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
 
     custom = AttentionBackendEnum.CUSTOM
     custom.clear_override()
-
-    def refuse(config):
-        raise ValueError("refused after the config was built")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(EngineArgs, "_check_ddtree_engine_config", staticmethod(refuse))
-        with pytest.raises(ValueError, match="refused after"):
-            _engine_config(models, budget=8)
+    _, config = _engine_config(models, budget=8)
+    assert config.attention_config.backend == AttentionBackendEnum.TREE_ATTN
     assert not custom.is_overridden()
-    _engine_config(models, budget=8)
-    assert custom.get_path() == TREE_ATTN_PATH
+    register_backend(custom, "some.other.Backend")
+    try:
+        _, config = _engine_config(models, budget=8)
+        assert config.attention_config.backend == AttentionBackendEnum.TREE_ATTN
+        assert custom.get_path() == "some.other.Backend"
+    finally:
+        custom.clear_override()
 
 
 def test_spec_flags(models):
@@ -201,7 +219,6 @@ def test_engine_config_refuses_a_non_dflash_drafter(models):
 
 def test_plain_dflash_is_untouched(models):
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 
@@ -211,7 +228,12 @@ def test_plain_dflash_is_untouched(models):
         model=target, speculative_config=spec, max_model_len=2048
     ).create_engine_config()
     assert DDTreeConfig.from_vllm_config(config) is None
-    assert config.attention_config.backend != AttentionBackendEnum.CUSTOM
+    # Neither TREE_ATTN nor the CUSTOM slot (by name: stock vLLM has no
+    # TREE_ATTN member, and this check must pass there too).
+    assert getattr(config.attention_config.backend, "name", None) not in (
+        "TREE_ATTN",
+        "CUSTOM",
+    )
     assert config.speculative_config.max_num_new_slots_for_drafting == 14
     assert _scheduler(config).num_lookahead_tokens == 16
 
