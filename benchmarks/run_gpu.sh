@@ -64,6 +64,7 @@ case "$what" in
       [attention]="tests/v1/attention"
       [builder]="tests/v1/spec_decode/test_dflash_tree_builder.py"
       [rest]="tests/v1/sample tests/v1/spec_decode/test_ddtree_config.py \
+tests/plugins/test_ddtree_engine_config.py \
 tests/v1/spec_decode/test_ddtree_inputs.py tests/v1/spec_decode/test_ddtree.py \
 tests/v1/test_sm90_compile.py"
     )

@@ -117,15 +117,20 @@ per request instead of one [Q, Q] bias shared by the batch, which DDTree
   has no such member: get_name() then says "CUSTOM" and the DDTree plugin
   registers that slot.)
 
-Tests: every tree node's output equals causal attention over the committed
-prefix plus its own root-to-node path (float32 torch reference); a chain
-equals causal attention; odd sizes. tests/v1/attention/test_tree_attn_backend.py
-(metadata builder and layer) still calls the overlay's registration and is
-not in this patch.""",
+Tests: test_tree_attention.py: every tree node's output equals causal
+attention over the committed prefix plus its own root-to-node path (float32
+torch reference); a chain equals causal attention; odd sizes.
+test_tree_attn_backend.py: get_name() maps back to the TREE_ATTN member and
+its class, the declared capabilities and their reasons for every unsupported
+setting, FLASH_ATTN's KV layout, and the metadata builder and layer through
+vLLM's own metadata objects (trees and causal rows against the reference,
+persistent tree buffers shared, not copied; prefills split off to
+FlashAttention).""",
         files=(
             "vllm/v1/attention/ops/triton_tree_attention.py",
             "vllm/v1/attention/backends/tree_attn.py",
             "tests/v1/attention/test_tree_attention.py",
+            "tests/v1/attention/test_tree_attn_backend.py",
         ),
         edits=True,
     ),
@@ -161,15 +166,19 @@ In a later revision SpeculativeConfig itself would carry tree_budget (with
 "ddtree" in SpeculativeMethod) and these checks would move to _verify_args;
 today DDTree's modules read the settings from additional_config.
 
-Tests: tests/v1/spec_decode/test_ddtree_budget.py and test_ddtree_cost.py
-(the budget and cost models the config's schedules use); the engine-config
-path through EngineArgs is checked against the patched tree by
+Tests: tests/v1/spec_decode/test_ddtree_config.py (parsing and every error
+message, the engine checks, batch limits, CUDA-graph sizes, the adaptive
+budget's caps and slot counts, the config's round trip, TREE_ATTN as the
+target's backend), test_ddtree_budget.py and test_ddtree_cost.py (the budget
+and cost models the config's schedules use); the engine-config path through
+EngineArgs is checked against the patched tree by
 tests/upstream/applied_wiring.py in the overlay's repository.""",
         files=(
             "vllm/v1/spec_decode/ddtree_cost.py",
             "vllm/v1/spec_decode/ddtree_budget.py",
             "vllm/v1/spec_decode/ddtree_config.py",
             "tests/log_records.py",
+            "tests/v1/spec_decode/test_ddtree_config.py",
             "tests/v1/spec_decode/test_ddtree_budget.py",
             "tests/v1/spec_decode/test_ddtree_cost.py",
         ),
@@ -196,11 +205,16 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
 The tree is fed as B draft tokens, parents before children, so any prefix
 the scheduler keeps is still a tree; nothing else in the scheduler changes.
 
-Tests: the scheduler's lookahead for a DDTree config is checked against the
-patched tree by the overlay's tests/upstream/applied_wiring.py; vLLM's own
-tests/v1/core/test_scheduler.py gives the same results with and without the
-series.""",
-        files=("vllm/v1/spec_decode/ddtree_metrics.py",),
+Tests: tests/v1/spec_decode/test_ddtree_metrics.py (a tree's accepted path
+counted per depth, impossible counts clamped, never raised); the scheduler's
+lookahead, stats, structured-output requests and Prometheus series for a
+DDTree config are checked against the patched tree by the overlay's
+tests/upstream/applied_wiring.py; vLLM's own tests/v1/core/test_scheduler.py
+gives the same results with and without the series.""",
+        files=(
+            "vllm/v1/spec_decode/ddtree_metrics.py",
+            "tests/v1/spec_decode/test_ddtree_metrics.py",
+        ),
         edits=True,
     ),
     Patch(
@@ -231,8 +245,10 @@ series.""",
   (ddtree_verify.trim_prompt_logprobs).
 
 Tests: tests/v1/spec_decode/test_ddtree_inputs.py (tree positions, masks and
-slots), test_ddtree_adaptive.py and test_ddtree_tp.py (kernels on sharded
-heads). The speculator's end-to-end tests (greedy output equal to no
+slots), test_ddtree_adaptive.py, test_ddtree_tp.py (kernels on sharded heads)
+and test_ddtree_prompt_logprobs.py (MRv2's own prompt-logprobs worker on a
+padded join, trimmed, equals the step without speculation). The speculator's
+end-to-end tests (greedy output equal to no
 speculation on every serving path) need a GPU and the overlay's engine
 fixtures (tests/e2e), which are not in this patch.""",
         files=(
@@ -243,6 +259,7 @@ fixtures (tests/e2e), which are not in this patch.""",
             "tests/v1/spec_decode/test_ddtree_inputs.py",
             "tests/v1/spec_decode/test_ddtree_adaptive.py",
             "tests/v1/spec_decode/test_ddtree_tp.py",
+            "tests/v1/spec_decode/test_ddtree_prompt_logprobs.py",
         ),
         edits=True,
     ),
@@ -280,16 +297,20 @@ config's refusal of adaptive budgets (patch 3):
 * outputs.py / sched/output.py: the two new fields, None for every other
   engine.
 
-Tests: the config, slots, advice and block freeing are checked on the CPU
-against the patched tree by the overlay's tests/upstream/applied_wiring.py
-(vLLM's async scheduler over four requests: each request holds exactly the
-blocks its tokens need, and a worker's block table rebuilt from the
-scheduler outputs matches). The model-runner hooks need a GPU: they are
-checked to import and to call functions that exist, not run;
-tests/v1/spec_decode/test_ddtree_slots.py (the overlay's) tests
-ddtree_slots.py and still calls the overlay's glue in one test, so it is not
-in this patch.""",
-        files=("vllm/v1/spec_decode/ddtree_slots.py",),
+Tests: tests/v1/spec_decode/test_ddtree_slots.py (slots per budget against
+brute force, TreeSlots following the reported budget per batch-size bucket,
+tail blocks freed past the computed tokens and lookahead, block-table rows
+cut, the spec-decode counters of the step's budget). The config, slots,
+advice and block freeing are checked on the CPU against the patched tree by
+the overlay's tests/upstream/applied_wiring.py (vLLM's async scheduler over
+four requests: each request holds exactly the blocks its tokens need, and a
+worker's block table rebuilt from the scheduler outputs matches). The
+model-runner hooks need a GPU: they are checked to import and to call
+functions that exist, not run.""",
+        files=(
+            "vllm/v1/spec_decode/ddtree_slots.py",
+            "tests/v1/spec_decode/test_ddtree_slots.py",
+        ),
         edits=True,
     ),
     Patch(

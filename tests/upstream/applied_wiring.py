@@ -300,7 +300,7 @@ def _adaptive_async_run(models, reports):
     schedule (slots given, blocks held, tokens needing a slot per request,
     free blocks), and the spec-decode counters' draft tokens and the nodes
     the steps verified by the reports (the port of the overlay's
-    tests/v1/spec_decode/test_ddtree_config.py run, without the plugin)."""
+    tests/plugins/test_ddtree_engine_config.py run, without the plugin)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash

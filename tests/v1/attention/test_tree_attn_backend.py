@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""TREE_ATTN backend: registration, declared capabilities, metadata builder and
-impl forward through vLLM's own metadata objects (CPU: Triton interpreter)."""
+"""TREE_ATTN backend: its AttentionBackendEnum member, declared capabilities,
+metadata builder and impl forward through vLLM's own metadata objects (CPU:
+Triton interpreter). The DDTree plugin's registration in the CUSTOM slot (vLLM
+0.26 as released) is tested in tests/plugins/test_tree_attn_registration.py."""
 
 import json
 from types import SimpleNamespace
@@ -30,6 +32,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.attention.backends.tree_attn import (
+    TREE_ATTN_BACKEND_PATH,
+    TREE_ATTN_NAME,
     TreeAttentionBackend,
     TreeAttentionImpl,
     TreeAttentionInputs,
@@ -37,7 +41,6 @@ from vllm.v1.attention.backends.tree_attn import (
     kv_cache_as_kv_first,
     split_kv_cache,
 )
-from vllm_ddtree.glue import TREE_ATTN_BACKEND_PATH, register_tree_attn_backend
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 4, 2, 64, 16
@@ -76,40 +79,41 @@ def vllm_config(tmp_path_factory):
 
 
 @pytest.fixture
-def restore_custom_backend():
-    custom = AttentionBackendEnum.CUSTOM
-    before = custom.get_path() if custom.is_overridden() else None
-    yield
-    custom.clear_override()
+def tree_attn_member():
+    """TREE_ATTN's enum member, ready to load: its own member where vLLM lists
+    one; where it does not (vLLM 0.26 as released), the CUSTOM slot, registered
+    to the backend for the test and restored after."""
+    member = AttentionBackendEnum[TREE_ATTN_NAME]
+    if member is not AttentionBackendEnum.CUSTOM:
+        yield member
+        return
+    before = member.get_path() if member.is_overridden() else None
+    member.clear_override()
+    register_backend(member, TREE_ATTN_BACKEND_PATH)
+    yield member
+    member.clear_override()
     if before is not None:
-        register_backend(custom, before)
+        register_backend(member, before)
 
 
-# ----------------------------------------------------------------- registration
+# ----------------------------------------------------------------- enum member
 
 
-def test_registration_is_idempotent(restore_custom_backend):
-    AttentionBackendEnum.CUSTOM.clear_override()
-    with pytest.raises(ValueError, match="must be registered before use"):
-        AttentionBackendEnum.CUSTOM.get_class()
-    register_tree_attn_backend()
-    register_tree_attn_backend()
-    assert AttentionBackendEnum.CUSTOM.get_path() == TREE_ATTN_BACKEND_PATH
-    assert AttentionBackendEnum.CUSTOM.get_class() is TreeAttentionBackend
-    # vLLM 0.26 maps a layer's backend back to the enum through get_name().
-    assert AttentionBackendEnum[TreeAttentionBackend.get_name()] is (
-        AttentionBackendEnum.CUSTOM
+def test_name_is_the_tree_attn_member_where_vllm_has_one():
+    has_member = "TREE_ATTN" in AttentionBackendEnum.__members__
+    assert TREE_ATTN_NAME == ("TREE_ATTN" if has_member else "CUSTOM")
+    assert TreeAttentionBackend.get_name() == TREE_ATTN_NAME
+    assert TREE_ATTN_BACKEND_PATH == (
+        f"{TreeAttentionBackend.__module__}.{TreeAttentionBackend.__qualname__}"
     )
 
 
-def test_registration_refuses_to_replace_another_backend(restore_custom_backend):
-    register_backend(AttentionBackendEnum.CUSTOM, "some.other.Backend")
-    with pytest.raises(
-        ValueError,
-        match="CUSTOM is already registered to "
-        "some.other.Backend; .*VLLM_PLUGINS=ddtree",
-    ):
-        register_tree_attn_backend()
+def test_layer_maps_the_name_back_to_the_backend(tree_attn_member):
+    # The attention layer looks its backend up by get_name().
+    member = AttentionBackendEnum[TreeAttentionBackend.get_name()]
+    assert member is tree_attn_member
+    assert member.get_path() == TREE_ATTN_BACKEND_PATH
+    assert member.get_class() is TreeAttentionBackend
 
 
 # ----------------------------------------------------------------- capabilities
@@ -168,25 +172,24 @@ def test_unsupported_configurations_give_reasons(overrides, reason):
 
 
 @needs_gpu
-def test_selecting_tree_attn_for_unsupported_layer_fails(restore_custom_backend):
+def test_selecting_tree_attn_for_unsupported_layer_fails(tree_attn_member):
     from vllm.platforms import current_platform
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    register_tree_attn_backend()
     config = AttentionSelectorConfig(
         head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16
     )
     assert (
-        current_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, config)
+        current_platform.get_attn_backend_cls(tree_attn_member, config)
         == TREE_ATTN_BACKEND_PATH
     )
     with pytest.raises(ValueError, match="sliding window not supported"):
         current_platform.get_attn_backend_cls(
-            AttentionBackendEnum.CUSTOM, config._replace(has_sliding_window=True)
+            tree_attn_member, config._replace(has_sliding_window=True)
         )
     with pytest.raises(ValueError, match="non-causal attention not supported"):
         current_platform.get_attn_backend_cls(
-            AttentionBackendEnum.CUSTOM, config._replace(use_non_causal=True)
+            tree_attn_member, config._replace(use_non_causal=True)
         )
 
 

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Prompt logprobs of a padded join, as without speculation (issue 34, item 3).
+"""Prompt logprobs of a padded join, as without speculation (vllm-ddtree issue
+34, item 3).
 
 vLLM's scheduler pads a one-token prompt that joins running decodes to
 ``1 + num_spec_tokens`` tokens (placeholder drafts; with a fixed integer
@@ -11,7 +12,9 @@ the CPU) on the padded step and on the step without speculation, and require
 DDTree's trim to make the first equal the second: for a one-token prompt, for
 a prompt whose tokens but the last were already computed (a KV connector's or
 the prefix cache's hit leaves one), and, beyond what vLLM schedules today, for
-a chunked prompt's last token. Request-state slots differ from batch order."""
+a chunked prompt's last token. Request-state slots differ from batch order.
+The plugin's hook that applies the trim is tested in
+tests/plugins/test_ddtree_plugin_hooks.py."""
 
 from types import SimpleNamespace
 
@@ -151,22 +154,3 @@ def test_trim_keeps_rows_of_steps_without_placeholders():
     out = engine.step([("p", 0, 5, 5)], trim=True)
     assert len(_rows(out["p"])) == 4
     assert trim_prompt_logprobs({}, None, None) == {}
-
-
-def test_plugin_trims_the_runners_worker_once():
-    """The plugin's hook (DDTree engines, after load_model) wraps the runner's
-    own worker: the padded join's rows are gone, and hooking again changes
-    nothing."""
-    from vllm_ddtree import glue
-
-    engine = Engine({"running": [5] * 10, "one": [7]})
-    runner = SimpleNamespace(
-        prompt_logprobs_worker=engine.worker,
-        req_states=SimpleNamespace(prompt_len=SimpleNamespace(np=engine.prompt_lens)),
-    )
-    glue._trim_prompt_logprobs_of(runner)
-    wrapped = engine.worker.compute_prompt_logprobs
-    glue._trim_prompt_logprobs_of(runner)
-    assert engine.worker.compute_prompt_logprobs is wrapped
-    out = engine.step([("running", 9, 4, 10), ("one", 0, 4, 1)], trim=False)
-    assert out == {}

@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The scheduler's draft slots and KV blocks of an adaptive DDTree engine
-(``vllm/v1/spec_decode/ddtree_slots.py``) and the worker's side of it. The
-scheduler run that checks blocks held against a worker's block table is in
-``test_ddtree_config.py`` (it needs an engine config)."""
+(``vllm/v1/spec_decode/ddtree_slots.py``), the worker's block-table cut, and
+the spec-decode counters of a step's budget (CPU, on stand-ins). vLLM's async
+scheduler run that checks blocks held against a worker's block table needs an
+engine config: it is in the overlay's tests/upstream/applied_wiring.py (the
+series' edits) and tests/plugins/test_ddtree_engine_config.py (the plugin's
+wrappers), as are the plugin's own hooks
+(tests/plugins/test_ddtree_plugin_hooks.py)."""
 
 import types
 
@@ -160,41 +164,3 @@ def test_spec_decode_counters_count_the_step_budget():
     sched._ddtree_step_budget = None
     stats = make_tree_spec_decoding_stats(sched, 15, None, 15, 2, None, "r")
     assert stats.num_draft_tokens == 15
-
-
-def test_glue_reports_the_budget_and_cuts_rows_before_the_step():
-    """The worker's two glue points: the step's output carries the budget
-    report, and the scheduler's cut rows are cut before vLLM's step runs."""
-    from vllm_ddtree import glue
-
-    report = ("budget", 4, 3)
-    adaptive = types.SimpleNamespace(report=lambda: report)
-    seen = []
-
-    def plan(out):
-        seen.append(("plan", out))
-        return out
-
-    adaptive.plan = plan
-    num_blocks = _Uva(np.array([[9, 9]], dtype=np.int32))
-    runner = types.SimpleNamespace(
-        speculator=types.SimpleNamespace(adaptive=adaptive),
-        block_tables=types.SimpleNamespace(
-            num_blocks=num_blocks, blocks_per_kv_block=[1]
-        ),
-        req_states=types.SimpleNamespace(req_id_to_index={"a": 1}),
-    )
-    output = types.SimpleNamespace(model_runner_output=types.SimpleNamespace())
-    assert glue._sample_tokens(lambda self: output, runner) is output
-    assert output.model_runner_output.ddtree_budget == report
-    # No output object (a failed step): nothing to attach, nothing raised.
-    assert glue._sample_tokens(lambda self: None, runner) is None
-
-    scheduler_output = types.SimpleNamespace(ddtree_kept_blocks={"a": (5,)})
-
-    def step(self, out):
-        seen.append(("step", num_blocks.np.tolist()))
-        return "ran"
-
-    assert glue._execute_model(step, runner, scheduler_output) == "ran"
-    assert seen == [("plan", scheduler_output), ("step", [[9, 5]])]

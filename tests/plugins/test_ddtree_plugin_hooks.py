@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The plugin's wrappers, called directly on stand-ins (CPU): registering
+twice wraps once, the scheduler's lookahead, the runner's speculator and
+model-state choice, the worker's budget report and block-table cut, and the
+prompt-logprob trim hooked onto the runner's worker. The module functions they
+call are tested without the plugin (tests/v1/spec_decode/test_ddtree_slots.py,
+test_ddtree_prompt_logprobs.py)."""
+
+import types
+
+import numpy as np
+import pytest
+
+import vllm_ddtree
+from tests.v1.spec_decode.test_ddtree_prompt_logprobs import Engine
+from tests.v1.spec_decode.test_ddtree_slots import _Uva
+from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+from vllm_ddtree import glue
+
+CFG = DDTreeConfig(tree_budget=128, draft_depth=15)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    vllm_ddtree.register()
+
+
+def test_register_is_idempotent():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.worker.gpu import model_runner
+
+    def wrapped():
+        return [
+            EngineArgs.create_speculative_config,
+            EngineArgs.create_engine_config,
+            Scheduler.__init__,
+            model_runner.init_speculator,
+            model_runner.init_model_state,
+            model_runner.GPUModelRunner.__init__,
+            PrometheusStatLogger.__init__,
+        ]
+
+    before = wrapped()
+    assert all(getattr(f, "__ddtree_patched__", False) for f in before)
+    vllm_ddtree.register()
+    vllm_ddtree.register()
+    after = wrapped()
+    assert before == after
+    # One layer of wrapping, around vLLM's own function.
+    original = EngineArgs.create_speculative_config.__wrapped__
+    assert not hasattr(original, "__wrapped__")
+
+
+def _ddtree_vllm_config():
+    return types.SimpleNamespace(
+        additional_config={"vllm_ddtree": CFG.to_dict()},
+        speculative_config=types.SimpleNamespace(
+            method="dflash", num_speculative_tokens=CFG.tree_budget
+        ),
+    )
+
+
+def test_scheduler_lookahead_is_the_drafter_block():
+    def original(self, *args, **kwargs):
+        self.vllm_config = kwargs["vllm_config"]
+        self.num_lookahead_tokens = 129  # DFlash's num_speculative_tokens + 1
+        self.structured_output_manager = types.SimpleNamespace(
+            grammar_bitmask=lambda *a: None
+        )
+        self.max_num_running_reqs = 4
+
+    sched = types.SimpleNamespace()
+    glue._scheduler_init(original, sched, vllm_config=_ddtree_vllm_config())
+    assert sched.num_lookahead_tokens == 16
+
+
+def test_runner_hooks_dispatch_on_config():
+    plain = types.SimpleNamespace(additional_config={}, speculative_config=object())
+    assert glue._init_speculator(lambda c, d: "dflash", plain, "cpu") == "dflash"
+    assert glue._init_model_state(lambda *a: "default", plain, None, None, "cpu") == (
+        "default"
+    )
+    with pytest.raises(ValueError, match="DefaultModelState"):
+        glue._init_model_state(
+            lambda *a: types.SimpleNamespace(),
+            _ddtree_vllm_config(),
+            torch_module(),
+            None,
+            "cpu",
+        )
+
+
+def torch_module():
+    import torch
+
+    return torch.nn.Linear(1, 1)
+
+
+def test_glue_reports_the_budget_and_cuts_rows_before_the_step():
+    """The worker's two glue points: the step's output carries the budget
+    report, and the scheduler's cut rows are cut before vLLM's step runs."""
+    report = ("budget", 4, 3)
+    adaptive = types.SimpleNamespace(report=lambda: report)
+    seen = []
+
+    def plan(out):
+        seen.append(("plan", out))
+        return out
+
+    adaptive.plan = plan
+    num_blocks = _Uva(np.array([[9, 9]], dtype=np.int32))
+    runner = types.SimpleNamespace(
+        speculator=types.SimpleNamespace(adaptive=adaptive),
+        block_tables=types.SimpleNamespace(
+            num_blocks=num_blocks, blocks_per_kv_block=[1]
+        ),
+        req_states=types.SimpleNamespace(req_id_to_index={"a": 1}),
+    )
+    output = types.SimpleNamespace(model_runner_output=types.SimpleNamespace())
+    assert glue._sample_tokens(lambda self: output, runner) is output
+    assert output.model_runner_output.ddtree_budget == report
+    # No output object (a failed step): nothing to attach, nothing raised.
+    assert glue._sample_tokens(lambda self: None, runner) is None
+
+    scheduler_output = types.SimpleNamespace(ddtree_kept_blocks={"a": (5,)})
+
+    def step(self, out):
+        seen.append(("step", num_blocks.np.tolist()))
+        return "ran"
+
+    assert glue._execute_model(step, runner, scheduler_output) == "ran"
+    assert seen == [("plan", scheduler_output), ("step", [[9, 5]])]
+
+
+def test_plugin_trims_the_runners_worker_once():
+    """The plugin's hook (DDTree engines, after load_model) wraps the runner's
+    own worker: the padded join's rows are gone, and hooking again changes
+    nothing."""
+    engine = Engine({"running": [5] * 10, "one": [7]})
+    runner = types.SimpleNamespace(
+        prompt_logprobs_worker=engine.worker,
+        req_states=types.SimpleNamespace(
+            prompt_len=types.SimpleNamespace(np=engine.prompt_lens)
+        ),
+    )
+    glue._trim_prompt_logprobs_of(runner)
+    wrapped = engine.worker.compute_prompt_logprobs
+    glue._trim_prompt_logprobs_of(runner)
+    assert engine.worker.compute_prompt_logprobs is wrapped
+    out = engine.step([("running", 9, 4, 10), ("one", 0, 4, 1)], trim=False)
+    assert out == {}
