@@ -7,15 +7,16 @@ logger driven without a model (CPU only: engine configs are built, no engine is
 started). ``ddtree_config``'s own functions are tested in
 tests/v1/spec_decode/test_ddtree_config.py."""
 
+import itertools
 import pickle
 import types
 
 import pytest
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from tests.log_records import log_records
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 from tests.v1.spec_decode.test_ddtree_config import SCHEDULE, VLLM_LADDER
-from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.spec_decode import ddtree_config as ddt
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig, engine_tree_slots
 
@@ -251,9 +252,9 @@ def test_engine_config_with_auto_budget(models, cuda_platform, budget):
     lookup = build_dynamic_sd_schedule_lookup(
         spec.num_speculative_tokens_per_batch_size, 32, spec.num_speculative_tokens
     )
-    for first, last, budget in auto:
+    for first, last, want in auto:
         for batch in range(first, min(last, 32) + 1):
-            assert lookup[batch] == budget, batch
+            assert lookup[batch] == want, batch
     sizes = config.compilation_config.cudagraph_capture_sizes
     if sizes:
         assert {b + 1 for b in budgets} <= set(sizes)
@@ -270,11 +271,11 @@ def test_drafter_graphs_keep_one_query_length(
     one length per scheduled budget (budget + 16 - max budget), which is zero or
     negative for the small budgets and failed the capture on the H200."""
     import torch
-
     from vllm.config.compilation import CUDAGraphMode
-    from vllm.v1.spec_decode.ddtree import fixed_draft_len_config
     from vllm.v1.worker.gpu import cudagraph_utils
     from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
+
+    from vllm.v1.spec_decode.ddtree import fixed_draft_len_config
 
     _, drafter = models
     _, config = _engine_config(
@@ -349,6 +350,7 @@ def test_drafter_graphs_keep_one_query_length(
     # The speculator's hook: DFlash's graph-mode choice, the fixed plan, and the
     # speculator keeps the engine's config.
     from vllm.v1.attention.backend import AttentionCGSupport
+
     from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
 
     spec = object.__new__(DDTreeSpeculator)  # only what the hook reads
@@ -586,7 +588,7 @@ def test_engine_config_spec_flags(models, cuda_platform):
 
 
 def test_plain_dflash_is_untouched(models, cuda_platform):
-    target, drafter = models
+    _target, drafter = models
     _, config = _engine_config(
         models,
         {"method": "dflash", "model": drafter, "num_speculative_tokens": 15},
@@ -602,22 +604,22 @@ def test_plain_dflash_is_untouched(models, cuda_platform):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_num_batched_tokens=100), "cannot hold one DDTree step"),
-        (dict(attention_backend="FLASH_ATTN"), "backend is set to FLASH_ATTN"),
-        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
-        (dict(enable_lora=True), "LoRA adapters"),
+        ({"max_num_batched_tokens": 100}, "cannot hold one DDTree step"),
+        ({"attention_backend": "FLASH_ATTN"}, "backend is set to FLASH_ATTN"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
+        ({"enable_lora": True}, "LoRA adapters"),
         (
-            dict(
-                kv_transfer_config={
+            {
+                "kv_transfer_config": {
                     "kv_connector": "ExampleConnector",
                     "kv_role": "kv_both",
                 }
-            ),
+            },
             "drop --kv-transfer-config",
         ),
-        (dict(data_parallel_size=2), "drop --data-parallel-size"),
+        ({"data_parallel_size": 2}, "drop --data-parallel-size"),
         # vLLM builds the offloading connector after --kv-transfer-config's check.
-        (dict(kv_offloading_size=2.0), "drop --kv-offloading-size"),
+        ({"kv_offloading_size": 2.0}, "drop --kv-offloading-size"),
     ],
 )
 def test_engine_config_errors(models, cuda_platform, kwargs, match):
@@ -807,13 +809,12 @@ def _kv_blocks_run(config, num_drafts: int, steps: int = 12):
     requests whose drafts are accepted as KV_TEST_ACCEPTED says: per request and
     step, (blocks held after scheduling, tokens the step needs slots for); and
     the mean blocks held per request at the end, and for its computed tokens."""
+    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.utils.math_utils import cdiv
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
     from tests.plugins.engine_summary import build_scheduler
-
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     sched = build_scheduler(config, num_blocks=1024)
     # Prefix caching on (vLLM's default): blocks are hashed as the engine does.
@@ -934,9 +935,9 @@ def _adaptive_async_run(models, reports):
     from vllm.utils.math_utils import cdiv
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.spec_decode.ddtree_adaptive import BudgetReport
 
     from tests.plugins.engine_summary import build_scheduler
+    from vllm.v1.spec_decode.ddtree_adaptive import BudgetReport
 
     _, config = _engine_config(
         models,
@@ -1030,7 +1031,7 @@ def test_adaptive_slots_follow_the_budget_and_free_rejected_blocks(
         for h, n in zip(held, need):
             assert h == cdiv(n, 16), (slots, held, need)
             checked += 1
-    freed = [b - a for (*_, a), (*_, b) in zip(records, records[1:])]
+    freed = [b - a for (*_, a), (*_, b) in itertools.pairwise(records)]
     assert max(freed) > 0  # the drop returned blocks to the pool
     over = sum(records[-1][1]) - sum(cdiv(n - 16, 16) for n in records[-1][2])
     print(
@@ -1043,7 +1044,7 @@ def test_adaptive_slots_follow_the_budget_and_free_rejected_blocks(
     assert checked >= 4 * 15
     assert counted == verified > 0
     # The same reports without freeing: the cap's blocks stay held.
-    import vllm_ddtree.glue as glue
+    from vllm_ddtree import glue
 
     monkeypatch.setattr(glue, "_trim_dropped_slots", lambda sched: None)
     records, *_ = _adaptive_async_run(models, reports)
@@ -1080,7 +1081,6 @@ def test_scheduler_stats_of_dflash_are_vllms(models, cuda_platform):
 def _per_position_series(vllm_config, stats=None) -> dict[str, float]:
     """Position -> accepted count of vLLM's Prometheus logger, after ``stats``."""
     import prometheus_client
-
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
     logger = PrometheusStatLogger(vllm_config, engine_indexes=[0])
