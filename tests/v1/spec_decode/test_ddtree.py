@@ -209,6 +209,13 @@ def _store(trees, src) -> None:
         getattr(trees, name).copy_(getattr(src, name))
 
 
+def _trees_on_cpu(spec):
+    """A copy of the speculator's trees, as the reference helpers take them."""
+    return types.SimpleNamespace(
+        **{name: getattr(spec.trees, name).cpu() for name in TREE_FIELDS}
+    )
+
+
 def _fed_ids(trees, gen, zero_slots=(), batch=BATCH) -> torch.Tensor:
     """The step's input ids as MRv2 writes them: per tree row the root (last
     sampled token) then the slot's draft tokens (padding nodes as 0; all zeros
@@ -386,8 +393,8 @@ def _verify(spec, model_state, attn_groups, batch, logits, block_table=None):
     """One target step: the model state's ``prepare_attn``, then the
     speculator's rejection sampler, as MRv2 runs them; returns the walk."""
     if block_table is None:
-        block_table = _block_table(torch.Generator().manual_seed(7), batch_of(batch))
-    slot_mapping = _slot_mapping(block_table, batch.positions.cpu(), batch_of(batch))
+        block_table = _block_table(torch.Generator().manual_seed(7), _rows_of(batch))
+    slot_mapping = _slot_mapping(block_table, batch.positions.cpu(), _rows_of(batch))
     model_state.prepare_attn(
         batch,
         CUDAGraphMode.NONE,
@@ -402,7 +409,7 @@ def _verify(spec, model_state, attn_groups, batch, logits, block_table=None):
     return sampler(logits.to(DEVICE), batch, None)
 
 
-def batch_of(batch: InputBatch) -> list[tuple[int, int, int, int]]:
+def _rows_of(batch: InputBatch) -> list[tuple[int, int, int, int]]:
     """The (state, tokens, drafts, p0) rows an input batch was built from."""
     return [
         (int(s), int(q), int(b), int(p0))
@@ -749,25 +756,19 @@ def test_finished_request_slot_is_left_then_reset_for_the_next(
         assert torch.equal(spec.trees.token_ids[s].cpu(), want), s
     step_3 = [(0, 7, 6, 5), (2, 7, 6, 58)]
     old = types.SimpleNamespace(**{n: after_1[n].cpu() for n in TREE_FIELDS})
-    fed = _fed_ids(spec_trees_cpu(spec), gen, zero_slots={0}, batch=step_3)
+    fed = _fed_ids(_trees_on_cpu(spec), gen, zero_slots={0}, batch=step_3)
     batch_3 = _input_batch(_flat_positions(step_3), fed, batch=step_3)
     cu = batch_3.cu_num_logits.cpu()
     logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
     old_path = _path_to(old.parent_ids[0], _deepest(old.depths[0], 6))
     _steer(logits, cu, 0, old.token_ids[0], old_path)
-    live = spec_trees_cpu(spec)
+    live = _trees_on_cpu(spec)
     path2 = _path_to(live.parent_ids[2], _deepest(live.depths[2], 6))
     _steer(logits, cu, 1, live.token_ids[2], path2)
     out = _verify(spec, state_ms, attn_groups, batch_3, logits)
     _assert_root_only(out, 0, logits, int(cu[0]), num_nodes=6)
     assert len(old_path) >= 1
     assert out.accepted_nodes[1, : len(path2)].tolist() == path2 != []
-
-
-def spec_trees_cpu(spec):
-    return types.SimpleNamespace(
-        **{name: getattr(spec.trees, name).cpu() for name in TREE_FIELDS}
-    )
 
 
 def test_walk_accepts_only_what_the_target_was_fed(vllm_config, monkeypatch):
