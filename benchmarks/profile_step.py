@@ -212,7 +212,7 @@ HOST_SYNC_NAMES = frozenset(
 _MR = "vllm.v1.worker.gpu.model_runner"
 _ATTN = "attention metadata (model state prepare_attn)"
 _WALK = "rejection sampler / tree walk"
-_PROPOSE = "propose (drafter, tree build)"
+_PROPOSE = "propose (KV compaction, drafter, tree build)"
 _EAGER_ATTN = "attention layers run outside full graphs (in execute_model / propose)"
 HOST_SCOPES = (
     (
@@ -269,7 +269,7 @@ HOST_SCOPES = (
         "__call__",
     ),
     (
-        "postprocess_sampled (request state, KV compaction)",
+        "postprocess_sampled (request state)",
         2,
         _MR,
         "GPUModelRunner",

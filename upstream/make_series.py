@@ -224,12 +224,25 @@ gives the same results with and without the series.""",
 * ddtree.py: DDTreeSpeculator subclasses MRv2's DFlashSpeculator and
   overrides the input preparation (context = root + accepted path), the
   graph body (logits -> build_ddtree), propose and init_cudagraph_manager.
-  Upstream it would move to vllm/v1/worker/gpu/spec_decode/ddtree/; it keeps
-  the overlay's path here.
+  It owns the per-request trees (DraftTrees, reset in add_request as
+  RequestState resets its draft tokens) and their verification:
+  init_rejection_sampler returns the TreeRejectionSampler that walks them,
+  and propose takes the walk (sampler_output), moves the accepted paths'
+  KV into place and starts the drafter's context from them. Upstream it
+  would move to vllm/v1/worker/gpu/spec_decode/ddtree/; it keeps the
+  overlay's path here.
+* spec_decode/speculator.py: two BaseSpeculator hooks whose defaults keep
+  every other speculator as it is, init_rejection_sampler (vLLM's
+  RejectionSampler) and add_request (nothing), and a sampler_output=None
+  keyword on propose (the base, DFlash and the autoregressive speculators
+  take it and ignore it). model_runner.py calls them: load_model builds the
+  rejection sampler through the speculator, add_requests calls its
+  add_request after the model state's, and sample_tokens passes the step's
+  sampler output to propose.
 * ddtree_verify.py: DDTreeModelState (a DefaultModelState) writes tree
-  positions and masks in place after MRv2's slot mapping, installs the tree
-  rejection sampler and compacts the accepted path's KV; ddtree_inputs.py
-  holds the per-request tree state (reset in add_request).
+  positions and masks in place after MRv2's slot mapping, from the
+  speculator's trees (handed over in set_attn); ddtree_inputs.py: the GPU
+  writers of those inputs, of the drafter's context and of stored trees.
 * ddtree_adaptive.py: the adaptive budget's planner. DDTreeSpeculator
   builds it; the scheduler and model-runner hooks that drive it are patch 6
   (the config refuses adaptive budgets until then, so it stays idle).
@@ -244,18 +257,23 @@ gives the same results with and without the series.""",
   padded with placeholder drafts drop the placeholders' rows
   (ddtree_verify.trim_prompt_logprobs).
 
-Tests: tests/v1/spec_decode/test_ddtree_inputs.py (tree positions, masks and
-slots), test_ddtree_adaptive.py, test_ddtree_tp.py (kernels on sharded heads)
-and test_ddtree_prompt_logprobs.py (MRv2's own prompt-logprobs worker on a
-padded join, trimmed, equals the step without speculation). The speculator's
-end-to-end tests (greedy output equal to no
-speculation on every serving path) need a GPU and the overlay's engine
-fixtures (tests/e2e), which are not in this patch.""",
+Tests: tests/v1/spec_decode/test_ddtree.py (the speculator and model state
+through these hooks on the CPU: tree inputs, the walk, propose given the
+walk with the KV compaction against its torch reference and the drafter's
+context, and request slots that are joined, finished and reused),
+test_ddtree_inputs.py (tree positions, masks and slots),
+test_ddtree_adaptive.py, test_ddtree_tp.py (kernels on sharded heads) and
+test_ddtree_prompt_logprobs.py (MRv2's own prompt-logprobs worker on a
+padded join, trimmed, equals the step without speculation). The
+speculator's end-to-end tests (greedy output equal to no speculation on
+every serving path) need a GPU and the overlay's engine fixtures
+(tests/e2e), which are not in this patch.""",
         files=(
             "vllm/v1/spec_decode/ddtree_inputs.py",
             "vllm/v1/spec_decode/ddtree_adaptive.py",
             "vllm/v1/spec_decode/ddtree.py",
             "vllm/v1/spec_decode/ddtree_verify.py",
+            "tests/v1/spec_decode/test_ddtree.py",
             "tests/v1/spec_decode/test_ddtree_inputs.py",
             "tests/v1/spec_decode/test_ddtree_adaptive.py",
             "tests/v1/spec_decode/test_ddtree_tp.py",

@@ -38,7 +38,13 @@ Engine-core and worker side:
    TREE_ATTN kernel variant a step can pick
    (``DDTreeModelState.warm_up_tree_attention``); ``init_speculator`` (as the
    runner imported it): ``DDTreeSpeculator``.
-6. ``init_model_state`` (as the runner imported it): ``DDTreeModelState``.
+6. ``init_model_state`` (as the runner imported it): ``DDTreeModelState`` (tree
+   positions and masks for attention). Tree verification is the speculator's:
+   ``GPUModelRunner.load_model`` installs its tree sampler
+   (``DDTreeSpeculator.init_rejection_sampler``) in the rejection-sampler slot,
+   ``GPUModelRunner.add_requests`` resets a joining request's tree
+   (``DDTreeSpeculator.add_request``), and ``GPUModelRunner.sample_tokens``
+   hands the step's sampler output (the walk) to ``DDTreeSpeculator.propose``.
 7. ``GPUModelRunner.execute_model`` / ``prepare_inputs`` (adaptive budgets: the
    block table rows the scheduler cut, the step's budget, and the batch-wide
    split of its nodes), ``sample_tokens`` (the budget report on the step's
@@ -60,6 +66,7 @@ Everything the wrappers put into the config is a plain int, string or enum, so
 spawned engine-core and worker processes unpickle it before this plugin loads.
 """
 
+import contextlib
 import copy
 import functools
 import importlib.abc
@@ -111,6 +118,7 @@ def _patch_model_runner(module) -> None:
     _wrap(module, "init_model_state", _init_model_state)
     _wrap(module.GPUModelRunner, "__init__", _model_runner_init)
     _wrap(module.GPUModelRunner, "load_model", _load_model)
+    _wrap(module.GPUModelRunner, "add_requests", _add_requests)
     _wrap(module.GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
     _wrap(module.GPUModelRunner, "capture_model", _capture_model)
     _wrap(module.GPUModelRunner, "execute_model", _execute_model)
@@ -694,7 +702,36 @@ def _load_model(original, self, *args, **kwargs):
     finally:
         module.StructuredOutputsWorker = worker_cls
     _trim_prompt_logprobs_of(self)
+    speculator = _ddtree_speculator(self)
+    if speculator is not None and getattr(self, "sampler", None) is not None:
+        # The speculator verifies its own drafts: its tree sampler takes the
+        # rejection-sampler slot, where vLLM built its chain sampler.
+        self.rejection_sampler = speculator.init_rejection_sampler(
+            self.sampler, self.speculative_config, self.device
+        )
     return out
+
+
+def _ddtree_speculator(runner):
+    """The runner's ``DDTreeSpeculator``, or None. A runner whose process never
+    loaded DDTree's speculator module has none (checked without importing it)."""
+    module = sys.modules.get("vllm.v1.spec_decode.ddtree")
+    speculator = getattr(runner, "speculator", None)
+    if module is None or not isinstance(speculator, module.DDTreeSpeculator):
+        return None
+    return speculator
+
+
+def _add_requests(original, self, scheduler_output, *args, **kwargs):
+    original(self, scheduler_output, *args, **kwargs)
+    speculator = _ddtree_speculator(self)
+    if speculator is None:
+        return
+    # vLLM's loop over the joining requests, after it: each one's slot holds
+    # no tree until the speculator drafts one (MRv2's RequestState life cycle).
+    index = self.req_states.req_id_to_index
+    for new_req_data in scheduler_output.scheduled_new_reqs:
+        speculator.add_request(index[new_req_data.req_id], new_req_data)
 
 
 def _trim_prompt_logprobs_of(runner) -> None:
@@ -749,13 +786,58 @@ def _execute_model(original, self, scheduler_output, *args, **kwargs):
 
 
 def _sample_tokens(original, self, *args, **kwargs):
-    out = original(self, *args, **kwargs)
+    speculator = _ddtree_speculator(self)
+    if speculator is None:
+        out = original(self, *args, **kwargs)
+    else:
+        out = _with_sampler_output_to_propose(
+            original, self, speculator, *args, **kwargs
+        )
     adaptive = _adaptive_of(self)
     # MRv2's last rank returns its step's own output object (async or not).
     target = getattr(out, "model_runner_output", None)
     if adaptive is not None and target is not None:
         target.ddtree_budget = adaptive.report()
     return out
+
+
+def _with_sampler_output_to_propose(original, runner, speculator, *args, **kwargs):
+    """``original(runner, ...)`` (vLLM's ``sample_tokens``), whose
+    ``speculator.propose`` call gets the step's sampler output (the tree walk)
+    as ``sampler_output``: vLLM 0.26 keeps it from the speculator. For this call
+    only, ``runner.sample`` passes its output on to ``speculator.propose``."""
+    sample, propose = runner.sample, speculator.propose
+    outputs = []
+
+    def sample_and_keep(*a, **k):
+        result = sample(*a, **k)
+        outputs.append(result[0])
+        return result
+
+    def propose_with_output(*a, **k):
+        return propose(*a, sampler_output=outputs[-1] if outputs else None, **k)
+
+    with (
+        _on_instance(runner, "sample", sample_and_keep),
+        _on_instance(speculator, "propose", propose_with_output),
+    ):
+        return original(runner, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _on_instance(obj, name: str, value):
+    """``obj.name = value`` on the instance for the ``with`` block, then what
+    it was (the class's attribute, or an earlier instance attribute)."""
+    own = vars(obj)
+    had, old = name in own, own.get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, old)
+        else:
+            delattr(obj, name)
 
 
 def _prepare_inputs(original, self, *args, **kwargs):

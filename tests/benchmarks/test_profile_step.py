@@ -916,7 +916,7 @@ def test_markdown_report_host_table():
     ddtree, dflash = _result("ddtree-15", 90.0, 20.0), _result("dflash")
     # Older results have no host scopes: no host table.
     assert "Host (CPU) time" not in ps.markdown_report([ddtree, dflash])
-    step, propose = ps.HOST_SCOPES[0][0], "propose (drafter, tree build)"
+    step, propose = ps.HOST_SCOPES[0][0], ps._PROPOSE
     ddtree["decode"].update(
         host_scopes_us={step: 5000.0, propose: 900.0}, host_sync_us=120.0
     )

@@ -725,3 +725,211 @@ def test_model_runner_sizes_ddtree_outputs():
     assert "from vllm.v1.spec_decode.ddtree_verify import trim_prompt_logprobs" in (
         source
     )
+
+
+# Tree verification as a property of the speculator (patch 5): BaseSpeculator's
+# hooks, their defaults for chain speculators, and the model runner's calls,
+# the last two run with stand-ins for the runner up to the speculator.
+
+# runner method -> the speculator hook it calls on self.speculator
+SPECULATOR_HOOKS = {
+    ("load_model", "init_rejection_sampler"),
+    ("add_requests", "add_request"),
+}
+
+
+def _speculator_method(call):
+    func = call.func
+    if (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Attribute)
+        and func.value.attr == "speculator"
+    ):
+        return func.attr
+    return None
+
+
+def test_base_speculator_hooks_keep_chains_as_they_are():
+    """``init_rejection_sampler`` gives a chain speculator vLLM's own
+    rejection sampler, ``add_request`` does nothing, and every ``propose``
+    the runner can call takes ``sampler_output`` (None by default); DDTree
+    overrides the two hooks."""
+    from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import (
+        AutoRegressiveSpeculator,
+    )
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+    from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
+
+    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
+
+    for cls in (
+        BaseSpeculator,
+        DFlashSpeculator,
+        AutoRegressiveSpeculator,
+        DDTreeSpeculator,
+    ):
+        param = inspect.signature(cls.propose).parameters["sampler_output"]
+        assert param.default is None, cls
+    chain = object.__new__(DFlashSpeculator)  # no attribute is read
+    sampler = object()
+    spec_config = types.SimpleNamespace(
+        num_speculative_tokens=3, rejection_sample_method="strict"
+    )
+    verifier = chain.init_rejection_sampler(sampler, spec_config, "cpu")
+    assert type(verifier) is RejectionSampler and verifier.sampler is sampler
+    assert chain.add_request(0, object()) is None
+    for hook in ("init_rejection_sampler", "add_request"):
+        assert getattr(DDTreeSpeculator, hook) is not getattr(BaseSpeculator, hook)
+
+
+def test_model_runner_calls_the_speculator_hooks():
+    """Where the runner calls each hook, with arguments the DDTree
+    speculator's signatures take; ``load_model`` builds no rejection sampler
+    itself, and ``sample_tokens`` passes its sampler output to ``propose``."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
+
+    calls = _runner_calls(_speculator_method)
+    hooks = {"init_rejection_sampler", "add_request"}
+    assert {(m, n) for m, n, _ in calls if n in hooks} == SPECULATOR_HOOKS
+    proposes = [(m, c) for m, n, c in calls if n == "propose"]
+    assert sorted(m for m, _ in proposes) == ["_dummy_run", "sample_tokens"]
+    for method, name, call in calls:
+        if name in hooks | {"propose"}:
+            signature = inspect.signature(getattr(DDTreeSpeculator, name))
+            signature.bind(
+                object(), *call.args, **{k.arg: None for k in call.keywords if k.arg}
+            )
+    (step_propose,) = [c for m, c in proposes if m == "sample_tokens"]
+    keywords = {k.arg: ast.unparse(k.value) for k in step_propose.keywords}
+    assert keywords["sampler_output"] == "sampler_output"
+    load_source = inspect.getsource(GPUModelRunner.load_model)
+    assert "RejectionSampler(" not in load_source
+
+
+def _new_request(req_id):
+    """The fields of MRv2's NewRequestData that add_requests reads."""
+    return types.SimpleNamespace(
+        req_id=req_id,
+        prompt_token_ids=[1, 2, 3],
+        prefill_token_ids=[1, 2, 3],
+        sampling_params=None,
+        num_computed_tokens=0,
+        block_ids=([1],),
+        lora_request=None,
+        mm_features=None,
+    )
+
+
+def test_add_requests_tells_the_speculator_of_each_joining_request():
+    """The runner's own add_requests over two joining requests, on stand-ins:
+    the speculator's ``add_request`` gets each one's slot and data, after the
+    model state's (so a tree speculator resets the slot as ``RequestState``
+    resets its draft tokens; tests/v1/spec_decode/test_ddtree.py checks the
+    reset itself)."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    order = []
+    slots = iter((2, 0))
+    index = {}
+
+    def add_request(req_id, **kwargs):
+        index[req_id] = next(slots)
+
+    def record(owner):
+        return lambda req_index, data: order.append((owner, req_index, data.req_id))
+
+    runner = types.SimpleNamespace(
+        _remove_request=lambda req_id: None,
+        req_states=types.SimpleNamespace(
+            add_request=add_request,
+            req_id_to_index=index,
+            apply_staged_writes=lambda: None,
+        ),
+        encoder_cache=None,
+        model_state=types.SimpleNamespace(
+            add_request=record("model_state"), apply_staged_writes=lambda: None
+        ),
+        speculator=types.SimpleNamespace(add_request=record("speculator")),
+        block_tables=types.SimpleNamespace(append_block_ids=lambda *a, **k: None),
+        lora_state=types.SimpleNamespace(add_request=lambda *a: None),
+        is_last_pp_rank=False,
+        sampler=None,
+    )
+    requests = [_new_request("a"), _new_request("b")]
+    GPUModelRunner.add_requests(
+        runner, types.SimpleNamespace(scheduled_new_reqs=requests)
+    )
+    assert order == [
+        ("model_state", 2, "a"),
+        ("speculator", 2, "a"),
+        ("model_state", 0, "b"),
+        ("speculator", 0, "b"),
+    ]
+
+
+def test_sample_tokens_hands_the_step_walk_to_propose(monkeypatch):
+    """The runner's own sample_tokens, on stand-ins up to the speculator: the
+    object its ``sample`` returned reaches ``propose`` as ``sampler_output``,
+    after the request states were updated (``postprocess_sampled``)."""
+    from vllm.v1.worker.gpu import model_runner
+
+    # The step's sampler output: the runner reads its sampled tokens only.
+    walk = types.SimpleNamespace(sampled_token_ids="sampled")
+    order = []
+
+    def propose(*args, sampler_output=None, **kwargs):
+        order.append(("propose", sampler_output))
+        return torch.ones(1, 2, dtype=torch.int64)
+
+    monkeypatch.setattr(model_runner, "AsyncOutput", lambda **kwargs: "async")
+    batch = types.SimpleNamespace(
+        req_ids=["a"], idx_mapping=torch.tensor([1]), query_start_loc=None
+    )
+    runner = types.SimpleNamespace(
+        execute_model_state=types.SimpleNamespace(
+            input_batch=batch,
+            attn_metadata={},
+            slot_mappings_by_layer={},
+            hidden_states=torch.zeros(3, 4),
+            aux_hidden_states=None,
+            finished_req_ids=set(),
+        ),
+        is_last_pp_rank=True,
+        pcp_manager=None,
+        sample=lambda hidden, input_batch, grammar: (walk, "num_sampled", "num_rej"),
+        pp_handler=None,
+        prompt_logprobs_worker=types.SimpleNamespace(
+            compute_prompt_logprobs=lambda *args: {}
+        ),
+        model=types.SimpleNamespace(compute_logits=None),
+        req_states=types.SimpleNamespace(
+            all_token_ids=types.SimpleNamespace(gpu=None),
+            num_computed_tokens=types.SimpleNamespace(gpu=None),
+            prompt_len=types.SimpleNamespace(np=None),
+            last_sampled_tokens=None,
+            next_prefill_tokens=None,
+            draft_tokens=torch.zeros(2, 2, dtype=torch.int64),
+        ),
+        is_ddtree=False,
+        main_stream=None,
+        output_copy_stream=None,
+        speculator=types.SimpleNamespace(supports_mm_inputs=False, propose=propose),
+        postprocess_sampled=lambda *args: order.append(("postprocess", args[1])),
+        sampler=types.SimpleNamespace(
+            sampling_states=types.SimpleNamespace(
+                temperature=types.SimpleNamespace(gpu=None),
+                seeds=types.SimpleNamespace(gpu=None),
+            )
+        ),
+        num_speculative_steps=2,
+        draft_tokens_handler=types.SimpleNamespace(set_draft_tokens=lambda *a: None),
+        kv_connector=types.SimpleNamespace(post_forward=lambda ids: None),
+        ddtree_adaptive=None,
+        eplb=types.SimpleNamespace(step=lambda **kwargs: None),
+    )
+    assert model_runner.GPUModelRunner.sample_tokens(runner, None) == "async"
+    assert order == [("postprocess", "sampled"), ("propose", walk)]
+    assert runner.req_states.draft_tokens[1].tolist() == [1, 1]

@@ -1,12 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The DDTree proposer on Model Runner V2: one step through the MRv2 hooks, and
-the per-request state's life cycle, without a model runner.
+"""The DDTree speculator on Model Runner V2: one step through its hooks and
+the model state's, and the per-request trees' life cycle, without a model
+runner.
 
 A real engine config (tiny Qwen3 target, tiny DFlash drafter with block size 4),
 real TREE_ATTN metadata builders and the real DDTree classes; the target's logits,
 the KV caches and the drafter network are stand-ins. On the CPU every kernel runs
-in the Triton interpreter.
+in the Triton interpreter. The model runner's calls are made as MRv2 makes them
+(with the series' hooks): ``set_attn``, then per step ``add_request`` for joining
+requests, ``DDTreeModelState.prepare_attn``, the speculator's rejection sampler
+(``init_rejection_sampler``) and ``propose(..., sampler_output=<the walk>)``.
 
 Batch: request state 2 verifies a full tree, state 0 a tree the scheduler trimmed
 to 4 nodes, state 3 runs a chunk of its prefill (5 tokens, no drafts).
@@ -37,11 +41,16 @@ from vllm.v1.attention.backends.tree_attn import (
     kv_cache_as_kv_first,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.sample.tree_rejection_sampler import (
+    TreeRejectionSampler,
+    TreeSamplerOutput,
+)
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm.v1.spec_decode.ddtree_inputs import draft_context_size
 from vllm.v1.spec_decode.dflash_tree_builder import build_ddtree
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.utils import AttentionGroup
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,9 +58,13 @@ BUDGET, BLOCK, DEPTH = 6, 16, 3
 NUM_KV_HEADS, HEAD_SIZE = 2, 64
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-# (request state, tokens scheduled, draft tokens, committed length p0)
+# (request state, tokens scheduled, draft tokens, committed length p0); a row
+# without drafts is a prefill chunk.
 BATCH = [(2, 7, 6, 40), (0, 5, 4, 17), (3, 5, 0, 10)]
 NUM_STATES = 4
+# Prompt lengths by request state (state 1 is never used).
+PREFILL_LEN = [5, 0, 5, 100]
+TREE_FIELDS = ("token_ids", "parent_ids", "depths", "attn_mask", "log_probs")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,17 +75,17 @@ def _interpreter_shims():
 
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory):
-    import vllm_ddtree
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    vllm_ddtree.register()
     root = tmp_path_factory.mktemp("ddtree_step")
     target = make_tiny_qwen3(root / "target", num_hidden_layers=2)
     drafter = make_tiny_dflash(root / "drafter", target, block_size=DEPTH + 1)
     with pytest.MonkeyPatch.context() as mp:
         # EngineArgs asks the platform for a device type; a CPU-only box has none.
         mp.setattr(type(current_platform), "device_type", "cuda", raising=False)
+        # "ddtree" is vLLM's own method with the series applied; on the overlay
+        # vLLM loads the DDTree plugin (its entry point) as EngineArgs is built.
         args = EngineArgs(
             model=str(target),
             speculative_config={
@@ -99,14 +112,15 @@ def test_config_carries_ddtree(vllm_config):
 # ---------------------------------------------------------------------------
 
 
-def _input_batch(positions: torch.Tensor, input_ids=None) -> InputBatch:
-    num_reqs = len(BATCH)
-    q_lens = np.array([q for _, q, _, _ in BATCH], dtype=np.int32)
-    drafts = np.array([b for _, _, b, _ in BATCH], dtype=np.int32)
+def _input_batch(positions: torch.Tensor, input_ids=None, batch=BATCH) -> InputBatch:
+    num_reqs = len(batch)
+    q_lens = np.array([q for _, q, _, _ in batch], dtype=np.int32)
+    drafts = np.array([b for _, _, b, _ in batch], dtype=np.int32)
+    prefill = drafts == 0
     qsl_np = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu_np = np.concatenate([[0], np.cumsum(np.where(drafts > 0, drafts + 1, 1))])
     cu_np = cu_np.astype(np.int32)
-    seq_lens = np.array([p0 + q for _, q, _, p0 in BATCH], dtype=np.int32)
+    seq_lens = np.array([p0 + q for _, q, _, p0 in batch], dtype=np.int32)
     num_tokens = int(q_lens.sum())
     logits_indices = torch.cat(
         [
@@ -119,7 +133,11 @@ def _input_batch(positions: torch.Tensor, input_ids=None) -> InputBatch:
     cu = torch.from_numpy(cu_np)
     counts = (cu[1:] - cu[:-1]).long()
     expanded_local_pos = torch.cat([torch.arange(int(c)) for c in counts])
-    idx_mapping = torch.tensor([s for s, _, _, _ in BATCH], dtype=torch.int32)
+    idx_mapping = torch.tensor([s for s, _, _, _ in batch], dtype=torch.int32)
+    prefill_len = np.array([PREFILL_LEN[s] for s, *_ in batch], dtype=np.int32)
+    computed_prefill = np.where(prefill, [p0 for *_, p0 in batch], prefill_len).astype(
+        np.int32
+    )
     return InputBatch(
         req_ids=[f"req{r}" for r in range(num_reqs)],
         num_reqs=num_reqs,
@@ -138,10 +156,10 @@ def _input_batch(positions: torch.Tensor, input_ids=None) -> InputBatch:
         seq_lens=torch.from_numpy(seq_lens).to(DEVICE),
         seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
         dcp_local_seq_lens=None,
-        num_computed_tokens_np=np.array([p0 for *_, p0 in BATCH], dtype=np.int32),
-        prefill_len_np=np.array([5, 5, 100], dtype=np.int32),
-        num_computed_prefill_tokens_np=np.array([5, 5, 10], dtype=np.int32),
-        is_prefilling_np=np.array([False, False, True]),
+        num_computed_tokens_np=np.array([p0 for *_, p0 in batch], dtype=np.int32),
+        prefill_len_np=prefill_len,
+        num_computed_prefill_tokens_np=computed_prefill,
+        is_prefilling_np=prefill,
         max_seq_len_np=None,
         input_ids=(
             torch.zeros(num_tokens, dtype=torch.int32)
@@ -158,20 +176,22 @@ def _input_batch(positions: torch.Tensor, input_ids=None) -> InputBatch:
     )
 
 
-def _flat_positions() -> torch.Tensor:
+def _flat_positions(batch=BATCH) -> torch.Tensor:
     """What MRv2 writes before the DDTree hooks: p0, p0 + 1, ... per request."""
-    return torch.cat([torch.arange(p0, p0 + q) for _, q, _, p0 in BATCH])
+    return torch.cat([torch.arange(p0, p0 + q) for _, q, _, p0 in batch])
 
 
-def _block_table(gen) -> torch.Tensor:
+def _block_table(gen, batch=BATCH) -> torch.Tensor:
     """[num_reqs, 8] distinct random blocks per request (batch order)."""
-    blocks = torch.randperm(64, generator=gen)[: len(BATCH) * 8] + 1
-    return blocks.view(len(BATCH), 8).to(torch.int32)
+    blocks = torch.randperm(64, generator=gen)[: len(batch) * 8] + 1
+    return blocks.view(len(batch), 8).to(torch.int32)
 
 
-def _slot_mapping(block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _slot_mapping(
+    block_table: torch.Tensor, positions: torch.Tensor, batch=BATCH
+) -> torch.Tensor:
     slots, start = [], 0
-    for r, (_, q, _, _) in enumerate(BATCH):
+    for r, (_, q, _, _) in enumerate(batch):
         for p in positions[start : start + q].tolist():
             slots.append(int(block_table[r, p // BLOCK]) * BLOCK + p % BLOCK)
         start += q
@@ -183,12 +203,25 @@ def _trees(gen):
     return build_ddtree_reference(logits, BUDGET)
 
 
-def _fed_ids(trees, gen, zero_slots=()) -> torch.Tensor:
+def _store(trees, src) -> None:
+    """Every slot of the speculator's trees <- ``src`` (trees drafted before)."""
+    for name in TREE_FIELDS:
+        getattr(trees, name).copy_(getattr(src, name))
+
+
+def _trees_on_cpu(spec):
+    """A copy of the speculator's trees, as the reference helpers take them."""
+    return types.SimpleNamespace(
+        **{name: getattr(spec.trees, name).cpu() for name in TREE_FIELDS}
+    )
+
+
+def _fed_ids(trees, gen, zero_slots=(), batch=BATCH) -> torch.Tensor:
     """The step's input ids as MRv2 writes them: per tree row the root (last
     sampled token) then the slot's draft tokens (padding nodes as 0; all zeros
     for a slot MRv2 reset on add), random prompt tokens for a prefill chunk."""
     ids = []
-    for s, q, b, _ in BATCH:
+    for s, q, b, _ in batch:
         if b:
             drafts = trees.token_ids[s, :b].clamp(min=0)
             if s in zero_slots:
@@ -222,156 +255,17 @@ def _attn_groups(vllm_config):
     return [[group]]
 
 
-# ---------------------------------------------------------------------------
-# The step.
-# ---------------------------------------------------------------------------
+KV_CACHE_CONFIG = types.SimpleNamespace(
+    kv_cache_groups=[types.SimpleNamespace(layer_names=list(LAYERS))]
+)
 
 
-def test_verify_inputs_walk_and_compaction(vllm_config, monkeypatch):
-    gen = torch.Generator().manual_seed(0)
-    state_ms = _model_state(vllm_config)
-    state = state_ms.ddtree_state
-    trees = _trees(gen)
-    for name in ("token_ids", "parent_ids", "depths", "attn_mask"):
-        getattr(state.trees, name).copy_(getattr(trees, name))
-
-    positions = _flat_positions()
-    batch = _input_batch(positions, _fed_ids(trees, gen))
-    block_table = _block_table(gen)
-    slot_mapping = _slot_mapping(block_table, positions).to(DEVICE)
-    kv_cache_config = types.SimpleNamespace(
-        kv_cache_groups=[types.SimpleNamespace(layer_names=list(LAYERS))]
-    )
-    attn_groups = _attn_groups(vllm_config)
-    metadata = state_ms.prepare_attn(
-        batch,
-        CUDAGraphMode.NONE,
-        (block_table.to(DEVICE),),
-        slot_mapping[None],
-        attn_groups,
-        kv_cache_config,
-    )
-
-    # Tree rows: node i at p0 + depth_i; the trimmed tree keeps its prefix; the
-    # prefill chunk is untouched. Masks are the trees' rows, in batch order.
-    start = 0
-    for r, (s, q, b, p0) in enumerate(BATCH):
-        got = batch.positions[start : start + q].cpu()
-        if b:
-            want = torch.cat([torch.tensor([p0]), p0 + trees.depths[s, :b].long()])
-            assert torch.equal(
-                state_ms.tree_inputs.attn_mask[r, : b + 1].cpu(),
-                trees.attn_mask[s, : b + 1],
-            )
-        else:
-            want = torch.arange(p0, p0 + q)
-        assert torch.equal(got, want), r
-        start += q
-    assert state_ms.tree_inputs.is_tree[:3].tolist() == [1, 1, 0]
-    rows = metadata[LAYERS[0]].kernel_rows
-    assert rows.tree_mask.data_ptr() == state_ms.tree_inputs.attn_mask.data_ptr()
-    assert rows.is_tree.data_ptr() == state_ms.tree_inputs.is_tree.data_ptr()
-
-    # Walk: the target's greedy choices follow a random path of each tree.
-    cu = batch.cu_num_logits.cpu()
-    batch_trees = [trees.token_ids[s] for s, *_ in BATCH]
-    batch_parents = [trees.parent_ids[s] for s, *_ in BATCH]
-    logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
-    # Request 0 accepts the path to its last node; request 1 the path to its
-    # deepest kept node (paths skip indices, so the KV really moves).
-    paths = [
-        _path_to(batch_parents[0], _deepest(trees.depths[BATCH[0][0]], 6)),
-        _path_to(batch_parents[1], _deepest(trees.depths[BATCH[1][0]], 4)),
-    ]
-    for r, path in enumerate(paths):
-        cur = 0
-        for node in path:
-            row = int(cu[r]) + cur
-            logits[row, int(batch_trees[r][node - 1])] = logits[row].max() + 1
-            cur = node
-    sampler = StubSampler(
+def _sampler():
+    return StubSampler(
         temperature=torch.zeros(NUM_STATES, device=DEVICE),
         seeds=torch.arange(NUM_STATES, device=DEVICE),
-        prefill_len=torch.tensor([5, 0, 5, 100], dtype=torch.int32, device=DEVICE),
+        prefill_len=torch.tensor(PREFILL_LEN, dtype=torch.int32, device=DEVICE),
     )
-    _, rejection_sampler = state_ms.custom_sampler(sampler)
-    out = rejection_sampler(logits.to(DEVICE), batch, None)
-    verified = state.verified
-    assert verified is not None
-    # Each tree is the end of its request's query: the roots at rows 0, 7, 16.
-    qsl, cu_logits = verified.query_start_loc, verified.cu_num_logits
-    tree_start = qsl[1:] - (cu_logits[1:] - cu_logits[:-1])
-    assert tree_start.tolist() == [0, 7, 16]
-    k = out.num_accepted.tolist()
-    assert k[:2] == [len(p) for p in paths] and k[2] == 0
-    for r, path in enumerate(paths):
-        assert out.accepted_nodes[r, : k[r]].tolist() == path
-    assert any(node != d + 1 for path in paths for d, node in enumerate(path))
-    assert out.num_sampled.tolist() == [k[0] + 1, k[1] + 1, 0]
-    assert out.num_rejected.tolist() == [6 - k[0], 4 - k[1], 0]
-
-    # Compaction moves each accepted node's KV to slot p0 + d in both layers.
-    caches = [
-        torch.randn(64 + 1, NUM_KV_HEADS, BLOCK, 2 * HEAD_SIZE, generator=gen)
-        .to(DTYPE)
-        .to(DEVICE)
-        for _ in LAYERS
-    ]
-    want = [kv_cache_as_kv_first(c.clone(), HEAD_SIZE) for c in caches]
-    compact_tree_kv_reference(
-        want,
-        slot_mapping.cpu(),
-        torch.tensor([0, 7, 16, 21]),
-        out.accepted_nodes.cpu(),
-        out.num_accepted.cpu(),
-    )
-    forward_context = vllm_config.compilation_config.static_forward_context
-    for name, cache in zip(LAYERS, caches):
-        layer = types.SimpleNamespace(kv_cache=cache)
-        monkeypatch.setitem(forward_context, name, layer)
-    state_ms.postprocess_state(batch.idx_mapping, out.num_sampled)
-    for cache, ref in zip(caches, want):
-        assert torch.equal(kv_cache_as_kv_first(cache, HEAD_SIZE).cpu(), ref.cpu())
-
-    # The next step starts from scratch: no stale walk result.
-    state_ms.prepare_attn(
-        _input_batch(_flat_positions()),
-        CUDAGraphMode.NONE,
-        (block_table.to(DEVICE),),
-        slot_mapping[None],
-        attn_groups,
-        kv_cache_config,
-    )
-    assert state.verified is None
-
-
-# ---------------------------------------------------------------------------
-# Per-request state: joining requests, reused slots, what the target was fed.
-# ---------------------------------------------------------------------------
-
-
-def _verify(state_ms, vllm_config, batch, logits):
-    """prepare_attn then the walk, as MRv2 runs them in one step."""
-    block_table = _block_table(torch.Generator().manual_seed(7))
-    slot_mapping = _slot_mapping(block_table, batch.positions.cpu())
-    kv_cache_config = types.SimpleNamespace(
-        kv_cache_groups=[types.SimpleNamespace(layer_names=list(LAYERS))]
-    )
-    state_ms.prepare_attn(
-        batch,
-        CUDAGraphMode.NONE,
-        (block_table.to(DEVICE),),
-        slot_mapping[None].to(DEVICE),
-        _attn_groups(vllm_config),
-        kv_cache_config,
-    )
-    sampler = StubSampler(
-        temperature=torch.zeros(NUM_STATES, device=DEVICE),
-        seeds=torch.arange(NUM_STATES, device=DEVICE),
-        prefill_len=torch.tensor([5, 0, 5, 100], dtype=torch.int32, device=DEVICE),
-    )
-    _, rejection_sampler = state_ms.custom_sampler(sampler)
-    return rejection_sampler(logits.to(DEVICE), batch, None)
 
 
 def _steer(logits, cu, r, tokens, path) -> None:
@@ -384,127 +278,20 @@ def _steer(logits, cu, r, tokens, path) -> None:
         cur = node
 
 
-@pytest.mark.parametrize("history", ["never_used", "previous_request"])
-@pytest.mark.parametrize("target", ["old_tree_path", "zeros"])
-def test_joining_request_verifies_root_only(vllm_config, history, target):
-    """Batch row 0 (slot 2) joined this step with placeholder drafts: MRv2 fed
-    zeros at its 6 nodes and no tree was drafted for it. Whatever the target
-    samples (the path of the tree the slot's previous request left, or the
-    placeholder token 0 everywhere) it emits exactly one token, the target's
-    choice at the root, and every placeholder is rejected. Row 1 (slot 0), a
-    running request, keeps its tree and accepts its path."""
-    gen = torch.Generator().manual_seed(11)
-    state_ms = _model_state(vllm_config)
-    trees = _trees(gen)
-    if history == "previous_request":
-        for name in ("token_ids", "parent_ids", "depths", "attn_mask"):
-            getattr(state_ms.ddtree_state.trees, name).copy_(getattr(trees, name))
-    else:
-        # Slot 0 runs a drafted tree; slot 2 was never used.
-        for name in ("token_ids", "parent_ids", "depths", "attn_mask"):
-            getattr(state_ms.ddtree_state.trees, name)[0].copy_(getattr(trees, name)[0])
-    state_ms.add_request(2, _new_request())
-
-    batch = _input_batch(_flat_positions(), _fed_ids(trees, gen, zero_slots={2}))
-    cu = batch.cu_num_logits.cpu()
-    logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
-    old_path = _path_to(trees.parent_ids[2], _deepest(trees.depths[2], 6))
-    if target == "old_tree_path":
-        _steer(logits, cu, 0, trees.token_ids[2], old_path)
-    else:
-        logits[int(cu[0]) : int(cu[1]), 0] = logits.max() + 1
-    path1 = _path_to(trees.parent_ids[0], _deepest(trees.depths[0], 4))
-    _steer(logits, cu, 1, trees.token_ids[0], path1)
-
-    out = _verify(state_ms, vllm_config, batch, logits)
-
-    # Row 0: every node at the root's position, masks {root} / {root, self}.
-    p0 = BATCH[0][3]
-    assert batch.positions[:7].tolist() == [p0] * 7
-    mask = state_ms.tree_inputs.attn_mask[0, :7, 0].cpu()
-    assert mask.tolist() == [1] + [1 | (1 << j) for j in range(1, 7)]
-    assert out.num_accepted[0].item() == 0
-    assert out.num_sampled[0].item() == 1
-    assert out.num_rejected[0].item() == 6
-    assert out.sampled_token_ids[0, 0].item() == logits[0].argmax().item()
-    assert (out.sampled_token_ids[0, 1:] == -1).all()
-    # Row 1 is untouched by slot 2's reset.
-    assert out.num_accepted[1].item() == len(path1) > 0
-    assert out.accepted_nodes[1, : len(path1)].tolist() == path1
-    assert len(old_path) >= 1
-
-
-def test_walk_accepts_only_what_the_target_was_fed(vllm_config):
-    """A slot's stored tree and the step's input ids disagree from one node on
-    (any drift between the two copies): the walk stops before that node even
-    though the target's samples follow the stored tree's path."""
-    gen = torch.Generator().manual_seed(12)
-    state_ms = _model_state(vllm_config)
-    trees = _trees(gen)
-    for name in ("token_ids", "parent_ids", "depths", "attn_mask"):
-        getattr(state_ms.ddtree_state.trees, name).copy_(getattr(trees, name))
-    path = _path_to(trees.parent_ids[2], _deepest(trees.depths[2], 6))
-    assert len(path) >= 2
-    fed = _fed_ids(trees, gen)
-    # Node path[1] was fed another token than the stored tree says.
-    fed[path[1]] = (int(trees.token_ids[2, path[1] - 1]) + 1) % VOCAB_SIZE
-    batch = _input_batch(_flat_positions(), fed)
-    cu = batch.cu_num_logits.cpu()
-    logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
-    _steer(logits, cu, 0, trees.token_ids[2], path)
-
-    out = _verify(state_ms, vllm_config, batch, logits)
-    assert out.num_accepted[0].item() == 1
-    assert out.accepted_nodes[0, 0].item() == path[0]
-    assert out.sampled_token_ids[0, 1].item() == int(trees.token_ids[2, path[1] - 1])
-
-
-def test_add_request_resets_only_its_slot(vllm_config):
-    """``add_request`` clears the slot's tree (as MRv2 zeroes its draft
-    tokens) and no other; the speculator's next scatter fills it again."""
-    gen = torch.Generator().manual_seed(13)
-    state_ms = _model_state(vllm_config)
-    stored = state_ms.ddtree_state.trees
-    trees = _trees(gen)
-    assert (stored.token_ids == -1).all()  # a fresh state holds no tree
-    for name in ("token_ids", "parent_ids", "depths", "attn_mask"):
-        getattr(stored, name).copy_(getattr(trees, name))
-    state_ms.add_request(1, _new_request())
-    for s in range(NUM_STATES):
-        want = torch.full((BUDGET,), -1) if s == 1 else trees.token_ids[s]
-        assert torch.equal(stored.token_ids[s].cpu(), want), s
-    batch_trees = _trees(gen)
-    draft_tokens = torch.zeros(NUM_STATES, BUDGET, dtype=torch.int64, device=DEVICE)
-    stored.scatter_(
-        torch.tensor([1], device=DEVICE),
-        type(trees)(*(t.to(DEVICE) for t in vars(batch_trees).values())),
-        1,
-        draft_tokens,
-    )
-    assert torch.equal(stored.token_ids[1].cpu(), batch_trees.token_ids[0])
-    assert torch.equal(draft_tokens[0].cpu(), batch_trees.token_ids[0].clamp(min=0))
-
-
-def test_capture_and_draft_free_batches_are_causal(vllm_config):
-    state_ms = _model_state(vllm_config)
-    state_ms.tree_inputs.is_tree.fill_(1)
-    batch = _input_batch(_flat_positions())
-    batch.num_draft_tokens = 0
-    kv_cache_config = types.SimpleNamespace(
-        kv_cache_groups=[types.SimpleNamespace(layer_names=list(LAYERS))]
-    )
-    block_table = _block_table(torch.Generator().manual_seed(1)).to(DEVICE)
-    slot_mapping = _slot_mapping(block_table.cpu(), _flat_positions())[None]
-    state_ms.prepare_attn(
-        batch,
-        CUDAGraphMode.NONE,
-        (block_table,),
-        slot_mapping.to(DEVICE),
-        _attn_groups(vllm_config),
-        kv_cache_config,
-    )
-    assert not state_ms.tree_inputs.is_tree.any()
-    assert torch.equal(batch.positions.cpu(), _flat_positions())
+def _kv_caches(gen, monkeypatch, vllm_config) -> list[torch.Tensor]:
+    """Random KV caches of the target's TREE_ATTN layers, where MRv2's KV init
+    binds them (the layers in the static forward context)."""
+    caches = [
+        torch.randn(64 + 1, NUM_KV_HEADS, BLOCK, 2 * HEAD_SIZE, generator=gen)
+        .to(DTYPE)
+        .to(DEVICE)
+        for _ in LAYERS
+    ]
+    forward_context = vllm_config.compilation_config.static_forward_context
+    for name, cache in zip(LAYERS, caches):
+        layer = types.SimpleNamespace(kv_cache=cache)
+        monkeypatch.setitem(forward_context, name, layer)
+    return caches
 
 
 # ---------------------------------------------------------------------------
@@ -541,7 +328,10 @@ class _Drafter(torch.nn.Module):
         return hidden @ proj.view(8, VOCAB_SIZE) * 4
 
 
-def _speculator(vllm_config, model_state):
+def _speculator(vllm_config):
+    """A DDTreeSpeculator whose drafter network, drafter KV-cache groups and
+    CUDA-graph manager are stand-ins (loading the drafter and DFlash's
+    attention set-up need a GPU)."""
     from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
 
     spec = DDTreeSpeculator(vllm_config, torch.device(DEVICE))
@@ -554,7 +344,6 @@ def _speculator(vllm_config, model_state):
     spec._context_slot_mappings = torch.zeros(
         1, spec.max_num_context, dtype=torch.int64, device=DEVICE
     )
-    spec.state = model_state.ddtree_state
     spec.query_cudagraph_manager = types.SimpleNamespace(
         dispatch=lambda num_reqs, num_tokens, uniform, num_active_loras=0: (
             BatchExecutionDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs)
@@ -563,13 +352,502 @@ def _speculator(vllm_config, model_state):
     return spec
 
 
+def _attach(spec, model_state, attn_groups, monkeypatch) -> None:
+    """The speculator's ``set_attn`` as the model runner calls it; DFlash's
+    part (the drafter's own attention backends) is left out."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    monkeypatch.setattr(DFlashSpeculator, "set_attn", lambda self, *args: None)
+    spec.set_attn(model_state, None, None, None, attn_groups)
+
+
+def _attached(vllm_config, monkeypatch):
+    """A speculator and the target's model state, wired as in the model runner."""
+    spec, model_state = _speculator(vllm_config), _model_state(vllm_config)
+    attn_groups = _attn_groups(vllm_config)
+    _attach(spec, model_state, attn_groups, monkeypatch)
+    return spec, model_state, attn_groups
+
+
+def _draft_block_tables(block_table: torch.Tensor):
+    """The drafter's view of MRv2's block tables: one KV-cache group, whose
+    slot-mapping row the target step's slot mappings are views of."""
+    return types.SimpleNamespace(
+        slot_mappings=torch.zeros(1, 128, dtype=torch.int64, device=DEVICE),
+        input_block_tables=[block_table.to(DEVICE)],
+        kernel_block_sizes=[BLOCK],
+    )
+
+
+def _target_slots(spec, block_table, positions, batch=BATCH):
+    """The target step's slot mappings by layer as MRv2 hands them to
+    ``propose``: views of the block tables' slot-mapping buffer, which the
+    drafter's inputs reuse."""
+    slots = _slot_mapping(block_table, positions, batch).to(DEVICE)
+    row = spec.block_tables.slot_mappings[0, : slots.shape[0]]
+    row.copy_(slots)
+    return {name: row for name in LAYERS}
+
+
+def _verify(spec, model_state, attn_groups, batch, logits, block_table=None):
+    """One target step: the model state's ``prepare_attn``, then the
+    speculator's rejection sampler, as MRv2 runs them; returns the walk."""
+    if block_table is None:
+        block_table = _block_table(torch.Generator().manual_seed(7), _rows_of(batch))
+    slot_mapping = _slot_mapping(block_table, batch.positions.cpu(), _rows_of(batch))
+    model_state.prepare_attn(
+        batch,
+        CUDAGraphMode.NONE,
+        (block_table.to(DEVICE),),
+        slot_mapping[None].to(DEVICE),
+        attn_groups,
+        KV_CACHE_CONFIG,
+    )
+    sampler = spec.init_rejection_sampler(
+        _sampler(), spec.speculative_config, torch.device(DEVICE)
+    )
+    return sampler(logits.to(DEVICE), batch, None)
+
+
+def _rows_of(batch: InputBatch) -> list[tuple[int, int, int, int]]:
+    """The (state, tokens, drafts, p0) rows an input batch was built from."""
+    return [
+        (int(s), int(q), int(b), int(p0))
+        for s, q, b, p0 in zip(
+            batch.idx_mapping_np,
+            batch.num_scheduled_tokens,
+            batch.num_draft_tokens_per_req,
+            batch.num_computed_tokens_np,
+        )
+    ]
+
+
+def _propose(spec, batch, gen, num_sampled, sampler_output=None, slot_mappings=None):
+    """The speculator's ``propose`` as ``sample_tokens`` calls it (random aux
+    hidden states; last sampled tokens 100 + state, next prefill tokens
+    200 + state); returns the draft tokens and the aux hidden states."""
+    hidden = spec.vllm_config.model_config.get_hidden_size()
+    aux = [
+        torch.randn(batch.num_tokens, hidden, generator=gen).to(DEVICE)
+        for _ in range(2)
+    ]
+    draft = spec.propose(
+        batch,
+        {},
+        {} if slot_mappings is None else slot_mappings,
+        aux[0],
+        aux,
+        num_sampled.to(DEVICE),
+        torch.zeros(batch.num_reqs, dtype=torch.int32, device=DEVICE),
+        torch.arange(100, 100 + NUM_STATES, device=DEVICE)[:, None],
+        torch.arange(200, 200 + NUM_STATES, dtype=torch.int32, device=DEVICE),
+        torch.zeros(NUM_STATES, device=DEVICE),
+        torch.zeros(NUM_STATES, device=DEVICE),
+        sampler_output=sampler_output,
+    )
+    return draft, aux
+
+
+def _drafter_trees(spec, num_reqs: int):
+    """The trees the stand-in drafter's logits give for the last ``propose``
+    (its query rows are still in the drafter's input buffers)."""
+    n = num_reqs * (DEPTH + 1)
+    hidden_q = spec.model.forward(
+        spec.input_buffers.input_ids[:n].long(), spec.input_buffers.positions[:n]
+    ).view(num_reqs, DEPTH + 1, -1)[:, 1:]
+    logits = spec.model.compute_logits(hidden_q.reshape(-1, 8))
+    return build_ddtree(logits.view(num_reqs, DEPTH, -1), BUDGET)
+
+
+def test_speculator_builds_the_tree_sampler_over_its_trees(vllm_config):
+    """The rejection-sampler slot gets the one tree sampler, reading the
+    speculator's per-request trees in place."""
+    spec = _speculator(vllm_config)
+    sampler = _sampler()
+    tree_sampler = spec.init_rejection_sampler(
+        sampler, vllm_config.speculative_config, torch.device(DEVICE)
+    )
+    assert type(tree_sampler) is TreeRejectionSampler
+    assert tree_sampler.sampler is sampler and tree_sampler.max_depth == DEPTH
+    assert tree_sampler.tree_token_ids is spec.trees.token_ids
+    assert tree_sampler.tree_parent_ids is spec.trees.parent_ids
+    # A fresh speculator holds no tree: every slot verifies root-only.
+    assert (spec.trees.token_ids == -1).all()
+
+
+# ---------------------------------------------------------------------------
+# One step: verify inputs, walk, then propose with the walk.
+# ---------------------------------------------------------------------------
+
+
+def test_walk_output_drives_compaction_and_drafting(vllm_config, monkeypatch):
+    """A step end to end on the speculator's seams: tree inputs from its trees,
+    the walk by its sampler, and ``propose`` given the walk, which moves the
+    accepted paths' KV (against the torch reference) before the drafter's
+    inputs reuse the slot-mapping buffer, and starts the drafter's context
+    from the root and the accepted path."""
+    gen = torch.Generator().manual_seed(0)
+    spec, state_ms, attn_groups = _attached(vllm_config, monkeypatch)
+    trees = _trees(gen)
+    _store(spec.trees, trees)
+
+    positions = _flat_positions()
+    batch = _input_batch(positions, _fed_ids(trees, gen))
+    block_table = _block_table(gen)
+    spec.block_tables = _draft_block_tables(block_table)
+    slots_by_layer = _target_slots(spec, block_table, positions)
+    slot_mapping = slots_by_layer[LAYERS[0]].clone()
+    metadata = state_ms.prepare_attn(
+        batch,
+        CUDAGraphMode.NONE,
+        (block_table.to(DEVICE),),
+        slot_mapping[None],
+        attn_groups,
+        KV_CACHE_CONFIG,
+    )
+
+    # Tree rows: node i at p0 + depth_i; the trimmed tree keeps its prefix; the
+    # prefill chunk is untouched. Masks are the trees' rows, in batch order.
+    start = 0
+    for r, (s, q, b, p0) in enumerate(BATCH):
+        got = batch.positions[start : start + q].cpu()
+        if b:
+            want = torch.cat([torch.tensor([p0]), p0 + trees.depths[s, :b].long()])
+            assert torch.equal(
+                state_ms.tree_inputs.attn_mask[r, : b + 1].cpu(),
+                trees.attn_mask[s, : b + 1],
+            )
+        else:
+            want = torch.arange(p0, p0 + q)
+        assert torch.equal(got, want), r
+        start += q
+    assert state_ms.tree_inputs.is_tree[:3].tolist() == [1, 1, 0]
+    rows = metadata[LAYERS[0]].kernel_rows
+    assert rows.tree_mask.data_ptr() == state_ms.tree_inputs.attn_mask.data_ptr()
+    assert rows.is_tree.data_ptr() == state_ms.tree_inputs.is_tree.data_ptr()
+
+    # Walk: the target's greedy choices follow a random path of each tree.
+    # Request 0 accepts the path to its last node; request 1 the path to its
+    # deepest kept node (paths skip indices, so the KV really moves).
+    cu = batch.cu_num_logits.cpu()
+    logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
+    paths = []
+    for r, num_nodes in ((0, 6), (1, 4)):
+        s = BATCH[r][0]
+        paths.append(
+            _path_to(trees.parent_ids[s], _deepest(trees.depths[s], num_nodes))
+        )
+        _steer(logits, cu, r, trees.token_ids[s], paths[-1])
+    sampler = spec.init_rejection_sampler(
+        _sampler(), spec.speculative_config, torch.device(DEVICE)
+    )
+    out = sampler(logits.to(DEVICE), batch, None)
+    assert isinstance(out, TreeSamplerOutput)
+    k = out.num_accepted.tolist()
+    assert k[:2] == [len(p) for p in paths] and k[2] == 0
+    for r, path in enumerate(paths):
+        assert out.accepted_nodes[r, : k[r]].tolist() == path
+    assert out.num_sampled.tolist() == [k[0] + 1, k[1] + 1, 0]
+    assert out.num_rejected.tolist() == [6 - k[0], 4 - k[1], 0]
+
+    # Compaction moves each accepted node's KV to slot p0 + d in both layers:
+    # the whole caches equal the reference's, which moved the KV of at least
+    # two nodes (the comparison is not of untouched caches).
+    caches = _kv_caches(gen, monkeypatch, vllm_config)
+    before = [kv_cache_as_kv_first(c.clone(), HEAD_SIZE).cpu() for c in caches]
+    want = [c.clone() for c in before]
+    compact_tree_kv_reference(
+        want,
+        slot_mapping.cpu(),
+        torch.tensor([0, 7, 16, 21]),
+        out.accepted_nodes.cpu(),
+        out.num_accepted.cpu(),
+    )
+    # K and V slots the reference changed: two per node off its depth's slot.
+    moved = (want[0] != before[0]).flatten(3).any(-1).sum().item()
+    off = sum(node != d + 1 for path in paths for d, node in enumerate(path))
+    assert moved == 2 * off and off >= 2
+    _propose(spec, batch, gen, out.num_sampled, out, slots_by_layer)
+    for cache, ref in zip(caches, want):
+        assert torch.equal(kv_cache_as_kv_first(cache, HEAD_SIZE).cpu(), ref)
+
+    # The drafter's context: root + accepted path of each tree request, at
+    # its committed positions p0 .. p0 + k.
+    _, ctx_pos, _ = spec.model.context[-1]
+    for r, (s, q, b, p0) in enumerate(BATCH[:2]):
+        begin = r * (1 + DEPTH)
+        assert ctx_pos[begin : begin + k[r] + 1].tolist() == list(
+            range(p0, p0 + k[r] + 1)
+        )
+    # The next trees are stored in the batch's slots.
+    drafted = _drafter_trees(spec, len(BATCH))
+    for r, (s, *_rest) in enumerate(BATCH):
+        assert torch.equal(spec.trees.token_ids[s].cpu(), drafted.token_ids[r].cpu())
+    # State 1 holds no request of the batch: its tree is left alone.
+    assert torch.equal(spec.trees.token_ids[1].cpu(), trees.token_ids[1])
+
+
+@pytest.mark.parametrize("output", ["none", "plain_sampler"])
+def test_propose_without_a_walk_moves_no_kv(vllm_config, monkeypatch, output):
+    """A step that verified no tree (MRv2 ran its plain sampler, or a dummy
+    run passes nothing): no KV moves, and the drafter's context of each
+    decoding request is its root alone."""
+    gen = torch.Generator().manual_seed(4)
+    spec, _, _ = _attached(vllm_config, monkeypatch)
+    batch = _input_batch(_flat_positions())
+    block_table = _block_table(gen)
+    spec.block_tables = _draft_block_tables(block_table)
+    slots_by_layer = _target_slots(spec, block_table, _flat_positions())
+    caches = _kv_caches(gen, monkeypatch, vllm_config)
+    before = [c.clone() for c in caches]
+    num_sampled = torch.tensor([1, 1, 0], dtype=torch.int32)
+    sampler_output = None
+    if output == "plain_sampler":
+        sampler_output = SamplerOutput(
+            sampled_token_ids=torch.zeros(3, 1, dtype=torch.int64, device=DEVICE),
+            logprobs_tensors=None,
+            num_nans=None,
+            num_sampled=num_sampled.to(DEVICE),
+        )
+    _propose(spec, batch, gen, num_sampled, sampler_output, slots_by_layer)
+    for cache, old in zip(caches, before):
+        assert torch.equal(cache, old)
+    _, ctx_pos, ctx_slots = spec.model.context[-1]
+    for r, (_, _, _, p0) in enumerate(BATCH[:2]):
+        begin = r * (1 + DEPTH)
+        assert ctx_pos[begin].item() == p0
+        assert (ctx_slots[begin + 1 : begin + 1 + DEPTH] < 0).all()
+
+
+def test_propose_shows_the_adaptive_budget_the_verified_trees(vllm_config, monkeypatch):
+    """With an adaptive budget, ``propose`` first hands it the walk over the
+    trees that were verified, then asks whether to draft, then shows it the
+    new trees: the calibration never sees a tree the step did not verify."""
+    gen = torch.Generator().manual_seed(6)
+    spec, state_ms, attn_groups = _attached(vllm_config, monkeypatch)
+    _kv_caches(gen, monkeypatch, vllm_config)
+    trees = _trees(gen)
+    _store(spec.trees, trees)
+    batch = _input_batch(_flat_positions(), _fed_ids(trees, gen))
+    logits = torch.randn(int(batch.cu_num_logits[-1]), VOCAB_SIZE, generator=gen)
+    block_table = _block_table(gen)
+    out = _verify(spec, state_ms, attn_groups, batch, logits, block_table)
+    calls = []
+    spec.adaptive = types.SimpleNamespace(
+        slots=[BUDGET] * (NUM_STATES + 1),
+        observe_walk=lambda log_probs, b, t, nodes, n: calls.append(
+            ("walk", log_probs.clone().cpu(), b, nodes, n)
+        ),
+        should_draft=lambda num_reqs: calls.append(("draft?", num_reqs)) or True,
+        observe_trees=lambda log_probs, t, idx: calls.append(("trees",)),
+    )
+    spec.block_tables = _draft_block_tables(block_table)
+    slots_by_layer = _target_slots(spec, block_table, _flat_positions())
+    _propose(spec, batch, gen, out.num_sampled, out, slots_by_layer)
+    assert [c[0] for c in calls] == ["walk", "draft?", "trees"]
+    _, log_probs, walked_batch, nodes, num = calls[0]
+    torch.testing.assert_close(log_probs, trees.log_probs, rtol=0, atol=0)
+    assert walked_batch is batch
+    assert nodes is out.accepted_nodes and num is out.num_accepted
+    assert calls[1][1] == len(BATCH)
+
+
+# ---------------------------------------------------------------------------
+# Per-request trees: joining requests, finished requests, reused slots, what
+# the target was fed.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("history", ["never_used", "previous_request"])
+@pytest.mark.parametrize("target", ["old_tree_path", "zeros"])
+def test_joining_request_verifies_root_only(vllm_config, monkeypatch, history, target):
+    """Batch row 0 (slot 2) joined this step with placeholder drafts: MRv2 fed
+    zeros at its 6 nodes and no tree was drafted for it. Whatever the target
+    samples (the path of the tree the slot's previous request left, or the
+    placeholder token 0 everywhere) it emits exactly one token, the target's
+    choice at the root, and every placeholder is rejected. Row 1 (slot 0), a
+    running request, keeps its tree and accepts its path."""
+    gen = torch.Generator().manual_seed(11)
+    spec, state_ms, attn_groups = _attached(vllm_config, monkeypatch)
+    trees = _trees(gen)
+    if history == "previous_request":
+        _store(spec.trees, trees)
+    else:
+        # Slot 0 runs a drafted tree; slot 2 was never used.
+        for name in TREE_FIELDS:
+            getattr(spec.trees, name)[0].copy_(getattr(trees, name)[0])
+    # The model runner adds the request to the model state and the speculator.
+    state_ms.add_request(2, _new_request())
+    spec.add_request(2, _new_request())
+
+    batch = _input_batch(_flat_positions(), _fed_ids(trees, gen, zero_slots={2}))
+    cu = batch.cu_num_logits.cpu()
+    logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
+    old_path = _path_to(trees.parent_ids[2], _deepest(trees.depths[2], 6))
+    if target == "old_tree_path":
+        _steer(logits, cu, 0, trees.token_ids[2], old_path)
+    else:
+        logits[int(cu[0]) : int(cu[1]), 0] = logits.max() + 1
+    path1 = _path_to(trees.parent_ids[0], _deepest(trees.depths[0], 4))
+    _steer(logits, cu, 1, trees.token_ids[0], path1)
+
+    out = _verify(spec, state_ms, attn_groups, batch, logits)
+
+    # Row 0: every node at the root's position, masks {root} / {root, self}.
+    p0 = BATCH[0][3]
+    assert batch.positions[:7].tolist() == [p0] * 7
+    mask = state_ms.tree_inputs.attn_mask[0, :7, 0].cpu()
+    assert mask.tolist() == [1] + [1 | (1 << j) for j in range(1, 7)]
+    _assert_root_only(out, 0, logits, int(cu[0]), num_nodes=6)
+    # Row 1 is untouched by slot 2's reset.
+    assert out.num_accepted[1].item() == len(path1) > 0
+    assert out.accepted_nodes[1, : len(path1)].tolist() == path1
+    assert len(old_path) >= 1
+
+
+def _assert_root_only(out, r: int, logits, root_row: int, num_nodes: int) -> None:
+    """Batch row r emitted the target's choice at its root and nothing else."""
+    assert out.num_accepted[r].item() == 0
+    assert out.num_sampled[r].item() == 1
+    assert out.num_rejected[r].item() == num_nodes
+    assert out.sampled_token_ids[r, 0].item() == logits[root_row].argmax().item()
+    assert (out.sampled_token_ids[r, 1:] == -1).all()
+
+
+def test_finished_request_slot_is_left_then_reset_for_the_next(
+    vllm_config, monkeypatch
+):
+    """A slot's life cycle over three steps. Step 1 drafts trees for the
+    batch's slots 2, 0 and 3. The request in slot 0 finishes: step 2's batch
+    (slots 2 and 3) replaces only their trees, and slot 0's stays as it was,
+    read by no one. A new request joins slot 0 with placeholder drafts: its
+    tree is reset, so although the target's samples follow the path of the
+    finished request's tree, it verifies root-only, while slot 2 accepts the
+    path of the tree step 2 drafted for it."""
+    gen = torch.Generator().manual_seed(21)
+    spec, state_ms, attn_groups = _attached(vllm_config, monkeypatch)
+    spec.block_tables = _draft_block_tables(_block_table(gen))
+
+    # Step 1: trees drafted for every row of BATCH.
+    step_1 = _input_batch(_flat_positions())
+    _propose(spec, step_1, gen, torch.tensor([1, 1, 0], dtype=torch.int32))
+    after_1 = {name: getattr(spec.trees, name).clone() for name in TREE_FIELDS}
+    assert (after_1["token_ids"][[2, 0, 3]] >= 0).any(-1).all()
+
+    # Step 2: slot 0's request finished; slots 2 and 3 decode.
+    step_2 = [(2, 7, 6, 50), (3, 7, 6, 15)]
+    batch_2 = _input_batch(_flat_positions(step_2), batch=step_2)
+    _propose(spec, batch_2, gen, torch.ones(2, dtype=torch.int32))
+    drafted_2 = _drafter_trees(spec, 2)
+    for r, (s, *_rest) in enumerate(step_2):
+        assert torch.equal(spec.trees.token_ids[s].cpu(), drafted_2.token_ids[r].cpu())
+    assert not torch.equal(spec.trees.token_ids[2], after_1["token_ids"][2])
+    for name in TREE_FIELDS:
+        assert torch.equal(getattr(spec.trees, name)[0], after_1[name][0]), name
+
+    # Step 3: a new request joins slot 0, next to slot 2's running request.
+    state_ms.add_request(0, _new_request())
+    spec.add_request(0, _new_request())
+    assert (spec.trees.token_ids[0] == -1).all()
+    # The other slots keep their trees (slot 1 never held a request).
+    others = {1: after_1["token_ids"][1].cpu(), 2: drafted_2.token_ids[0].cpu()}
+    others[3] = drafted_2.token_ids[1].cpu()
+    for s, want in others.items():
+        assert torch.equal(spec.trees.token_ids[s].cpu(), want), s
+    step_3 = [(0, 7, 6, 5), (2, 7, 6, 58)]
+    old = types.SimpleNamespace(**{n: after_1[n].cpu() for n in TREE_FIELDS})
+    fed = _fed_ids(_trees_on_cpu(spec), gen, zero_slots={0}, batch=step_3)
+    batch_3 = _input_batch(_flat_positions(step_3), fed, batch=step_3)
+    cu = batch_3.cu_num_logits.cpu()
+    logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
+    old_path = _path_to(old.parent_ids[0], _deepest(old.depths[0], 6))
+    _steer(logits, cu, 0, old.token_ids[0], old_path)
+    live = _trees_on_cpu(spec)
+    path2 = _path_to(live.parent_ids[2], _deepest(live.depths[2], 6))
+    _steer(logits, cu, 1, live.token_ids[2], path2)
+    out = _verify(spec, state_ms, attn_groups, batch_3, logits)
+    _assert_root_only(out, 0, logits, int(cu[0]), num_nodes=6)
+    assert len(old_path) >= 1
+    assert out.accepted_nodes[1, : len(path2)].tolist() == path2 != []
+
+
+def test_walk_accepts_only_what_the_target_was_fed(vllm_config, monkeypatch):
+    """A slot's stored tree and the step's input ids disagree from one node on
+    (any drift between the two copies): the walk stops before that node even
+    though the target's samples follow the stored tree's path."""
+    gen = torch.Generator().manual_seed(12)
+    spec, state_ms, attn_groups = _attached(vllm_config, monkeypatch)
+    trees = _trees(gen)
+    _store(spec.trees, trees)
+    path = _path_to(trees.parent_ids[2], _deepest(trees.depths[2], 6))
+    assert len(path) >= 2
+    fed = _fed_ids(trees, gen)
+    # Node path[1] was fed another token than the stored tree says.
+    fed[path[1]] = (int(trees.token_ids[2, path[1] - 1]) + 1) % VOCAB_SIZE
+    batch = _input_batch(_flat_positions(), fed)
+    cu = batch.cu_num_logits.cpu()
+    logits = torch.randn(int(cu[-1]), VOCAB_SIZE, generator=gen)
+    _steer(logits, cu, 0, trees.token_ids[2], path)
+
+    out = _verify(spec, state_ms, attn_groups, batch, logits)
+    assert out.num_accepted[0].item() == 1
+    assert out.accepted_nodes[0, 0].item() == path[0]
+    assert out.sampled_token_ids[0, 1].item() == int(trees.token_ids[2, path[1] - 1])
+
+
+def test_add_request_resets_only_its_slot(vllm_config):
+    """``add_request`` clears the slot's tree (as MRv2 zeroes its draft
+    tokens) and no other; the speculator's next scatter fills it again."""
+    gen = torch.Generator().manual_seed(13)
+    spec = _speculator(vllm_config)
+    stored = spec.trees
+    trees = _trees(gen)
+    assert (stored.token_ids == -1).all()  # a fresh speculator holds no tree
+    _store(stored, trees)
+    spec.add_request(1, _new_request())
+    for s in range(NUM_STATES):
+        want = torch.full((BUDGET,), -1) if s == 1 else trees.token_ids[s]
+        assert torch.equal(stored.token_ids[s].cpu(), want), s
+        want = torch.full((BUDGET,), float("-inf")) if s == 1 else trees.log_probs[s]
+        assert torch.equal(stored.log_probs[s].cpu(), want), s
+    batch_trees = _trees(gen)
+    draft_tokens = torch.zeros(NUM_STATES, BUDGET, dtype=torch.int64, device=DEVICE)
+    stored.scatter_(
+        torch.tensor([1], device=DEVICE),
+        type(trees)(*(t.to(DEVICE) for t in vars(batch_trees).values())),
+        1,
+        draft_tokens,
+    )
+    assert torch.equal(stored.token_ids[1].cpu(), batch_trees.token_ids[0])
+    assert torch.equal(draft_tokens[0].cpu(), batch_trees.token_ids[0].clamp(min=0))
+
+
+def test_capture_and_draft_free_batches_are_causal(vllm_config):
+    state_ms = _model_state(vllm_config)
+    state_ms.tree_inputs.is_tree.fill_(1)
+    batch = _input_batch(_flat_positions())
+    batch.num_draft_tokens = 0
+    block_table = _block_table(torch.Generator().manual_seed(1)).to(DEVICE)
+    slot_mapping = _slot_mapping(block_table.cpu(), _flat_positions())[None]
+    state_ms.prepare_attn(
+        batch,
+        CUDAGraphMode.NONE,
+        (block_table,),
+        slot_mapping.to(DEVICE),
+        _attn_groups(vllm_config),
+        KV_CACHE_CONFIG,
+    )
+    assert not state_ms.tree_inputs.is_tree.any()
+    assert torch.equal(batch.positions.cpu(), _flat_positions())
+
+
 def test_context_features_either_way(vllm_config, monkeypatch):
     """The drafter's context features are the same whether the aux layers are
     concatenated over every row first (small steps: fewer launches) or gathered
     per layer first (large trees: fewer bytes)."""
     from vllm.v1.spec_decode import ddtree
 
-    spec = _speculator(vllm_config, _model_state(vllm_config))
+    spec = _speculator(vllm_config)
     gen = torch.Generator().manual_seed(5)
     hidden = vllm_config.model_config.get_hidden_size()
     aux = [torch.randn(40, hidden, generator=gen).to(DEVICE) for _ in range(3)]
@@ -592,10 +870,9 @@ def test_target_steps_skip_drafter_only_attention_groups(vllm_config, monkeypatc
     DDTree they are a group of their own (FLASH_ATTN next to TREE_ATTN), whose
     metadata the target step need not build: the drafter builds its own. A
     group holding target layers is kept, and the speculator's ``set_attn``
-    hands the model state the drafter's layers."""
-    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
+    hands the model state the drafter's layers with its trees; its own KV
+    compaction covers the TREE_ATTN groups only."""
     from vllm.v1.worker.gpu.model_states import default
-    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     draft_layers = ["model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn"]
     spec = FullAttentionSpec(
@@ -635,33 +912,40 @@ def test_target_steps_skip_drafter_only_attention_groups(vllm_config, monkeypatc
 
     assert prepare() == attn_groups  # no drafter layers known yet: all of them
 
-    monkeypatch.setattr(DFlashSpeculator, "set_attn", lambda self, *args: None)
-    speculator = _speculator(vllm_config, state_ms)
+    speculator = _speculator(vllm_config)
     speculator.draft_attn_layer_names = set(draft_layers)
-    speculator.set_attn(state_ms, None, None, None, attn_groups)
+    _attach(speculator, state_ms, attn_groups, monkeypatch)
     kept = prepare()
     assert kept == [[target, mixed], []]
     assert prepare() is kept  # filtered once, not per step
-    assert isinstance(speculator, DDTreeSpeculator)
+    assert speculator._tree_groups == [target, mixed]
 
 
-def test_speculator_drafts_trees_from_the_accepted_path(vllm_config):
+def test_set_attn_needs_the_ddtree_model_state(vllm_config, monkeypatch):
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    state = DefaultModelState(
+        vllm_config, torch.nn.Module(), None, torch.device(DEVICE)
+    )
+    with pytest.raises(TypeError, match="needs the target's DDTreeModelState"):
+        _attach(_speculator(vllm_config), state, _attn_groups(vllm_config), monkeypatch)
+
+
+def test_speculator_drafts_trees_from_the_accepted_path(vllm_config, monkeypatch):
+    """``propose`` given a walk (a valid accepted path per tree request):
+    the drafter's context is the root and that path, in path order, at the
+    committed positions; the query is the bonus token then masks right after
+    the path; the trees built from the drafter's logits go to the batch's
+    request slots and are the returned draft tokens."""
     gen = torch.Generator().manual_seed(3)
-    model_state = _model_state(vllm_config)
-    spec = _speculator(vllm_config, model_state)
+    spec, model_state, _ = _attached(vllm_config, monkeypatch)
     assert spec.num_query_per_req == DEPTH + 1
     positions = _flat_positions()
     batch = _input_batch(positions)
-    block_table = _block_table(gen).to(DEVICE)
-    spec.block_tables = types.SimpleNamespace(
-        slot_mappings=torch.zeros(1, 128, dtype=torch.int64, device=DEVICE),
-        input_block_tables=[block_table],
-        kernel_block_sizes=[BLOCK],
-    )
+    spec.block_tables = _draft_block_tables(_block_table(gen))
     # Tree positions as the verify writer leaves them, and a walk result.
     trees = _trees(gen)
-    model_state.ddtree_state.trees.depths.copy_(trees.depths)
-    model_state.ddtree_state.trees.attn_mask.copy_(trees.attn_mask)
+    _store(spec.trees, trees)
     from vllm.v1.spec_decode.ddtree_inputs import write_tree_verify_inputs
 
     write_tree_verify_inputs(
@@ -677,41 +961,27 @@ def test_speculator_drafts_trees_from_the_accepted_path(vllm_config):
         3,
     )
     accepted = _accepted_path(trees)
-    from vllm.v1.spec_decode.ddtree import VerifiedPaths
-
-    model_state.ddtree_state.verified = VerifiedPaths(
-        query_start_loc=batch.query_start_loc,
-        cu_num_logits=batch.cu_num_logits,
+    num_sampled = torch.tensor([3, 2, 0], dtype=torch.int32)
+    walk = TreeSamplerOutput(
+        sampled_token_ids=torch.zeros(3, BUDGET + 1, dtype=torch.int64),
+        logprobs_tensors=None,
+        num_nans=None,
+        num_sampled=num_sampled.to(DEVICE),
         accepted_nodes=accepted[0].to(DEVICE),
         num_accepted=accepted[1].to(DEVICE),
     )
-    hidden = vllm_config.model_config.get_hidden_size()
-    num_tokens = batch.num_tokens
-    aux = [torch.randn(num_tokens, hidden, generator=gen).to(DEVICE) for _ in range(2)]
-    last_sampled = torch.arange(100, 100 + NUM_STATES, device=DEVICE)[:, None]
-    next_prefill = torch.arange(200, 200 + NUM_STATES, dtype=torch.int32, device=DEVICE)
-    num_sampled = torch.tensor([3, 2, 0], dtype=torch.int32, device=DEVICE)
-
-    draft = spec.propose(
-        batch,
-        {},
-        {},
-        aux[0],
-        aux,
-        num_sampled,
-        torch.zeros(3, dtype=torch.int32, device=DEVICE),
-        last_sampled,
-        next_prefill,
-        torch.zeros(NUM_STATES, device=DEVICE),
-        torch.zeros(NUM_STATES, device=DEVICE),
-    )
+    # No TREE_ATTN groups here, so no KV to compact.
+    spec._tree_groups = []
+    draft, aux = _propose(spec, batch, gen, num_sampled, walk)
 
     # Context: root + accepted path (in path order) of the tree requests, all
     # rows of the prefill chunk; padding entries write no KV.
+    num_tokens = batch.num_tokens
     states, ctx_pos, ctx_slots = spec.model.context[-1]
     n = draft_context_size(num_tokens, batch.num_draft_tokens, 3, DEPTH)
     assert states.shape[0] == ctx_pos.shape[0] == n
     k = accepted[1].tolist()
+    assert k[:2] == [2, 2]
     want_rows, want_keep = [], []
     for r, (s, q, b, p0) in enumerate(BATCH):
         start = int(batch.query_start_loc[r])
@@ -741,20 +1011,10 @@ def test_speculator_drafts_trees_from_the_accepted_path(vllm_config):
     assert pos[:, 0].tolist() == first
 
     # Trees: built from the drafter's logits at the mask rows, stored per state.
-    hidden_q = spec.model.forward(
-        spec.input_buffers.input_ids[: 3 * (DEPTH + 1)].long(),
-        spec.input_buffers.positions[: 3 * (DEPTH + 1)],
-    ).view(3, DEPTH + 1, -1)[:, 1:]
-    want = build_ddtree(
-        spec.model.compute_logits(hidden_q.reshape(-1, 8)).view(3, DEPTH, -1), BUDGET
-    )
+    want = _drafter_trees(spec, 3)
     for r, (s, *_rest) in enumerate(BATCH):
-        assert torch.equal(
-            model_state.ddtree_state.trees.token_ids[s].cpu(), want.token_ids[r].cpu()
-        )
-        assert torch.equal(
-            model_state.ddtree_state.trees.attn_mask[s].cpu(), want.attn_mask[r].cpu()
-        )
+        assert torch.equal(spec.trees.token_ids[s].cpu(), want.token_ids[r].cpu())
+        assert torch.equal(spec.trees.attn_mask[s].cpu(), want.attn_mask[r].cpu())
     assert torch.equal(draft.cpu(), want.token_ids.clamp(min=0).cpu())
 
 
@@ -852,35 +1112,3 @@ def test_warm_up_covers_the_engines_tree_attention_variants(vllm_config, monkeyp
     assert width == 16 and scale == impl.scale
     assert mask is state_ms.tree_inputs.attn_mask
     assert is_tree is state_ms.tree_inputs.is_tree
-
-
-def test_kv_cache_init_warms_tree_attention_in_every_graph_mode():
-    """The glue's ``GPUModelRunner.initialize_kv_cache`` wrapper: after vLLM's
-    own KV-cache set-up, a DDTree model state warms TREE_ATTN with the runner's
-    block tables and attention groups (eager engines and cudagraph_mode NONE
-    included: no capture is needed); another model state is left alone."""
-    import vllm_ddtree
-    from vllm.v1.worker.gpu import model_runner
-
-    vllm_ddtree.register()
-    runner_cls = model_runner.GPUModelRunner
-    assert getattr(runner_cls.initialize_kv_cache, "__ddtree_patched__", False)
-    order = []
-
-    def fake_original(self, kv_cache_config):
-        order.append(("vllm", kv_cache_config))
-
-    from vllm_ddtree import glue
-
-    calls = []
-    warmed = types.SimpleNamespace(
-        warm_up_tree_attention=lambda tables, groups: calls.append((tables, groups))
-    )
-    runner = types.SimpleNamespace(
-        model_state=warmed, block_tables="tables", attn_groups="groups"
-    )
-    glue._initialize_kv_cache(fake_original, runner, "config")
-    assert order == [("vllm", "config")] and calls == [("tables", "groups")]
-    runner.model_state = types.SimpleNamespace()  # not DDTree's
-    glue._initialize_kv_cache(fake_original, runner, "config")
-    assert calls == [("tables", "groups")] and len(order) == 2

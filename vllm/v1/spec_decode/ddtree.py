@@ -11,45 +11,58 @@ greedy chain, and builds the ``tree_budget`` most probable prefixes per request
 tokens in node order, parents before children, so any prefix the scheduler keeps
 is still a tree.
 
-One step, as wired by :class:`DDTreeSpeculator` and
-``vllm/v1/spec_decode/ddtree_verify.py``:
+The speculator owns the per-request trees (:class:`DraftTrees`, reset in
+:meth:`DDTreeSpeculator.add_request`) and their verification. One step, as the
+model runner drives it:
 
-1. ``propose`` (end of step N): the drafter's context is extended with the rows
-   step N committed (root and accepted path, :func:`prepare_draft_inputs`), the
-   drafter runs ``[bonus, mask x depth]`` per request (in a CUDA graph for uniform
-   batches), its logits are built into trees inside the same graph, and the trees
-   are stored per request in :class:`DDTreeState`.
-2. Step N + 1: ``DDTreeModelState`` writes tree positions and masks, the target
-   verifies with TREE_ATTN, ``TreeRejectionSampler`` walks the trees (in
-   ``DDTreeModelState.sample_trees``) and
-   ``DDTreeModelState.postprocess_state`` compacts the accepted path's KV.
+1. Step N: ``DDTreeModelState.prepare_attn`` (``ddtree_verify.py``) writes tree
+   positions and masks from the trees, the target verifies them with TREE_ATTN,
+   and the speculator's :class:`TreeRejectionSampler`
+   (:meth:`DDTreeSpeculator.init_rejection_sampler`) walks them; its output
+   (:class:`TreeSamplerOutput`: the accepted paths) is the step's sampler output.
+2. ``propose(..., sampler_output=...)`` (end of step N) takes that output: it
+   moves the accepted path's KV into place (:meth:`compact_verified_kv`),
+   extends the drafter's context with the rows step N committed (root and
+   accepted path, :func:`prepare_draft_inputs`), runs the drafter on ``[bonus,
+   mask x depth]`` per request (in a CUDA graph for uniform batches), builds its
+   logits into trees inside the same graph and stores them per request for
+   step N + 1.
 
 Nothing here reads GPU data on the host.
 """
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vllm.config import VllmConfig
+from vllm.config import SpeculativeConfig, VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.attention.backends.tree_attn import kv_cache_as_kv_first
+from vllm.v1.attention.ops.tree_kv_compaction import TreeKVCompactor
 from vllm.v1.attention.ops.tree_mask import num_mask_words
+from vllm.v1.core.sched.output import NewRequestData
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.sample.tree_rejection_sampler import (
+    TreeRejectionSampler,
+    TreeSamplerOutput,
+)
+from vllm.v1.spec_decode.ddtree_adaptive import AdaptiveTreeBudget
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm.v1.spec_decode.ddtree_inputs import (
     draft_context_size,
     prepare_draft_inputs,
     store_draft_trees,
 )
-from vllm.v1.spec_decode.ddtree_adaptive import AdaptiveTreeBudget
+from vllm.v1.spec_decode.ddtree_verify import DDTreeModelState, tree_attention_groups
 from vllm.v1.spec_decode.dflash_tree_builder import DDTree, build_ddtree
 from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
-from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
-from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.worker.gpu.block_table import BlockTables
+from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.model_states.interface import ModelState
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.utils import AttentionGroup
 
@@ -140,45 +153,15 @@ def fixed_draft_len_config(vllm_config: VllmConfig) -> VllmConfig:
 _CONCAT_ALL_ROWS_BYTES = 8 << 20
 
 
-@dataclass
-class VerifiedPaths:
-    """What the tree walk of the current step accepted, in batch order."""
-
-    # [num_reqs + 1] int32: the step's query_start_loc and cu_num_logits. A
-    # request's tree is the last num_logits rows of its query, so its root is at
-    # query_start_loc[r + 1] - (cu_num_logits[r + 1] - cu_num_logits[r]).
-    # query_start_loc is a view of MRv2's persistent input buffer: valid until
-    # the next step's prepare_inputs (prepare_attn clears ``verified`` first).
-    query_start_loc: torch.Tensor
-    cu_num_logits: torch.Tensor
-    # [num_reqs, depth] int32: accepted node (1-based tree index) per depth.
-    accepted_nodes: torch.Tensor
-    # [num_reqs] int32: accepted path length k.
-    num_accepted: torch.Tensor
-
-
-class DDTreeState:
-    """State shared by the DDTree speculator and its verification.
-
-    The speculator writes ``trees`` (per request state, like MRv2's draft
-    tokens); verification reads them and records the walk's result in
-    ``verified`` for the KV compaction and the drafter of the same step.
-    """
-
-    def __init__(self, cfg: DDTreeConfig, max_num_reqs: int, device: torch.device):
-        self.cfg = cfg
-        self.trees = DraftTrees(max_num_reqs, cfg.tree_budget, device)
-        self.verified: VerifiedPaths | None = None
-        # The speculator's adaptive budget (set_attn), which learns from walks.
-        self.adaptive: AdaptiveTreeBudget | None = None
-
-
 class DDTreeSpeculator(DFlashSpeculator):
-    """DFlash's drafter and CUDA graphs, drafting trees instead of chains.
+    """DFlash's drafter and CUDA graphs, drafting trees instead of chains, and
+    the trees' verification.
 
     vLLM's ``num_speculative_tokens`` is the tree budget B (the scheduler's draft
     slots per request); the drafter runs its own block of ``depth + 1`` tokens per
-    request whatever B is.
+    request whatever B is. The speculator owns the trees (:attr:`trees`), builds
+    the sampler that walks them (:meth:`init_rejection_sampler`) and takes the
+    walk's result back in :meth:`propose`.
     """
 
     _speculator_name = "DDTree"
@@ -207,6 +190,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         )
         self.context_positions = torch.zeros_like(self.context_rows)
         self.hidden_states = None
+        # The trees the next step verifies, one per request slot (MRv2's
+        # RequestState life cycle: add_request resets a slot).
+        self.trees = DraftTrees(self.max_num_reqs, cfg.tree_budget, device)
         # Trees of the drafter's last run, batch order (CUDA graph outputs):
         # flat storage, viewed as [num_reqs, width] trees of the width built
         # for the batch (_build_width).
@@ -225,7 +211,30 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._no_num_accepted = torch.zeros(
             self.max_num_reqs, dtype=torch.int32, device=device
         )
-        self.state: DDTreeState | None = None
+        # The target's TREE_ATTN groups (set_attn) and their KV compactors
+        # (_get_compactors).
+        self._tree_groups: list[AttentionGroup] = []
+        self._compactors: dict[int, tuple[str, TreeKVCompactor]] | None = None
+
+    def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
+        """A request joined slot ``req_index``: no tree drafted for it yet.
+
+        As MRv2's ``RequestState.add_request`` zeroes the slot's draft tokens, so
+        a request that joins with placeholder drafts verifies as a root-only
+        tree, never the tree a previous request left in the slot."""
+        self.trees.reset_(req_index)
+
+    def init_rejection_sampler(
+        self,
+        sampler: Sampler,
+        speculative_config: SpeculativeConfig,
+        device: torch.device,
+    ) -> TreeRejectionSampler:
+        """The verifier of this speculator's drafts, in MRv2's rejection-sampler
+        slot: the lossless walk over :attr:`trees`, read in place per request."""
+        return TreeRejectionSampler(
+            sampler, self.draft_depth, self.trees.token_ids, self.trees.parent_ids
+        )
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
         # DFlash's choice of the drafter's graph mode, with its graphs planned
@@ -258,16 +267,16 @@ class DDTreeSpeculator(DFlashSpeculator):
             dtype=torch.int64,
             device=self.device,
         )
-        # The target's DDTreeModelState owns the state shared with verification.
-        state = getattr(model_state, "ddtree_state", None)
-        if not isinstance(state, DDTreeState):
+        if not isinstance(model_state, DDTreeModelState):
             raise TypeError(
                 "DDTreeSpeculator needs the target's DDTreeModelState, got "
                 f"{type(model_state).__name__}"
             )
-        self.state = state
-        state.adaptive = self.adaptive
-        model_state.set_draft_attn_layers(self.draft_attn_layer_names)
+        # The target step writes tree positions and masks from these trees,
+        # and leaves the drafter's own attention groups out.
+        model_state.set_draft_trees(self.trees, self.draft_attn_layer_names)
+        self._tree_groups = tree_attention_groups(target_attn_groups)
+        self._compactors = None
 
     def _generate_draft(
         self,
@@ -325,9 +334,29 @@ class DDTreeSpeculator(DFlashSpeculator):
         skip_attn_for_dummy_run: bool = False,
         mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
         is_profile: bool = False,
+        sampler_output: SamplerOutput | None = None,
     ) -> torch.Tensor:
         """Draft one tree per request; returns ``[num_reqs, tree_budget]`` draft
-        tokens in node order (padding nodes as token 0, never accepted)."""
+        tokens in node order (padding nodes as token 0, never accepted).
+
+        ``sampler_output`` is the step's: a :class:`TreeSamplerOutput` when the
+        step verified trees (its accepted paths are compacted in the KV cache
+        and start the drafter's context), a plain ``SamplerOutput`` or None when
+        it verified none (dummy runs, steps without drafts)."""
+        walk = sampler_output if isinstance(sampler_output, TreeSamplerOutput) else None
+        if walk is not None:
+            # First: ``slot_mappings`` are views of the block tables' buffer,
+            # which the drafter's inputs overwrite below.
+            self.compact_verified_kv(input_batch, slot_mappings, walk)
+            if self.adaptive is not None:
+                # Before the trees verified are replaced by the next ones.
+                self.adaptive.observe_walk(
+                    self.trees.log_probs,
+                    input_batch,
+                    temperature,
+                    walk.accepted_nodes,
+                    walk.num_accepted,
+                )
         num_reqs = input_batch.num_reqs
         num_query_tokens = num_reqs * self.num_query_per_req
         # CPU tensor: no device sync.
@@ -365,7 +394,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.draft_depth,
         )
         self._prepare_inputs(
-            input_batch, num_sampled, last_sampled, next_prefill_tokens
+            input_batch, num_sampled, last_sampled, next_prefill_tokens, walk
         )
         context = self._context_hidden_states(
             last_hidden_states, aux_hidden_states, self.context_rows, num_context
@@ -386,15 +415,58 @@ class DDTreeSpeculator(DFlashSpeculator):
         trees = self._batch_trees(num_reqs, self._build_width(num_tokens_padded))
         if dummy_run:
             return self._draft_tokens(trees)
-        assert self.state is not None
-        self.state.trees.scatter_(
-            input_batch.idx_mapping, trees, num_reqs, self.draft_tokens
-        )
+        self.trees.scatter_(input_batch.idx_mapping, trees, num_reqs, self.draft_tokens)
         if self.adaptive is not None:
             self.adaptive.observe_trees(
                 trees.log_probs, temperature, input_batch.idx_mapping
             )
         return self.draft_tokens[:num_reqs]
+
+    def compact_verified_kv(
+        self,
+        input_batch: InputBatch,
+        # layer name -> [num_tokens] the verify step's KV slots (MRv2's
+        # slot mappings by layer, as the model runner passes them to propose)
+        slot_mappings: dict[str, torch.Tensor],
+        walk: TreeSamplerOutput,
+    ) -> None:
+        """Move each accepted node's KV to slot ``p0 + depth`` in every
+        TREE_ATTN layer (one launch per KV-cache group), in the step that
+        committed it, before prefix caching can hash those blocks."""
+        num_reqs = input_batch.num_reqs
+        query_start_loc = input_batch.query_start_loc[: num_reqs + 1]
+        cu_num_logits = input_batch.cu_num_logits[: num_reqs + 1]
+        for layer_name, compactor in self._get_compactors().values():
+            compactor(
+                slot_mappings[layer_name],
+                query_start_loc,
+                walk.accepted_nodes,
+                walk.num_accepted,
+                cu_num_logits,
+            )
+
+    def _get_compactors(self) -> dict[int, tuple[str, TreeKVCompactor]]:
+        """Per KV-cache group id: a TREE_ATTN layer of the group (whose slot
+        mapping is the group's) and the compactor over the group's TREE_ATTN
+        layers. Built on first use: the KV caches exist only after MRv2's KV
+        init, which runs after ``set_attn``."""
+        if self._compactors is None:
+            layers = self.vllm_config.compilation_config.static_forward_context
+            groups: dict[int, tuple[str, list[torch.Tensor]]] = {}
+            for group in self._tree_groups:
+                head_size = group.kv_cache_spec.head_size
+                _, caches = groups.setdefault(
+                    group.kv_cache_group_id, (group.layer_names[0], [])
+                )
+                caches.extend(
+                    kv_cache_as_kv_first(layers[name].kv_cache, head_size)
+                    for name in group.layer_names
+                )
+            self._compactors = {
+                gid: (layer_name, TreeKVCompactor(caches))
+                for gid, (layer_name, caches) in groups.items()
+            }
+        return self._compactors
 
     def _run_drafter(
         self,
@@ -407,9 +479,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         where one is captured (``_generate_draft`` builds the trees inside it);
         returns the padded token count the graph ran.
 
-        This is DFlash's ``propose`` from its graph dispatch on, unchanged; the
-        upstream series' first patch makes it a ``DFlashSpeculator`` method
-        that DFlash's ``propose`` calls, and this copy goes (docs/upstream.md).
+        This is DFlash's ``propose`` from its graph dispatch on, unchanged; a
+        first patch of the upstream series would make it a ``DFlashSpeculator``
+        method that DFlash's ``propose`` calls, and this copy would go (not
+        written yet; docs/upstream.md, "Seams the series adds").
         """
         batch_desc, num_tokens_across_dp = dispatch_cg_and_sync_dp(
             self.query_cudagraph_manager,
@@ -484,8 +557,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         num_sampled: torch.Tensor,
         last_sampled: torch.Tensor,
         next_prefill_tokens: torch.Tensor,
+        walk: TreeSamplerOutput | None,
     ) -> None:
-        accepted_nodes, num_accepted = self._accepted_paths(input_batch)
+        accepted_nodes, num_accepted = self._accepted_paths(input_batch, walk)
         for i, gid in enumerate(self.draft_kv_cache_group_ids):
             prepare_draft_inputs(
                 self.input_buffers.input_ids,
@@ -516,13 +590,12 @@ class DDTreeSpeculator(DFlashSpeculator):
             )
 
     def _accepted_paths(
-        self, input_batch: InputBatch
+        self, input_batch: InputBatch, walk: TreeSamplerOutput | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's walk result; zeros when nothing was verified (the writer
         reads it only for requests that verified a tree)."""
-        verified = None if self.state is None else self.state.verified
-        if verified is not None:
-            return verified.accepted_nodes, verified.num_accepted
+        if walk is not None:
+            return walk.accepted_nodes, walk.num_accepted
         num_reqs = input_batch.num_reqs
         return self._no_accepted_nodes[:num_reqs], self._no_num_accepted[:num_reqs]
 

@@ -1,26 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Verification side of DDTree on Model Runner V2: model state and sampler.
+"""The target's side of DDTree verification on Model Runner V2: tree inputs
+for attention.
 
 The target verifies each decoding request's tree ``[root, node_1..node_b]`` in one
-forward. Three MRv2 hooks do the tree-specific work, all on the GPU:
+forward. :meth:`DDTreeModelState.prepare_attn` runs after MRv2 computed positions
+and KV slots (slots follow the flattened index): it writes tree positions and
+ancestor masks in place into persistent buffers (:func:`write_tree_verify_inputs`),
+which TREE_ATTN's metadata builders were handed once, then builds the usual
+metadata. Under CUDA graphs the captured forward reads the same buffers.
 
-* ``DDTreeModelState.prepare_attn``: after MRv2 computed positions and KV slots
-  (slots follow the flattened index), tree positions and ancestor masks are
-  written in place into persistent buffers (:func:`write_tree_verify_inputs`),
-  which TREE_ATTN's metadata builders were handed once; then the usual metadata
-  is built. Under CUDA graphs the captured forward reads the same buffers.
-* ``DDTreeModelState.sample_trees`` (``custom_sampler``): vLLM's MRv2 rejection
-  sampler slot, running the lossless tree walk of :class:`TreeRejectionSampler`
-  on the stored trees and recording the accepted paths for this step.
-* ``DDTreeModelState.postprocess_state``: moves the accepted path's KV to slots
-  ``p0 + 1..p0 + k`` in every TREE_ATTN layer (one launch per KV-cache group), in
-  the step that committed them, before prefix caching can hash those blocks.
+The trees, their walk and the accepted path's KV compaction belong to the
+speculator (``DDTreeSpeculator`` in ``ddtree.py``), which hands this model state
+its trees in ``set_attn``.
 """
 
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,39 +28,45 @@ from vllm.v1.attention.backends.tree_attn import (
     TreeAttentionBackend,
     TreeAttentionInputs,
     TreeAttentionMetadataBuilder,
-    kv_cache_as_kv_first,
     split_kv_cache,
 )
-from vllm.v1.attention.ops.tree_kv_compaction import TreeKVCompactor
 from vllm.v1.attention.ops.triton_tree_attention import (
     num_sms,
     tree_attention_variants,
     warm_up_tree_attention,
 )
-from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.sample.tree_rejection_sampler import (
-    TreeRejectionSampler,
-    TreeSamplerOutput,
-)
-from vllm.v1.spec_decode.ddtree import DDTreeState, VerifiedPaths
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm.v1.spec_decode.ddtree_inputs import write_tree_verify_inputs
 from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.mm.encoder_cache import EncoderCache
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
-from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.utils import AttentionGroup
+
+if TYPE_CHECKING:
+    from vllm.v1.spec_decode.ddtree import DraftTrees
 
 logger = init_logger(__name__)
 
 
-class DDTreeModelState(DefaultModelState):
-    """``DefaultModelState`` plus DDTree's verification inputs and KV compaction.
+def tree_attention_groups(
+    attn_groups: list[list[AttentionGroup]],
+) -> list[AttentionGroup]:
+    """The TREE_ATTN groups among the model runner's attention groups."""
+    return [
+        group
+        for groups in attn_groups
+        for group in groups
+        if issubclass(group.backend, TreeAttentionBackend)
+    ]
 
-    Owns :class:`DDTreeState` (shared with the speculator through ``set_attn``)
-    and TREE_ATTN's persistent :class:`TreeAttentionInputs`.
+
+class DDTreeModelState(DefaultModelState):
+    """``DefaultModelState`` plus TREE_ATTN's tree inputs.
+
+    Owns TREE_ATTN's persistent :class:`TreeAttentionInputs`, written each step
+    from the speculator's trees (:meth:`set_draft_trees`).
     """
 
     def __init__(
@@ -77,23 +79,21 @@ class DDTreeModelState(DefaultModelState):
         super().__init__(vllm_config, model, encoder_cache, device)
         cfg = DDTreeConfig.from_vllm_config(vllm_config)
         assert cfg is not None, "DDTreeModelState needs a DDTree engine config"
-        self.ddtree_state = DDTreeState(cfg, self.max_num_reqs, device)
         self.tree_inputs = TreeAttentionInputs.allocate(
             self.max_num_reqs, cfg.tree_budget, device
         )
         self._tree_groups: list[AttentionGroup] | None = None
-        self._tree_sampler: TreeRejectionSampler | None = None
-        # KV-cache group id -> compactor over that group's TREE_ATTN layers.
-        self._compactors: dict[int, TreeKVCompactor] | None = None
-        # [num_kv_cache_groups, num_tokens] slot mappings of the current step.
-        self._slot_mappings: torch.Tensor | None = None
-        # The drafter's attention layers (set_draft_attn_layers) and the model
-        # runner's attention groups without them, built once.
+        # The speculator's trees and its drafter's attention layers
+        # (set_draft_trees), and the model runner's attention groups without
+        # the drafter's, built once.
+        self._trees: DraftTrees | None = None
         self._draft_layers: frozenset[str] = frozenset()
         self._target_groups: tuple[list, list[list[AttentionGroup]]] | None = None
 
-    def set_draft_attn_layers(self, layer_names: set[str]) -> None:
-        """The drafter's attention layers, from the speculator's ``set_attn``.
+    def set_draft_trees(self, trees: "DraftTrees", draft_layer_names: set[str]) -> None:
+        """The speculator's per-request trees, which each step's tree inputs
+        are written from, and its drafter's attention layers (from the
+        speculator's ``set_attn``).
 
         The model runner's attention groups hold every layer, the drafter's too.
         Under DFlash the drafter shares the target's FLASH_ATTN group, so its
@@ -102,56 +102,9 @@ class DDTreeModelState(DefaultModelState):
         metadata in every target step is wasted: the drafter builds its own in
         ``propose``. ``prepare_attn`` leaves such groups out.
         """
-        self._draft_layers = frozenset(layer_names)
+        self._trees = trees
+        self._draft_layers = frozenset(draft_layer_names)
         self._target_groups = None
-
-    def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
-        super().add_request(req_index, new_req_data)
-        # As MRv2 zeroes the slot's draft tokens: until the speculator drafts
-        # for this request, its slot verifies as a root-only tree.
-        self.ddtree_state.trees.reset_(req_index)
-
-    def custom_sampler(
-        self, sampler: Sampler
-    ) -> tuple[Sampler, Callable[..., TreeSamplerOutput]]:
-        trees = self.ddtree_state.trees
-        self._tree_sampler = TreeRejectionSampler(
-            sampler,
-            self.ddtree_state.cfg.draft_depth,
-            trees.token_ids,
-            trees.parent_ids,
-        )
-        return sampler, self.sample_trees
-
-    def sample_trees(
-        self,
-        # [num_logits, vocab_size]
-        logits: torch.Tensor,
-        input_batch: InputBatch,
-        draft_logits: torch.Tensor | None = None,
-    ) -> TreeSamplerOutput:
-        """MRv2's rejection-sampler slot (called whenever the batch has draft
-        tokens): walk the stored trees, then record the accepted paths for
-        ``postprocess_state`` and the adaptive budget's calibration."""
-        assert self._tree_sampler is not None
-        out = self._tree_sampler(logits, input_batch)
-        state = self.ddtree_state
-        if state.adaptive is not None:
-            state.adaptive.observe_walk(
-                state.trees.log_probs,
-                input_batch,
-                self._tree_sampler.sampler.sampling_states.temperature.gpu,
-                out.accepted_nodes,
-                out.num_accepted,
-            )
-        num_reqs = input_batch.num_reqs
-        state.verified = VerifiedPaths(
-            query_start_loc=input_batch.query_start_loc[: num_reqs + 1],
-            cu_num_logits=input_batch.cu_num_logits[: num_reqs + 1],
-            accepted_nodes=out.accepted_nodes,
-            num_accepted=out.num_accepted,
-        )
-        return out
 
     def prepare_attn(
         self,
@@ -165,13 +118,12 @@ class DDTreeModelState(DefaultModelState):
     ) -> dict[str, Any]:
         self._bind_tree_inputs(attn_groups)
         attn_groups = self._without_draft_groups(attn_groups)
-        self.ddtree_state.verified = None
-        self._slot_mappings = slot_mappings
         if for_capture or input_batch.num_draft_tokens == 0:
             # No tree rows: every row is causal.
             self.tree_inputs.is_tree.zero_()
         else:
-            trees = self.ddtree_state.trees
+            trees = self._trees
+            assert trees is not None, "the speculator's set_attn hands the trees"
             write_tree_verify_inputs(
                 input_batch.positions,
                 self.tree_inputs.attn_mask,
@@ -193,26 +145,6 @@ class DDTreeModelState(DefaultModelState):
             kv_cache_config,
             for_capture,
         )
-
-    def postprocess_state(
-        self,
-        idx_mapping: torch.Tensor,
-        num_sampled: torch.Tensor,
-        num_computed_tokens: torch.Tensor | None = None,
-    ) -> None:
-        super().postprocess_state(idx_mapping, num_sampled, num_computed_tokens)
-        verified = self.ddtree_state.verified
-        if verified is None:
-            return
-        assert self._slot_mappings is not None
-        for gid, compactor in self._get_compactors().items():
-            compactor(
-                self._slot_mappings[gid],
-                verified.query_start_loc,
-                verified.accepted_nodes,
-                verified.num_accepted,
-                verified.cu_num_logits,
-            )
 
     @torch.inference_mode()
     def warm_up_tree_attention(
@@ -290,12 +222,7 @@ class DDTreeModelState(DefaultModelState):
         """Hand the tree buffers to every TREE_ATTN metadata builder, once."""
         if self._tree_groups is not None:
             return
-        tree_groups = [
-            group
-            for groups in attn_groups
-            for group in groups
-            if issubclass(group.backend, TreeAttentionBackend)
-        ]
+        tree_groups = tree_attention_groups(attn_groups)
         if not tree_groups:
             raise ValueError(
                 f"DDTree needs TREE_ATTN (attention backend {TREE_ATTN_NAME}) for "
@@ -326,24 +253,6 @@ class DDTreeModelState(DefaultModelState):
             ]
             cached = self._target_groups = (attn_groups, kept)
         return cached[1]
-
-    def _get_compactors(self) -> dict[int, TreeKVCompactor]:
-        """Built on first use: the KV caches exist only after MRv2's KV init."""
-        if self._compactors is None:
-            layers = self.vllm_config.compilation_config.static_forward_context
-            caches: dict[int, list[torch.Tensor]] = {}
-            assert self._tree_groups is not None
-            for group in self._tree_groups:
-                head_size = group.kv_cache_spec.head_size
-                caches.setdefault(group.kv_cache_group_id, []).extend(
-                    kv_cache_as_kv_first(layers[name].kv_cache, head_size)
-                    for name in group.layer_names
-                )
-            self._compactors = {
-                gid: TreeKVCompactor(group_caches)
-                for gid, group_caches in caches.items()
-            }
-        return self._compactors
 
 
 def trim_prompt_logprobs(
