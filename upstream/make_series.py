@@ -116,15 +116,21 @@ per request instead of one [Q, Q] bias shared by the batch, which DDTree
   of AttentionBackendEnum needs get_name() to say "TREE_ATTN" first (see
   upstream/README.md).
 
+The metadata builder serves requests of up to 1 + num_speculative_tokens
+query tokens (a tree and its root) with the tree kernel, not vLLM's
+spec-as-decode bound, which doubles the draft count under parallel drafting.
+
 Tests: every tree node's output equals causal attention over the committed
 prefix plus its own root-to-node path (float32 torch reference); a chain
-equals causal attention; odd sizes. tests/v1/attention/test_tree_attn_backend.py
+equals causal attention; odd sizes; the builder's decode bound with and
+without parallel drafting. tests/v1/attention/test_tree_attn_backend.py
 (metadata builder and layer) still calls the overlay's registration and is
 not in this patch.""",
         files=(
             "vllm/v1/attention/ops/triton_tree_attention.py",
             "vllm/v1/attention/backends/tree_attn.py",
             "tests/v1/attention/test_tree_attention.py",
+            "tests/v1/attention/test_tree_attn_decode_threshold.py",
         ),
         edits=True,
     ),
