@@ -138,39 +138,51 @@ not in this patch.""",
         "0003-ddtree-method-config",
         '[Spec Decode] method "ddtree" with tree_budget in --speculative-config',
         """\
-EngineArgs accepts {"method": "ddtree", "model": <DFlash drafter>,
-"tree_budget": B, ...}. The DDTree keys are checked by ddtree_config.py
-(tree_budget 1..1024 or "auto", tree_budget_per_batch_size, adaptive_budget)
-together with the engine settings DDTree cannot run with (pipeline or
-context parallelism, LoRA, a quantized KV cache, non-dense targets, Model
-Runner V1), and mapped onto a DFlash SpeculativeConfig with B draft slots per
-request; the tree settings travel in additional_config["vllm_ddtree"] as plain
-values (DDTreeConfig), so spawned processes unpickle them. The target's
-attention backend becomes TREE_ATTN; the drafter keeps its own. TREE_ATTN is
-registered once the engine config is built, so an engine that fails to build
-leaves no registration behind.
+"ddtree" joins SpeculativeMethod: {"method": "ddtree", "model": <DFlash
+drafter>, "tree_budget": B, ...}. SpeculativeConfig gains three fields,
+checked and expanded in __post_init__ by ddtree_config.py (the same parser
+the DDTree plugin uses on stock vLLM, so the rules cannot drift):
 
-Batch defaults: max_num_seqs and max_num_batched_tokens fit trees of B + 1
-tokens (or the user's values are checked), and CUDA graphs are captured in
-multiples of B + 1 within vLLM's largest capture size, unless the user set
-sizes. parallel_drafting is off for DDTree, so the DFlash reservation of
-(B - 1) x max_num_seqs step tokens does not apply. The finished config must
+* tree_budget: tree nodes per request and step, 1..1024 or "auto" (the
+  default); num_speculative_tokens is set from it (B draft slots per
+  request: the scheduler, the input batch and the CUDA graphs size decode
+  steps for B + 1 verified tokens), and a user's num_speculative_tokens is
+  refused.
+* tree_budget_per_batch_size: budgets by batch size, mapped onto vLLM's
+  dynamic speculative decoding schedule.
+* adaptive_budget: each step's trees sized on the worker, tree_budget a
+  per-request cap (the default; the hooks are patch 6, and until then the
+  engine refuses it with a clear error).
+
+_verify_args checks the drafter is DFlash with a block_size (its depth).
+DDTree drafts with DFlash's drafter, so use_dflash() is true for it and the
+DFlash-keyed branches take it: drafter loading (EAGLEConfig as DFlash),
+parallel_drafting, aux hidden states (compute_hash, MRv2's runner),
+use_eagle(), async scheduling (EagleModelTypes), Model Runner V2's supported
+methods, the scheduler's lookahead. max_num_new_slots_for_drafting is 0 for
+DDTree: its drafter runs the mask tokens in its own batch, never in the
+target's, so the step budget is not cut by (B - 1) x max_num_seqs.
+
+EngineArgs builds the DDTree SpeculativeConfig after refusing engine
+settings DDTree cannot run with (pipeline or context parallelism, LoRA, a
+quantized KV cache, non-dense targets, Model Runner V1); the target's
+attention backend becomes TREE_ATTN, the drafter keeps its own. TREE_ATTN
+is registered once the engine config is built, so an engine that fails to
+build leaves no registration behind. Batch defaults: max_num_seqs and
+max_num_batched_tokens fit trees of B + 1 tokens (or the user's values are
+checked), and CUDA graphs are captured in multiples of B + 1 within vLLM's
+largest capture size, unless the user set sizes. The finished config must
 run on Model Runner V2. DDTree is untested with tensor_parallel_size > 1: a
 warning says so.
 
-The adaptive budget (each step's tree size chosen on the worker by measured
-cost and acceptance, the overlay's default) needs the scheduler and
-model-runner hooks of patch 6: until then "adaptive_budget": true is refused
-with a clear error here, and patch 6 lifts the refusal.
+The speculator and tree verification come with patch 5; DDTree's modules
+read the settings with DDTreeConfig.from_vllm_config.
 
-In a later revision SpeculativeConfig itself would carry tree_budget (with
-"ddtree" in SpeculativeMethod) and these checks would move to _verify_args;
-today DDTree's modules read the settings from additional_config.
-
-Tests: tests/v1/spec_decode/test_ddtree_budget.py and test_ddtree_cost.py
-(the budget and cost models the config's schedules use); the engine-config
-path through EngineArgs is checked against the patched tree by
-tests/upstream/applied_wiring.py in the overlay's repository.""",
+Tests: tests/v1/spec_decode/test_ddtree_method_config.py (the settings'
+parser and reader), test_ddtree_budget.py and test_ddtree_cost.py (the
+budget and cost models the config's schedules use); SpeculativeConfig and
+the engine-config path through EngineArgs are checked against the patched
+tree by tests/upstream/applied_wiring.py in the overlay's repository.""",
         files=(
             "vllm/v1/spec_decode/ddtree_cost.py",
             "vllm/v1/spec_decode/ddtree_budget.py",
@@ -226,7 +238,8 @@ series.""",
 * ddtree_adaptive.py: the adaptive budget's planner. DDTreeSpeculator
   builds it; the scheduler and model-runner hooks that drive it are patch 6
   (the config refuses adaptive budgets until then, so it stays idle).
-* init_speculator and init_model_state pick them for a DDTree config; the
+* init_speculator picks DDTreeSpeculator for method "ddtree", and
+  init_model_state DDTreeModelState for a DDTree config; the
   model runner registers TREE_ATTN in the worker before the model is built
   and, once the KV caches exist, compiles every TREE_ATTN variant a step
   can pick (warm_up_tree_attention), so none is first compiled in a user's
@@ -264,9 +277,10 @@ by timing the captured CUDA graphs and from the measured acceptance
 (ddtree_adaptive.py, patch 5). This patch wires it into vLLM and lifts the
 config's refusal of adaptive budgets (patch 3):
 
-* arg_utils.py: an adaptive config carries the ladder of budgets a step may
-  choose and the per-batch-size caps (DDTreeConfig); without async
-  scheduling a warning says the slots per batch size do not apply.
+* arg_utils.py: the refusal goes; without async scheduling a warning says
+  the slots per batch size do not apply. (An adaptive config's ladder of
+  budgets a step may choose and its per-batch-size caps are DDTreeConfig's,
+  from the SpeculativeConfig fields of patch 3.)
 * scheduler.py: the draft slots per batch size (dynamic_sd_lookup) are a
   TreeSlots (ddtree_slots.py, added here): the engine's caps
   (engine_tree_slots), lowered per batch size to a few times the budget the
