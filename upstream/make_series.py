@@ -117,9 +117,15 @@ per request instead of one [Q, Q] bias shared by the batch, which DDTree
   has no such member: get_name() then says "CUSTOM" and the DDTree plugin
   registers that slot.)
 
+The metadata builder serves requests of up to 1 + num_speculative_tokens
+query tokens (a tree and its root) with the tree kernel, not vLLM's
+spec-as-decode bound, which doubles the draft count under parallel drafting.
+
 Tests: test_tree_attention.py: every tree node's output equals causal
 attention over the committed prefix plus its own root-to-node path (float32
 torch reference); a chain equals causal attention; odd sizes.
+test_tree_attn_decode_threshold.py: the builder's decode bound with and
+without parallel drafting.
 test_tree_attn_backend.py: get_name() maps back to the TREE_ATTN member and
 its class, the declared capabilities and their reasons for every unsupported
 setting, FLASH_ATTN's KV layout, and the metadata builder and layer through
@@ -131,6 +137,7 @@ FlashAttention).""",
             "vllm/v1/attention/backends/tree_attn.py",
             "tests/v1/attention/test_tree_attention.py",
             "tests/v1/attention/test_tree_attn_backend.py",
+            "tests/v1/attention/test_tree_attn_decode_threshold.py",
         ),
         edits=True,
     ),
@@ -138,40 +145,53 @@ FlashAttention).""",
         "0003-ddtree-method-config",
         '[Spec Decode] method "ddtree" with tree_budget in --speculative-config',
         """\
-EngineArgs accepts {"method": "ddtree", "model": <DFlash drafter>,
-"tree_budget": B, ...}. The DDTree keys are checked by ddtree_config.py
-(tree_budget 1..1024 or "auto", tree_budget_per_batch_size, adaptive_budget)
-together with the engine settings DDTree cannot run with (pipeline or
-context parallelism, LoRA, a quantized KV cache, non-dense targets, Model
-Runner V1), and mapped onto a DFlash SpeculativeConfig with B draft slots per
-request; the tree settings travel in additional_config["vllm_ddtree"] as plain
-values (DDTreeConfig), so spawned processes unpickle them. The target's
-attention backend becomes TREE_ATTN (patch 2's member; a user's other choice
-is an error); the drafter keeps its own.
+"ddtree" joins SpeculativeMethod: {"method": "ddtree", "model": <DFlash
+drafter>, "tree_budget": B, ...}. SpeculativeConfig gains three fields,
+checked and expanded in __post_init__ by ddtree_config.py (the same parser
+the DDTree plugin uses on stock vLLM, so the rules cannot drift):
 
-Batch defaults: max_num_seqs and max_num_batched_tokens fit trees of B + 1
-tokens (or the user's values are checked), and CUDA graphs are captured in
-multiples of B + 1 within vLLM's largest capture size, unless the user set
-sizes. parallel_drafting is off for DDTree, so the DFlash reservation of
-(B - 1) x max_num_seqs step tokens does not apply. The finished config must
+* tree_budget: tree nodes per request and step, 1..1024 or "auto" (the
+  default); num_speculative_tokens is set from it (B draft slots per
+  request: the scheduler, the input batch and the CUDA graphs size decode
+  steps for B + 1 verified tokens), and a user's num_speculative_tokens is
+  refused.
+* tree_budget_per_batch_size: budgets by batch size, mapped onto vLLM's
+  dynamic speculative decoding schedule.
+* adaptive_budget: each step's trees sized on the worker, tree_budget a
+  per-request cap (the default; the hooks are patch 6, and until then the
+  engine refuses it with a clear error).
+
+_verify_args checks the drafter is DFlash with a block_size (its depth).
+DDTree drafts with DFlash's drafter, so use_dflash() is true for it and the
+DFlash-keyed branches take it: drafter loading (EAGLEConfig as DFlash),
+parallel_drafting, aux hidden states (compute_hash, MRv2's runner),
+use_eagle(), async scheduling (EagleModelTypes), Model Runner V2's supported
+methods, the scheduler's lookahead. max_num_new_slots_for_drafting is 0 for
+DDTree: its drafter runs the mask tokens in its own batch, never in the
+target's, so the step budget is not cut by (B - 1) x max_num_seqs.
+
+EngineArgs builds the DDTree SpeculativeConfig after refusing engine
+settings DDTree cannot run with (pipeline or context parallelism, LoRA, a
+quantized KV cache, non-dense targets, Model Runner V1); the target's
+attention backend becomes TREE_ATTN (patch 2's member; a user's other
+choice is an error), the drafter keeps its own. Batch defaults: max_num_seqs and
+max_num_batched_tokens fit trees of B + 1 tokens (or the user's values are
+checked), and CUDA graphs are captured in multiples of B + 1 within vLLM's
+largest capture size, unless the user set sizes. The finished config must
 run on Model Runner V2. DDTree is untested with tensor_parallel_size > 1: a
 warning says so.
 
-The adaptive budget (each step's tree size chosen on the worker by measured
-cost and acceptance, the overlay's default) needs the scheduler and
-model-runner hooks of patch 6: until then "adaptive_budget": true is refused
-with a clear error here, and patch 6 lifts the refusal.
-
-In a later revision SpeculativeConfig itself would carry tree_budget (with
-"ddtree" in SpeculativeMethod) and these checks would move to _verify_args;
-today DDTree's modules read the settings from additional_config.
+The speculator and tree verification come with patch 5; DDTree's modules
+read the settings with DDTreeConfig.from_vllm_config.
 
 Tests: tests/v1/spec_decode/test_ddtree_config.py (parsing and every error
 message, the engine checks, batch limits, CUDA-graph sizes, the adaptive
 budget's caps and slot counts, the config's round trip, TREE_ATTN as the
-target's backend), test_ddtree_budget.py and test_ddtree_cost.py (the budget
-and cost models the config's schedules use); the engine-config path through
-EngineArgs is checked against the patched tree by
+target's backend), test_ddtree_method_config.py (the settings' parser and
+reader for SpeculativeConfig fields and for the plugin's additional_config),
+test_ddtree_budget.py and test_ddtree_cost.py (the budget and cost models the
+config's schedules use); SpeculativeConfig and the engine-config path through
+EngineArgs are checked against the patched tree by
 tests/upstream/applied_wiring.py in the overlay's repository.""",
         files=(
             "vllm/v1/spec_decode/ddtree_cost.py",
@@ -179,6 +199,7 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
             "vllm/v1/spec_decode/ddtree_config.py",
             "tests/log_records.py",
             "tests/v1/spec_decode/test_ddtree_config.py",
+            "tests/v1/spec_decode/test_ddtree_method_config.py",
             "tests/v1/spec_decode/test_ddtree_budget.py",
             "tests/v1/spec_decode/test_ddtree_cost.py",
         ),
@@ -246,10 +267,10 @@ gives the same results with and without the series.""",
 * ddtree_adaptive.py: the adaptive budget's planner. DDTreeSpeculator
   builds it; the scheduler and model-runner hooks that drive it are patch 6
   (the config refuses adaptive budgets until then, so it stays idle).
-* init_speculator and init_model_state pick them for a DDTree config; once
-  the KV caches exist, the model runner compiles every TREE_ATTN variant a
-  step can pick (warm_up_tree_attention), so none is first compiled in a
-  user's step.
+* init_speculator picks DDTreeSpeculator for method "ddtree", and
+  init_model_state DDTreeModelState for a DDTree config; once the KV caches
+  exist, the model runner compiles every TREE_ATTN variant a step can pick
+  (warm_up_tree_attention), so none is first compiled in a user's step.
 * load_model: the structured-output bitmask of a DDTree runner is sized by
   the step's token limit, not max_num_reqs x (1 + tree_budget) logit rows
   (about 10 GiB at 512 requests, budget 1024 and a 152K vocabulary); a step
@@ -291,9 +312,10 @@ by timing the captured CUDA graphs and from the measured acceptance
 (ddtree_adaptive.py, patch 5). This patch wires it into vLLM and lifts the
 config's refusal of adaptive budgets (patch 3):
 
-* arg_utils.py: an adaptive config carries the ladder of budgets a step may
-  choose and the per-batch-size caps (DDTreeConfig); without async
-  scheduling a warning says the slots per batch size do not apply.
+* arg_utils.py: the refusal goes; without async scheduling a warning says
+  the slots per batch size do not apply. (An adaptive config's ladder of
+  budgets a step may choose and its per-batch-size caps are DDTreeConfig's,
+  from the SpeculativeConfig fields of patch 3.)
 * scheduler.py: the draft slots per batch size (dynamic_sd_lookup) are a
   TreeSlots (ddtree_slots.py, added here): the engine's caps
   (engine_tree_slots), lowered per batch size to a few times the budget the

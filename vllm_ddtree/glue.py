@@ -275,16 +275,9 @@ def _create_speculative_config(
         ) from e
     finally:
         self.speculative_config = raw
-    if parsed.adaptive:
-        smaller = ddt.adaptive_ladder(budget, parsed.schedule)[1:-1]
-    else:
-        smaller = tuple(sorted({b for *_, b in parsed.schedule} - {budget}))
-    cfg = ddt.DDTreeConfig(
-        budget,
+    cfg = ddt.DDTreeConfig.from_tree_budget(
+        ddt.TreeBudget(budget, parsed.adaptive, parsed.schedule),
         ddt.draft_depth_of(spec.draft_model_config),
-        smaller,
-        parsed.adaptive,
-        parsed.schedule if parsed.adaptive else (),
     )
     # The drafter's mask tokens run in its own batch, never in the target's:
     # no step slots to reserve (vLLM 0.26 reserves B - 1 per request for DFlash).

@@ -12,6 +12,8 @@ vLLM and runs it there. Every check here would fail on stock vLLM (method
 import ast
 import inspect
 import itertools
+import json
+import pickle
 import sys
 import types
 from pathlib import Path
@@ -76,21 +78,34 @@ def _engine_config(models, budget=128, **kwargs):
     return args, args.create_engine_config()
 
 
-def test_engine_config_maps_ddtree_onto_dflash(models):
+def test_engine_config_is_a_ddtree_speculative_config(models):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+    from vllm.v1.spec_decode.ddtree_config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
 
     args, config = _engine_config(models, max_num_batched_tokens=4096)
     spec = config.speculative_config
-    assert spec.method == "dflash"
+    assert spec.method == "ddtree"
+    assert (spec.tree_budget, spec.adaptive_budget) == (128, False)
+    assert spec.tree_budget_per_batch_size is None
     assert spec.num_speculative_tokens == 128
+    assert spec.num_speculative_tokens_per_batch_size is None
+    # The settings live in the speculative config, not in additional_config.
+    assert ADDITIONAL_CONFIG_KEY not in config.additional_config
     assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(128, 15)
+    # DFlash's drafter and its branches (hidden states, async scheduling,
+    # Model Runner V2).
+    assert spec.use_dflash() and spec.use_eagle()
+    assert spec.draft_model_config.architecture.startswith("DFlash")
+    assert config.scheduler_config.async_scheduling
+    assert config.use_v2_model_runner
     assert config.attention_config.backend == AttentionBackendEnum.TREE_ATTN
     assert AttentionBackendEnum.TREE_ATTN.get_path() == TREE_ATTN_PATH
     # The drafter picks its own (non-causal) backend.
     assert spec.attention_backend is None
-    # No DFlash slot reservation cuts DDTree's step budget.
+    # The drafter drafts its block in parallel, in its own batch: no step slots
+    # reserved for it in the target's.
+    assert spec.parallel_drafting
     assert spec.max_num_new_slots_for_drafting == 0
     sched = config.scheduler_config
     assert sched.max_num_scheduled_tokens == sched.max_num_batched_tokens == 4096
@@ -100,6 +115,46 @@ def test_engine_config_maps_ddtree_onto_dflash(models):
     again = args.create_engine_config()
     assert again.scheduler_config.max_num_seqs == sched.max_num_seqs
     assert DDTreeConfig.from_vllm_config(again) == DDTreeConfig(128, 15)
+    # Spawned engine cores and workers unpickle the config before any plugin
+    # could load.
+    assert DDTreeConfig.from_vllm_config(pickle.loads(pickle.dumps(config))) == (
+        DDTreeConfig(128, 15)
+    )
+
+
+def test_serve_cli_builds_a_ddtree_config(models):
+    """`vllm serve --speculative-config '{"method": "ddtree", ...}'`, parsed as
+    the CLI parses it."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm.v1.spec_decode.ddtree_config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
+
+    target, drafter = models
+    spec = {
+        "method": "ddtree",
+        "model": drafter,
+        "tree_budget_per_batch_size": [[1, 4, 63], [5, 64, 15]],
+        "adaptive_budget": False,
+    }
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    cli = ["--model", target, "--max-model-len", "2048"]
+    args = parser.parse_args([*cli, "--speculative-config", json.dumps(spec)])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    spec = config.speculative_config
+    assert spec.method == "ddtree"
+    assert spec.tree_budget == spec.num_speculative_tokens == 63
+    assert spec.tree_budget_per_batch_size == [(1, 4, 63), (5, 64, 15)]
+    assert spec.num_speculative_tokens_per_batch_size == [[1, 4, 63], [5, 64, 15]]
+    assert ADDITIONAL_CONFIG_KEY not in config.additional_config
+    assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(63, 15, (15,))
+    # --spec-method takes the method among SpeculativeMethod's choices.
+    flags = ["--spec-method", "ddtree", "--spec-model", drafter]
+    settings = json.dumps({"tree_budget": 8, "adaptive_budget": False})
+    args = parser.parse_args([*cli, *flags, "--speculative-config", settings])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.speculative_config.method == "ddtree"
+    assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(8, 15)
 
 
 def test_capture_sizes_in_multiples_of_the_tree(models, monkeypatch):
@@ -169,8 +224,9 @@ def test_spec_flags(models):
         max_model_len=2048,
     )
     config = args.create_engine_config()
+    assert config.speculative_config.method == "ddtree"
     assert config.speculative_config.num_speculative_tokens == 32
-    with pytest.raises(ValueError, match="drop --spec-tokens"):
+    with pytest.raises(ValueError, match="remove 'num_speculative_tokens'"):
         EngineArgs(
             model=target, spec_method="ddtree", spec_model=drafter, spec_tokens=4
         ).create_engine_config()
@@ -180,11 +236,7 @@ def test_spec_flags(models):
     "spec, match",
     [
         ({"tree_budget": 0, "adaptive_budget": False}, r"in \[1, 1024\], got 0"),
-        ({"tree_budget": 2048, "adaptive_budget": False}, r"got 2048"),
-        (
-            {"tree_budget": 8, "adaptive_budget": False, "bogus": 1},
-            "method 'ddtree' does not take 'bogus'",
-        ),
+        ({"tree_budget": 2048, "adaptive_budget": False}, r"in \[1, 1024\], got 2048"),
     ],
 )
 def test_engine_config_errors(models, spec, match):
@@ -198,6 +250,26 @@ def test_engine_config_errors(models, spec, match):
         ).create_engine_config()
 
 
+def test_engine_config_names_an_unknown_key(models):
+    """SpeculativeConfig knows DDTree's keys: only the unknown one is named."""
+    from pydantic import ValidationError
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = models
+    spec = {
+        "method": "ddtree",
+        "model": drafter,
+        "tree_budget": 8,
+        "adaptive_budget": False,
+        "bogus": 1,
+    }
+    with pytest.raises(ValidationError) as info:
+        EngineArgs(
+            model=target, speculative_config=spec, max_model_len=2048
+        ).create_engine_config()
+    assert {e["loc"][0] for e in info.value.errors()} == {"bogus"}
+
+
 def test_engine_config_refuses_a_non_dflash_drafter(models):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -208,13 +280,136 @@ def test_engine_config_refuses_a_non_dflash_drafter(models):
         "tree_budget": 8,
         "adaptive_budget": False,
     }
+    # vLLM loads a DFlash drafter as DFlash<architecture>, which a target is not.
     with pytest.raises(
         ValueError,
-        match="method 'ddtree' (could not load|drafts with a DFlash drafter)",
+        match=r"architectures \['DFlashQwen3ForCausalLM'\] are not supported"
+        "|drafts with a DFlash drafter",
     ):
         EngineArgs(
             model=target, speculative_config=spec, max_model_len=2048
         ).create_engine_config()
+
+
+def _speculative_config(models, **fields):
+    from vllm.config import ParallelConfig, SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = models
+    fields.setdefault("model", drafter)
+    return SpeculativeConfig(
+        method="ddtree",
+        target_model_config=EngineArgs(
+            model=target, max_model_len=2048
+        ).create_model_config(),
+        target_parallel_config=ParallelConfig(),
+        **fields,
+    )
+
+
+def test_speculative_config_takes_ddtree(models):
+    """SpeculativeConfig(method="ddtree") checks and expands its tree settings
+    with DDTree's parser and sets the draft slots from them."""
+    from vllm.v1.spec_decode.ddtree_config import (
+        AUTO_TREE_BUDGET_PER_BATCH_SIZE,
+        DDTreeConfig,
+    )
+
+    spec = _speculative_config(models, tree_budget=64, adaptive_budget=False)
+    assert (spec.tree_budget, spec.num_speculative_tokens) == (64, 64)
+    assert spec.num_speculative_tokens_per_batch_size is None
+    assert DDTreeConfig.from_speculative_config(spec) == DDTreeConfig(64, 15)
+    # The default: an adaptive budget capped at the largest tree, with vLLM's
+    # schedule listing every budget a step may verify (one graph set each).
+    spec = _speculative_config(models)
+    assert (spec.tree_budget, spec.adaptive_budget) == (1024, True)
+    listed = [b for *_, b in spec.num_speculative_tokens_per_batch_size]
+    assert listed == [1024, 1023, 511, 255, 127, 63, 31, 15, 7, 3, 1, 0]
+    # "auto" with fixed budgets: the measured schedule.
+    spec = _speculative_config(models, tree_budget="auto", adaptive_budget=False)
+    auto = [tuple(r) for r in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
+    assert spec.tree_budget_per_batch_size == auto
+    assert spec.tree_budget == max(b for *_, b in auto)
+    assert [tuple(r) for r in spec.num_speculative_tokens_per_batch_size] == auto
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"tree_budget": 0}, r"tree_budget must be in \[1, 1024\], got 0"),
+        ({"tree_budget": 1025}, r"tree_budget must be in \[1, 1024\], got 1025"),
+        (
+            {"tree_budget_per_batch_size": [[2, 8, 16]]},
+            "tree_budget_per_batch_size: The first batch-size range must start at 1",
+        ),
+        (
+            {"tree_budget": 128, "tree_budget_per_batch_size": [[1, 8, 64]]},
+            (
+                r"tree_budget=128 must equal the largest budget of "
+                r"tree_budget_per_batch_size \(64\)"
+            ),
+        ),
+        (
+            {"tree_budget": "auto", "tree_budget_per_batch_size": [[1, 8, 64]]},
+            "tree_budget='auto' picks the budget itself",
+        ),
+        (
+            {"num_speculative_tokens": 15},
+            "method 'ddtree' sizes its trees with 'tree_budget'",
+        ),
+        ({"model": None}, "method 'ddtree' needs 'model'"),
+        (
+            {"tree_budget_per_batch_size": [[i, i, 1000 - i] for i in range(1, 8)]},
+            "adaptive_budget.*at most 16",
+        ),
+    ],
+)
+def test_speculative_config_ddtree_errors(models, fields, match):
+    with pytest.raises(ValueError, match=match):
+        _speculative_config(models, **fields)
+
+
+def test_tree_settings_belong_to_ddtree(models):
+    from vllm.config import ParallelConfig, SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = models
+    with pytest.raises(ValueError, match="settings of method 'ddtree', not of"):
+        SpeculativeConfig(
+            method="dflash",
+            model=drafter,
+            num_speculative_tokens=15,
+            tree_budget=8,
+            target_model_config=EngineArgs(
+                model=target, max_model_len=2048
+            ).create_model_config(),
+            target_parallel_config=ParallelConfig(),
+        )
+
+
+# Method-name tuples keyed on DFlash in these modules: DDTree drafts with
+# DFlash's drafter, so each must name "ddtree" too (or go through use_dflash()).
+DFLASH_KEYED_MODULES = (
+    "vllm.config.speculative",
+    "vllm.config.vllm",
+    "vllm.v1.worker.gpu.model_runner",
+)
+
+
+@pytest.mark.parametrize("module_name", DFLASH_KEYED_MODULES)
+def test_dflash_keyed_branches_take_ddtree(module_name):
+    import importlib
+
+    module = importlib.import_module(module_name)
+    tree = ast.parse(inspect.getsource(module))
+    keyed = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Tuple):
+            names = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+            if "dflash" in names:
+                keyed.append((node.lineno, names))
+    assert keyed, module_name
+    assert [k for k in keyed if "ddtree" not in k[1]] == []
 
 
 def test_plain_dflash_is_untouched(models):
@@ -255,6 +450,7 @@ def test_adaptive_engine_config_builds(models):
     from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 
     config = _adaptive_config(models, max_num_batched_tokens=4096)
+    assert config.speculative_config.adaptive_budget is True
     cfg = DDTreeConfig.from_vllm_config(config)
     assert cfg.adaptive and cfg.tree_budget == 128
     assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 127, 128)

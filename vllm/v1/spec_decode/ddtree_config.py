@@ -14,9 +14,12 @@ scheduler, the input batch and the CUDA graphs then size every decode step for
 ``tree_budget + 1`` verified tokens. Two numbers are DDTree's own, the tree budget
 B and the drafter depth D (the drafter's block size minus one, 15 for DFlash's
 blocks of 16, independent of B); :class:`DDTreeConfig` carries them to every
-process. On vLLM 0.26 ``SpeculativeConfig`` forbids unknown keys, so they travel
-in ``VllmConfig.additional_config["vllm_ddtree"]`` (plain ints, picklable); upstream
-they would be ``SpeculativeConfig`` fields (see docs/upstream.md).
+process. Where vLLM knows method ``"ddtree"`` (the upstream series), the tree
+settings are ``SpeculativeConfig`` fields, checked and expanded by the functions
+below. On stock vLLM 0.26 (the plugin) ``SpeculativeConfig`` forbids unknown
+keys, so the engine runs a DFlash ``SpeculativeConfig`` and the settings travel
+in ``VllmConfig.additional_config["vllm_ddtree"]`` (plain ints, picklable).
+:meth:`DDTreeConfig.from_vllm_config` reads either.
 
 A budget per batch size is asked for with ``tree_budget_per_batch_size``, a list of
 inclusive ranges ``[[first_batch_size, last_batch_size, budget], ...]`` (the first
@@ -69,6 +72,8 @@ AUTO_TREE_BUDGET_CAP = MAX_BUDGET
 # verifies tree_budget nodes (or the schedule's) in every step.
 ADAPTIVE_KEY = "adaptive_budget"
 DEFAULT_ADAPTIVE = True
+# The keys that size a ddtree config's trees (parse_tree_budget).
+TREE_KEYS = ("tree_budget", "tree_budget_per_batch_size", ADAPTIVE_KEY)
 # Keys of a ddtree speculative config passed to the DFlash drafter's config as is.
 DRAFTER_KEYS = frozenset(
     {
@@ -161,13 +166,37 @@ class DDTreeConfig:
         }
 
     @classmethod
+    def from_tree_budget(cls, tree: "TreeBudget", draft_depth: int) -> "DDTreeConfig":
+        """The config for checked tree settings and the drafter's depth."""
+        budget = tree.tree_budget
+        if tree.adaptive:
+            # Every budget an adaptive step may choose, below the cap.
+            smaller = adaptive_ladder(budget, tree.schedule)[1:-1]
+        else:
+            smaller = tuple(sorted({b for *_, b in tree.schedule} - {budget}))
+        caps = tree.schedule if tree.adaptive else ()
+        return cls(budget, draft_depth, smaller, tree.adaptive, caps)
+
+    @classmethod
+    def from_speculative_config(cls, spec: Any) -> "DDTreeConfig":
+        """The config of a ``SpeculativeConfig(method="ddtree")``: its tree
+        fields and its DFlash drafter's depth."""
+        tree = tree_budget_of(
+            spec.tree_budget, spec.tree_budget_per_batch_size, spec.adaptive_budget
+        )
+        return cls.from_tree_budget(tree, draft_depth_of(spec.draft_model_config))
+
+    @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "DDTreeConfig | None":
         """The DDTree settings of an engine config, or None if DDTree is off."""
+        spec = getattr(vllm_config, "speculative_config", None)
+        if getattr(spec, "method", None) == DDTREE_METHOD:
+            # vLLM with method "ddtree": the settings are the config's fields.
+            return cls.from_speculative_config(spec)
         additional = getattr(vllm_config, "additional_config", None)
         if not isinstance(additional, Mapping):
             return None
         raw = additional.get(ADDITIONAL_CONFIG_KEY)
-        spec = getattr(vllm_config, "speculative_config", None)
         if (
             not isinstance(raw, Mapping)
             or raw.get("method") != DDTREE_METHOD
@@ -196,6 +225,134 @@ def is_ddtree_method(speculative_config: Any) -> bool:
     )
 
 
+class TreeBudget(NamedTuple):
+    """A ddtree config's tree settings, checked and expanded
+    (:func:`parse_tree_budget`)."""
+
+    # The largest tree budget (nodes per request and step); the cap with an
+    # adaptive budget.
+    tree_budget: int
+    # Each step's budget is chosen by cost and acceptance (ADAPTIVE_KEY).
+    adaptive: bool
+    # The schedule's ranges (first, last, budget); empty: one budget.
+    schedule: tuple[tuple[int, int, int], ...]
+
+    @property
+    def num_speculative_tokens_per_batch_size(self) -> list[list[int]] | None:
+        """vLLM's dynamic speculative decoding schedule for these settings.
+
+        Fixed budgets: the schedule, if any. Adaptive: one range per ladder
+        budget, largest first, so that vLLM captures uniform decode graphs for
+        every budget a step may verify (the scheduler's draft slots per batch
+        size are DDTree's own, :func:`scheduled_tree_budgets`)."""
+        if self.adaptive:
+            ladder = adaptive_ladder(self.tree_budget, self.schedule)[::-1]
+            return [[i + 1, i + 1, b] for i, b in enumerate(ladder)]
+        return [list(r) for r in self.schedule] or None
+
+
+def parse_tree_budget(settings: Mapping[str, Any]) -> TreeBudget:
+    """Check and expand the tree keys (:data:`TREE_KEYS`) of a ddtree config;
+    ``settings`` holds those the user gave, the others take their defaults.
+
+    With a fixed budget per batch size (``adaptive_budget: false``) a
+    ``tree_budget_per_batch_size`` schedule (or ``auto``'s) sets the budget of
+    each batch size. With an adaptive budget (the default) the budget and the
+    schedule are per-request caps, and ``"auto"`` is the builder's largest
+    tree.
+    """
+    adaptive = settings.get(ADAPTIVE_KEY, DEFAULT_ADAPTIVE)
+    if not isinstance(adaptive, bool):
+        raise ValueError(
+            f"{ADAPTIVE_KEY} must be true (each step's tree sized by measured cost "
+            f"and acceptance: the default) or false (every step verifies "
+            f"tree_budget, or its schedule's budget for the batch size), got "
+            f"{adaptive!r}"
+        )
+    schedule = settings.get("tree_budget_per_batch_size")
+    given = settings.get("tree_budget", DEFAULT_TREE_BUDGET)
+    if "tree_budget" in settings and given == AUTO_TREE_BUDGET and schedule is not None:
+        raise ValueError(
+            "tree_budget='auto' picks the budget itself; drop "
+            "tree_budget_per_batch_size, or drop tree_budget to use your "
+            "schedule"
+        )
+    if schedule is None and given == AUTO_TREE_BUDGET:
+        if adaptive:
+            given = AUTO_TREE_BUDGET_CAP
+        else:
+            schedule = [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
+    if schedule is None:
+        check_tree_budget(given)
+        budget, ranges = given, ()
+    else:
+        ranges = tuple(parse_budget_schedule(schedule))
+        budget = max(b for _, _, b in ranges)
+        if given not in (budget, AUTO_TREE_BUDGET):
+            raise ValueError(
+                f"tree_budget={given!r} must equal the largest budget of "
+                f"tree_budget_per_batch_size ({budget}), or be left out"
+            )
+    if adaptive:
+        ladder = adaptive_ladder(budget, ranges)
+        if len(ladder) > MAX_LADDER:
+            raise ValueError(
+                f"DDTree: with adaptive_budget, tree_budget {budget} and the "
+                f"caps of tree_budget_per_batch_size give {len(ladder)} "
+                f"budgets to choose from ({sorted(ladder)}); at most "
+                f"{MAX_LADDER}: use fewer distinct caps, or caps of the form "
+                "2**k - 1"
+            )
+    return TreeBudget(budget, adaptive, ranges)
+
+
+def tree_budget_of(
+    tree_budget: Any = None,
+    tree_budget_per_batch_size: Any = None,
+    adaptive_budget: Any = None,
+) -> TreeBudget:
+    """:func:`parse_tree_budget` of config fields, where None means not set."""
+    values = (tree_budget, tree_budget_per_batch_size, adaptive_budget)
+    return parse_tree_budget(
+        {key: value for key, value in zip(TREE_KEYS, values) if value is not None}
+    )
+
+
+def check_draft_settings(
+    model: Any, sets_draft_counts: bool, attention_backend: Any = None
+) -> None:
+    """What a ddtree config may say about its drafter: a DFlash drafter
+    (``model``), no draft counts of its own (``sets_draft_counts``: it gives
+    ``num_speculative_tokens`` or ``num_speculative_tokens_per_batch_size``;
+    the tree keys size the trees) and a drafter backend that attends
+    bidirectionally."""
+    if sets_draft_counts:
+        raise ValueError(
+            "method 'ddtree' sizes its trees with 'tree_budget' (or "
+            "'tree_budget_per_batch_size'); remove 'num_speculative_tokens' and "
+            "'num_speculative_tokens_per_batch_size' from the speculative config "
+            "(the drafter always drafts its full block)"
+        )
+    if not model:
+        raise ValueError(
+            "method 'ddtree' needs 'model': the path or Hugging Face name of a "
+            "DFlash drafter for the target, e.g. "
+            '{"method": "ddtree", "model": "z-lab/Qwen3-8B-DFlash-b16", '
+            '"tree_budget": 128}'
+        )
+    backend = attention_backend
+    tree_attn = _tree_attn_name()
+    if backend is not None and str(getattr(backend, "name", backend)).upper() == (
+        tree_attn
+    ):
+        raise ValueError(
+            "the DFlash drafter attends bidirectionally within its block and "
+            f"cannot use TREE_ATTN ({tree_attn}), which is causal-only; drop the "
+            "speculative config's 'attention_backend' or name a non-causal "
+            "backend such as FLASH_ATTN"
+        )
+
+
 class ParsedSpeculativeConfig(NamedTuple):
     """What :func:`parse_speculative_config` makes of a ``ddtree`` config."""
 
@@ -211,71 +368,22 @@ class ParsedSpeculativeConfig(NamedTuple):
 
 def parse_speculative_config(raw: Mapping[str, Any]) -> ParsedSpeculativeConfig:
     """A ``{"method": "ddtree", ...}`` dict -> DDTree's settings and the DFlash
-    config dict.
+    config dict (stock vLLM, which has no ``ddtree`` method).
 
     The dict is what vLLM's ``SpeculativeConfig`` accepts: method ``"dflash"``
-    with ``tree_budget`` draft slots per request. With a fixed budget per batch
-    size (``adaptive_budget: false``) a ``tree_budget_per_batch_size`` schedule
-    (or ``auto``'s) becomes vLLM's ``num_speculative_tokens_per_batch_size``.
-    With an adaptive budget (the default) the budget and the schedule are
-    per-request caps; vLLM's schedule then lists every ladder budget, so that
-    vLLM captures a CUDA graph for each (the scheduler's draft slots per batch
-    size are DDTree's own, :func:`scheduled_tree_budgets`).
+    with ``tree_budget`` draft slots per request, and the tree settings'
+    ``num_speculative_tokens_per_batch_size``
+    (:attr:`TreeBudget.num_speculative_tokens_per_batch_size`).
     """
     cfg = {str(k).replace("-", "_"): v for k, v in raw.items()}
     cfg.pop("method")
-    adaptive = cfg.pop(ADAPTIVE_KEY, DEFAULT_ADAPTIVE)
-    if not isinstance(adaptive, bool):
-        raise ValueError(
-            f"{ADAPTIVE_KEY} must be true (each step's tree sized by measured cost "
-            f"and acceptance: the default) or false (every step verifies "
-            f"tree_budget, or its schedule's budget for the batch size), got "
-            f"{adaptive!r}"
-        )
-    schedule = cfg.pop("tree_budget_per_batch_size", None)
-    if cfg.get("tree_budget") == AUTO_TREE_BUDGET and schedule is not None:
-        raise ValueError(
-            "tree_budget='auto' picks the budget itself; drop "
-            "tree_budget_per_batch_size, or drop tree_budget to use your "
-            "schedule"
-        )
-    if schedule is None and (
-        cfg.get("tree_budget", DEFAULT_TREE_BUDGET) == AUTO_TREE_BUDGET
-    ):
-        cfg.pop("tree_budget", None)
-        if adaptive:
-            cfg["tree_budget"] = AUTO_TREE_BUDGET_CAP
-        else:
-            schedule = [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
-    if schedule is None:
-        budget = cfg.pop("tree_budget")
-        check_tree_budget(budget)
-        ranges: tuple[tuple[int, int, int], ...] = ()
-    else:
-        ranges = tuple(parse_budget_schedule(schedule))
-        budget = max(b for _, _, b in ranges)
-        given = cfg.pop("tree_budget", budget)
-        if given != budget:
-            raise ValueError(
-                f"tree_budget={given!r} must equal the largest budget of "
-                f"tree_budget_per_batch_size ({budget}), or be left out"
-            )
-    if "num_speculative_tokens" in cfg or "num_speculative_tokens_per_batch_size" in (
-        cfg
-    ):
-        raise ValueError(
-            "method 'ddtree' sizes its trees with 'tree_budget' (or "
-            "'tree_budget_per_batch_size'); remove 'num_speculative_tokens' and "
-            "'num_speculative_tokens_per_batch_size' from the speculative config "
-            "(the drafter always drafts its full block)"
-        )
-    if not cfg.get("model"):
-        raise ValueError(
-            "method 'ddtree' needs 'model': the path or Hugging Face name of a "
-            "DFlash drafter for the target, e.g. "
-            '{"method": "ddtree", "model": "z-lab/Qwen3-8B-DFlash-b16", '
-            '"tree_budget": 128}'
-        )
+    tree = parse_tree_budget({k: cfg.pop(k) for k in TREE_KEYS if k in cfg})
+    check_draft_settings(
+        cfg.get("model"),
+        "num_speculative_tokens" in cfg
+        or "num_speculative_tokens_per_batch_size" in cfg,
+        cfg.get("attention_backend"),
+    )
     unknown = sorted(set(cfg) - DRAFTER_KEYS)
     if unknown:
         raise ValueError(
@@ -285,37 +393,15 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> ParsedSpeculativeConfig:
             "settings "
             f"{', '.join(sorted(DRAFTER_KEYS))}"
         )
-    backend = cfg.get("attention_backend")
-    tree_attn = _tree_attn_name()
-    if backend is not None and str(getattr(backend, "name", backend)).upper() == (
-        tree_attn
-    ):
-        raise ValueError(
-            "the DFlash drafter attends bidirectionally within its block and "
-            f"cannot use TREE_ATTN ({tree_attn}), which is causal-only; drop the "
-            "speculative config's 'attention_backend' or name a non-causal "
-            "backend such as FLASH_ATTN"
-        )
-    dflash = {**cfg, "method": "dflash", "num_speculative_tokens": budget}
-    if adaptive:
-        # One range per ladder budget, largest first: vLLM captures uniform
-        # decode graphs for every budget it lists. The scheduler's own lookup
-        # from it is replaced (glue, Scheduler.__init__).
-        ladder = adaptive_ladder(budget, ranges)[::-1]
-        if len(ladder) > MAX_LADDER:
-            raise ValueError(
-                f"DDTree: with adaptive_budget, tree_budget {budget} and the "
-                f"caps of tree_budget_per_batch_size give {len(ladder)} "
-                f"budgets to choose from ({sorted(ladder)}); at most "
-                f"{MAX_LADDER}: use fewer distinct caps, or caps of the form "
-                "2**k - 1"
-            )
-        dflash["num_speculative_tokens_per_batch_size"] = [
-            [i + 1, i + 1, b] for i, b in enumerate(ladder)
-        ]
-    elif ranges:
-        dflash["num_speculative_tokens_per_batch_size"] = [list(r) for r in ranges]
-    return ParsedSpeculativeConfig(budget, dflash, adaptive, ranges)
+    dflash = {**cfg, "method": "dflash", "num_speculative_tokens": tree.tree_budget}
+    per_batch_size = tree.num_speculative_tokens_per_batch_size
+    if per_batch_size is not None:
+        # Adaptive: the scheduler's own lookup from it is replaced (glue,
+        # Scheduler.__init__).
+        dflash["num_speculative_tokens_per_batch_size"] = per_batch_size
+    return ParsedSpeculativeConfig(
+        tree.tree_budget, dflash, tree.adaptive, tree.schedule
+    )
 
 
 def parse_budget_schedule(schedule: Any) -> list[tuple[int, int, int]]:
@@ -349,6 +435,9 @@ def parse_budget_schedule(schedule: Any) -> list[tuple[int, int, int]]:
             )
             .replace("num_speculative_tokens", "tree_budget")
         )
+        if "tree_budget_per_batch_size" not in message:
+            # vLLM's range checks name no setting.
+            message = f"tree_budget_per_batch_size: {message}"
         raise ValueError(f"{message} ({example})") from e
     for first, last, budget in parsed:
         if not 1 <= budget <= MAX_BUDGET:

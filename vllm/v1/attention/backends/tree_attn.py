@@ -280,8 +280,12 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
     ):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Decodes, chains and trees (q_len <= 1 + num_speculative_tokens) lead
-        # the batch and run the tree kernel.
-        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        # the batch and run the tree kernel. Not vLLM's spec-as-decode bound,
+        # which doubles num_speculative_tokens under parallel drafting (set for
+        # DDTree's DFlash drafter): its mask tokens never reach this batch.
+        spec = vllm_config.speculative_config
+        num_spec = spec.num_speculative_tokens if spec is not None else None
+        self._init_reorder_batch_threshold(1 + (num_spec or 0))
         self._tree_inputs: TreeAttentionInputs | None = None
         self._fa_version = _flash_attn_version(kv_cache_spec.head_size)
 
