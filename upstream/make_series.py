@@ -51,6 +51,50 @@ class Patch:
 
 PATCHES = (
     Patch(
+        "0000-dflash-propose-steps",
+        "[Spec Decode][MRv2] DFlash: propose in overridable steps",
+        """\
+A refactor of DFlashSpeculator.propose with no change in behaviour: its
+body becomes steps that propose calls, so a speculator built on DFlash's
+drafter overrides the step that differs instead of copying propose.
+
+* _prepare_draft_context(input_batch, last_hidden_states,
+  aux_hidden_states, num_sampled, num_rejected, last_sampled,
+  next_prefill_tokens, dummy_run, skip_attn_for_dummy_run): the target's
+  hidden states as the drafter's context, prepare_dflash_inputs for each
+  draft KV-cache group, and the context K/V stored by
+  _store_context_kv(context_states, dummy_run) (each layer at its group's
+  context slots; no cache write in dummy runs).
+* _run_drafter(input_batch, num_tokens_across_dp, is_profile, skip_attn)
+  -> num_tokens_padded: the draft's max sequence length, the CUDA-graph
+  dispatch with DP padding, the draft attention metadata and slot
+  mappings, EPLB, then the FULL graph's replay or _generate_draft; in the
+  memory-profiling run (skip_attn) the eager forward without attention
+  metadata. It returns the padded token count the drafter ran, which
+  sizes what _generate_draft wrote.
+
+propose copies the request inputs, calls the two steps and returns
+draft_tokens[:num_reqs] as before. The one reordering: the request inputs
+(temperature, seeds, idx_mapping) are copied before the hidden states
+instead of after; the two copies write different buffers on one stream.
+No host sync is added and the captured graphs are unchanged. DSpark,
+which overrides _generate_draft, runs as before.
+
+DDTree (patch 5) overrides _prepare_draft_context (its drafter's context is
+each request's root and accepted path) and _generate_draft (logits to
+trees), and runs the drafter through _run_drafter.
+
+Tests: no new test in this patch (nothing observable changes). The
+overlay's tests/upstream/test_dflash_steps.py runs v0.26.0's propose and
+this one side by side on the CPU (dispatch to eager and to FULL graphs,
+dummy and memory-profiling runs, one and two draft KV-cache groups): the
+same draft tokens, buffers and calls in the same order, but for the copy
+above. vLLM's CPU tests under tests/v1/spec_decode pass the same with
+and without the series; DFlash's and DSpark's end-to-end tests
+(tests/v1/e2e/spec_decode/test_spec_decode.py) need a GPU.""",
+        edits=True,
+    ),
+    Patch(
         "0001-tree-primitives",
         "[Spec Decode] Tree builder, tree rejection sampler and tree KV compaction",
         """\
