@@ -37,7 +37,10 @@ Engine-core and worker side:
    the model is built; ``GPUModelRunner.initialize_kv_cache``: then compiles every
    TREE_ATTN kernel variant a step can pick
    (``DDTreeModelState.warm_up_tree_attention``); ``init_speculator`` (as the
-   runner imported it): ``DDTreeSpeculator``.
+   runner imported it): ``DDTreeSpeculator``; ``DFlashSpeculator``: the
+   ``propose`` steps DDTree inherits (:class:`_DFlashSteps`, the series'
+   first patch), added only where vLLM lacks them. Stock DFlash's ``propose``
+   never calls them, so no other engine runs them.
 6. ``init_model_state`` (as the runner imported it): ``DDTreeModelState`` (tree
    positions and masks for attention). Tree verification is the speculator's:
    ``GPUModelRunner.load_model`` installs its tree sampler
@@ -66,15 +69,27 @@ Everything the wrappers put into the config is a plain int, string or enum, so
 spawned engine-core and worker processes unpickle it before this plugin loads.
 """
 
+from __future__ import annotations
+
 import contextlib
 import copy
 import functools
 import importlib.abc
 import sys
+import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    # Names in _DFlashSteps' code, which runs with the globals of DFlash's
+    # module (_add_missing_methods): that module imports them at run time.
+    import torch
+    from vllm.config.compilation import CUDAGraphMode  # noqa: TC004
+    from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer  # noqa: TC004
+    from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp  # noqa: TC004
+    from vllm.v1.worker.gpu.input_batch import InputBatch
 
 # Under vLLM's logger tree ("vllm."), so that its format and level apply.
 logger = init_logger("vllm.ddtree.glue")
@@ -130,10 +145,15 @@ def _patch_stat_loggers(module) -> None:
     _wrap(module.PrometheusStatLogger, "__init__", _prometheus_init)
 
 
+def _patch_dflash(module) -> None:
+    _add_missing_methods(module.DFlashSpeculator, _DFlashSteps, module)
+
+
 _PATCHES: dict[str, Callable[[Any], None]] = {
     "vllm.engine.arg_utils": _patch_engine_args,
     "vllm.v1.core.sched.scheduler": _patch_scheduler,
     "vllm.v1.worker.gpu.model_runner": _patch_model_runner,
+    "vllm.v1.worker.gpu.spec_decode.dflash.speculator": _patch_dflash,
     "vllm.v1.metrics.loggers": _patch_stat_loggers,
 }
 
@@ -208,6 +228,25 @@ def _wrap(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
 
     setattr(patched, _PATCHED, True)
     setattr(owner, name, patched)
+
+
+def _add_missing_methods(cls: type, methods: type, module: Any) -> None:
+    """``cls.<name> = methods.<name>`` for each function of ``methods`` that
+    ``cls`` lacks (a vLLM that has it keeps its own), with ``module``'s
+    globals: the code runs as if it were written in ``cls``'s module."""
+    for name, fn in vars(methods).items():
+        if not isinstance(fn, types.FunctionType) or hasattr(cls, name):
+            continue
+        method = types.FunctionType(
+            fn.__code__, vars(module), name, fn.__defaults__, fn.__closure__
+        )
+        method.__kwdefaults__ = fn.__kwdefaults__
+        method.__doc__ = fn.__doc__
+        method.__annotations__ = fn.__annotations__
+        method.__module__ = fn.__module__
+        method.__qualname__ = f"{cls.__qualname__}.{name}"
+        setattr(method, _PATCHED, True)
+        setattr(cls, name, method)
 
 
 def _ddtree_of(vllm_config: Any):
@@ -877,6 +916,120 @@ def _init_model_state(original, vllm_config, model, encoder_cache, device):
             f"{type(model).__name__} uses {type(state).__name__}"
         )
     return DDTreeModelState(vllm_config, model, encoder_cache, device)
+
+
+class _DFlashSteps:
+    """The steps of DFlash's ``propose`` that ``DDTreeSpeculator`` runs, as the
+    series' first patch (``upstream/edits/0000-dflash-propose-steps.diff``)
+    writes them in ``DFlashSpeculator``; :func:`_patch_dflash` adds them to
+    vLLM 0.26's, whose ``propose`` is one body. The same code, not a copy to
+    keep in step by hand: ``tests/upstream/applied_wiring.py`` checks that each
+    has the syntax tree of the patched vLLM's method."""
+
+    def _store_context_kv(
+        self,
+        # [num_context, hidden_size]
+        context_states: torch.Tensor,
+        dummy_run: bool,
+    ) -> None:
+        """Pre-inserts the context K/V into the cache, at the context positions
+        and slots the input preparation wrote. Runs eagerly outside the captured
+        graph because the context shape varies per step."""
+        num_context = context_states.shape[0]
+        # During dummy runs the block tables are placeholders, so we skip the
+        # cache write to avoid clobbering real entries. Each layer uses the
+        # context slots of its own kv-cache group.
+        if dummy_run:
+            context_slots: torch.Tensor | list[torch.Tensor | None] | None = None
+        elif self._layer_group_idx is not None:
+            context_slots = [
+                self._context_slot_mappings[gidx][:num_context]
+                for gidx in self._layer_group_idx
+            ]
+        else:
+            context_slots = self._context_slot_mappings[0][:num_context]
+        self.model.precompute_and_store_context_kv(
+            context_states,
+            self.context_positions[:num_context],
+            context_slots,
+        )
+
+    def _run_drafter(
+        self,
+        input_batch: InputBatch,
+        num_tokens_across_dp: torch.Tensor | None,
+        is_profile: bool,
+        skip_attn: bool,
+    ) -> int:
+        """Runs the drafter over the prepared query block: replays the FULL
+        CUDA graph of _generate_draft where one is captured, else calls it.
+        Returns the padded number of query tokens it ran."""
+        num_reqs = input_batch.num_reqs
+        num_query_tokens = num_reqs * self.num_query_per_req
+        max_seq_len = input_batch.seq_lens_cpu_upper_bound[:num_reqs].max().item()
+        self.draft_max_seq_len = min(
+            max_seq_len + self.num_query_per_req, self.max_model_len
+        )
+
+        if skip_attn:
+            # Memory profiling path: no attention metadata, a minimal forward
+            # pass. DFlash processes all speculative tokens in one forward pass,
+            # so the real token count is num_query_tokens.
+            self._prepare_eplb_forward(num_query_tokens)
+            self._generate_draft(
+                num_reqs,
+                num_query_tokens,
+                attn_metadata=None,
+                slot_mappings=None,
+                num_tokens_across_dp=num_tokens_across_dp,
+                cudagraph_runtime_mode=CUDAGraphMode.NONE,
+            )
+            return num_query_tokens
+
+        # Every DFlash step has exactly num_query_per_req tokens, so we can use FULL CGs
+        batch_desc, num_tokens_across_dp = dispatch_cg_and_sync_dp(
+            self.query_cudagraph_manager,
+            num_reqs,
+            num_query_tokens,
+            uniform_token_count=self.num_query_per_req,
+            dp_size=self.dp_size,
+            dp_rank=self.dp_rank,
+            need_eager=is_profile,
+        )
+
+        num_reqs_padded = batch_desc.num_reqs or num_reqs
+        num_tokens_padded = batch_desc.num_tokens
+
+        # Rebuild the draft attention metadata even when replaying the FULL
+        # graph so that any attention metadata builder state is updated.
+        draft_attn_metadata = self._build_draft_attn_metadata(
+            num_reqs=num_reqs,
+            num_reqs_padded=num_reqs_padded,
+            num_tokens_padded=num_tokens_padded,
+            causal=self._group_causal,
+        )
+        draft_slot_mappings_by_layer = build_slot_mappings_by_layer(
+            self.block_tables.slot_mappings[:, :num_tokens_padded],
+            self.kv_cache_config,
+        )
+
+        # DFlash processes all speculative tokens in one forward pass,
+        # so the real token count is num_query_tokens.
+        self._prepare_eplb_forward(num_query_tokens)
+
+        if batch_desc.cg_mode == CUDAGraphMode.FULL:
+            assert self.query_cudagraph_manager is not None
+            self.query_cudagraph_manager.run_fullgraph(batch_desc)
+        else:
+            self._generate_draft(
+                num_reqs,
+                num_tokens_padded,
+                draft_attn_metadata,
+                draft_slot_mappings_by_layer,
+                num_tokens_across_dp=num_tokens_across_dp,
+                cudagraph_runtime_mode=batch_desc.cg_mode,
+            )
+        return num_tokens_padded
 
 
 # ---------------------------------------------------------------------------

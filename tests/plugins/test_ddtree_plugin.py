@@ -108,6 +108,11 @@ def test_wrappers_reach_modules_imported_later():
                  model_runner.GPUModelRunner.__init__,
                  model_runner.GPUModelRunner.initialize_kv_cache,
                  EngineArgs.create_speculative_config]
+        # A step of DFlash's propose that stock vLLM lacks, added on import.
+        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (
+            DFlashSpeculator,
+        )
+        funcs.append(DFlashSpeculator._run_drafter)
         from vllm.v1.engine.input_processor import InputProcessor
         # Nothing is refused per request: the front end is left alone.
         funcs.append(InputProcessor._validate_params)
@@ -115,7 +120,7 @@ def test_wrappers_reach_modules_imported_later():
         """,
         plugin=False,
     )
-    assert json.loads(out) == [True] * 7 + [False]
+    assert json.loads(out) == [True] * 8 + [False]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,9 @@ prompt-logprob trim hooked onto the runner's worker. The module functions they
 call are tested without the plugin (tests/v1/spec_decode/test_ddtree_slots.py,
 test_ddtree_prompt_logprobs.py)."""
 
+import ast
+import inspect
+import textwrap
 import types
 
 import numpy as np
@@ -52,6 +55,42 @@ def test_register_is_idempotent():
     # One layer of wrapping, around vLLM's own function.
     original = EngineArgs.create_speculative_config.__wrapped__
     assert not hasattr(original, "__wrapped__")
+
+
+def test_dflash_gets_the_steps_it_lacks():
+    """Stock DFlash gains the steps of ``propose`` that DDTree runs: the
+    series' first patch's code (``glue._DFlashSteps``), run with the globals of
+    DFlash's module; its own ``propose``, which never calls them, stays vLLM's.
+    A class that has a step keeps its own."""
+    from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash
+
+    cls = dflash.DFlashSpeculator
+    steps = {"_store_context_kv", "_run_drafter"}
+    assert {n for n, f in vars(glue._DFlashSteps).items() if callable(f)} == steps
+    for name in steps:
+        step = vars(cls)[name]
+        assert getattr(step, "__ddtree_patched__", False), name
+        assert step.__code__ is vars(glue._DFlashSteps)[name].__code__
+        assert step.__globals__ is vars(dflash)
+    assert not getattr(cls.propose, "__ddtree_patched__", False)
+    calls = {
+        node.func.attr
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls.propose))))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
+    assert not calls & steps
+    before = {name: vars(cls)[name] for name in steps}
+    vllm_ddtree.register()
+    assert {name: vars(cls)[name] for name in steps} == before
+
+    class WithSteps:
+        def _run_drafter(self):
+            pass
+
+    own = WithSteps._run_drafter
+    glue._add_missing_methods(WithSteps, glue._DFlashSteps, dflash)
+    assert WithSteps._run_drafter is own
+    assert WithSteps._store_context_kv.__globals__ is vars(dflash)
 
 
 def _ddtree_vllm_config():
