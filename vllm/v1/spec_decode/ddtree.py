@@ -56,9 +56,7 @@ from vllm.v1.spec_decode.ddtree_inputs import (
 )
 from vllm.v1.spec_decode.ddtree_verify import DDTreeModelState, tree_attention_groups
 from vllm.v1.spec_decode.dflash_tree_builder import DDTree, build_ddtree
-from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
 from vllm.v1.worker.gpu.block_table import BlockTables
-from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
 from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 from vllm.v1.worker.gpu.model_states.interface import ModelState
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
@@ -342,7 +340,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         ``sampler_output`` is the step's: a :class:`TreeSamplerOutput` when the
         step verified trees (its accepted paths are compacted in the KV cache
         and start the drafter's context), a plain ``SamplerOutput`` or None when
-        it verified none (dummy runs, steps without drafts)."""
+        it verified none (dummy runs, steps without drafts).
+
+        DFlash's steps, with what is DDTree's around them: the walk, the
+        drafter's context from it (:meth:`_prepare_draft_context`), DFlash's
+        forward (``_run_drafter``; its graph body, :meth:`_generate_draft`,
+        builds the trees), and the trees stored per request. DFlash's draft
+        sampling inputs (temperature, seeds) are not copied: trees are built
+        from the logits, not sampled."""
         walk = sampler_output if isinstance(sampler_output, TreeSamplerOutput) else None
         if walk is not None:
             # First: ``slot_mappings`` are views of the block tables' buffer,
@@ -358,59 +363,32 @@ class DDTreeSpeculator(DFlashSpeculator):
                     walk.num_accepted,
                 )
         num_reqs = input_batch.num_reqs
-        num_query_tokens = num_reqs * self.num_query_per_req
-        # CPU tensor: no device sync.
-        max_seq_len = int(input_batch.seq_lens_cpu_upper_bound[:num_reqs].max())
-        self.draft_max_seq_len = min(
-            max_seq_len + self.num_query_per_req, self.max_model_len
-        )
-
         # Adaptive budgets: the drafter runs only when the next step is
         # expected to verify a tree (its context is kept up to date anyway).
         draft = (
             dummy_run or self.adaptive is None or self.adaptive.should_draft(num_reqs)
         )
-        if dummy_run and skip_attn_for_dummy_run:
-            # Memory profiling: block tables and KV caches do not exist yet.
-            num_tokens = input_batch.num_tokens
-            context = self._context_hidden_states(
-                last_hidden_states, aux_hidden_states, None, num_tokens
-            )
-            self.model.precompute_and_store_context_kv(
-                context, self.context_positions[:num_tokens]
-            )
-            self._prepare_eplb_forward(num_query_tokens)
-            self._generate_draft(
-                num_reqs, num_query_tokens, None, None, num_tokens_across_dp
-            )
-            return self._draft_tokens(
-                self._batch_trees(num_reqs, self._build_width(num_query_tokens))
-            )
-
-        num_context = draft_context_size(
-            input_batch.num_tokens,
-            input_batch.num_draft_tokens,
-            num_reqs,
-            self.draft_depth,
-        )
-        self._prepare_inputs(
-            input_batch, num_sampled, last_sampled, next_prefill_tokens, walk
-        )
-        context = self._context_hidden_states(
-            last_hidden_states, aux_hidden_states, self.context_rows, num_context
-        )
-        # Dummy runs hold placeholder block tables: compute, but write no KV.
-        self.model.precompute_and_store_context_kv(
-            context,
-            self.context_positions[:num_context],
-            None if dummy_run else self._context_slots(num_context),
+        self._prepare_draft_context(
+            input_batch,
+            last_hidden_states,
+            aux_hidden_states,
+            num_sampled,
+            num_rejected,
+            last_sampled,
+            next_prefill_tokens,
+            dummy_run,
+            skip_attn_for_dummy_run,
+            walk=walk,
         )
         if not draft:
             # The next step verifies no tree (the budget's choice).
             return self.draft_tokens[:num_reqs]
 
         num_tokens_padded = self._run_drafter(
-            num_reqs, num_query_tokens, num_tokens_across_dp, is_profile
+            input_batch,
+            num_tokens_across_dp,
+            is_profile,
+            skip_attn=dummy_run and skip_attn_for_dummy_run,
         )
         trees = self._batch_trees(num_reqs, self._build_width(num_tokens_padded))
         if dummy_run:
@@ -421,6 +399,53 @@ class DDTreeSpeculator(DFlashSpeculator):
                 trees.log_probs, temperature, input_batch.idx_mapping
             )
         return self.draft_tokens[:num_reqs]
+
+    def _prepare_draft_context(
+        self,
+        input_batch: InputBatch,
+        # [num_tokens, hidden_size]
+        last_hidden_states: torch.Tensor,
+        # num_layers x [num_tokens, hidden_size]
+        aux_hidden_states: list[torch.Tensor] | None,
+        # [num_reqs]
+        num_sampled: torch.Tensor,
+        # [num_reqs]
+        num_rejected: torch.Tensor,
+        # [max_num_reqs]
+        last_sampled: torch.Tensor,
+        # [max_num_reqs]
+        next_prefill_tokens: torch.Tensor,
+        dummy_run: bool,
+        skip_attn_for_dummy_run: bool,
+        walk: TreeSamplerOutput | None = None,
+    ) -> None:
+        """DFlash's step with DDTree's context: per request the rows the step
+        committed, its root and the accepted path of its tree (``walk``; none
+        when nothing was verified), plus a prefill chunk's rows
+        (:func:`prepare_draft_inputs`), instead of every row of the target's
+        step. ``num_rejected`` is not read: the walk says which rows count."""
+        if dummy_run and skip_attn_for_dummy_run:
+            # Memory profiling: block tables and KV caches do not exist yet.
+            num_tokens = input_batch.num_tokens
+            context = self._context_hidden_states(
+                last_hidden_states, aux_hidden_states, None, num_tokens
+            )
+            self._store_context_kv(context, dummy_run=True)
+            return
+        num_context = draft_context_size(
+            input_batch.num_tokens,
+            input_batch.num_draft_tokens,
+            input_batch.num_reqs,
+            self.draft_depth,
+        )
+        self._prepare_inputs(
+            input_batch, num_sampled, last_sampled, next_prefill_tokens, walk
+        )
+        context = self._context_hidden_states(
+            last_hidden_states, aux_hidden_states, self.context_rows, num_context
+        )
+        # Dummy runs hold placeholder block tables: compute, but write no KV.
+        self._store_context_kv(context, dummy_run)
 
     def compact_verified_kv(
         self,
@@ -467,59 +492,6 @@ class DDTreeSpeculator(DFlashSpeculator):
                 for gid, (layer_name, caches) in groups.items()
             }
         return self._compactors
-
-    def _run_drafter(
-        self,
-        num_reqs: int,
-        num_query_tokens: int,
-        num_tokens_across_dp: torch.Tensor | None,
-        is_profile: bool,
-    ) -> int:
-        """The drafter's forward over the prepared query block, in its CUDA graph
-        where one is captured (``_generate_draft`` builds the trees inside it);
-        returns the padded token count the graph ran.
-
-        This is DFlash's ``propose`` from its graph dispatch on, unchanged; a
-        first patch of the upstream series would make it a ``DFlashSpeculator``
-        method that DFlash's ``propose`` calls, and this copy would go (not
-        written yet; docs/upstream.md, "Seams the series adds").
-        """
-        batch_desc, num_tokens_across_dp = dispatch_cg_and_sync_dp(
-            self.query_cudagraph_manager,
-            num_reqs,
-            num_query_tokens,
-            uniform_token_count=self.num_query_per_req,
-            dp_size=self.dp_size,
-            dp_rank=self.dp_rank,
-            need_eager=is_profile,
-        )
-        num_reqs_padded = batch_desc.num_reqs or num_reqs
-        num_tokens_padded = batch_desc.num_tokens
-        # Rebuilt even for graph replay, so builder state stays current.
-        draft_attn_metadata = self._build_draft_attn_metadata(
-            num_reqs=num_reqs,
-            num_reqs_padded=num_reqs_padded,
-            num_tokens_padded=num_tokens_padded,
-            causal=self._group_causal,
-        )
-        draft_slot_mappings = build_slot_mappings_by_layer(
-            self.block_tables.slot_mappings[:, :num_tokens_padded],
-            self.kv_cache_config,
-        )
-        self._prepare_eplb_forward(num_query_tokens)
-        if batch_desc.cg_mode == CUDAGraphMode.FULL:
-            assert self.query_cudagraph_manager is not None
-            self.query_cudagraph_manager.run_fullgraph(batch_desc)
-        else:
-            self._generate_draft(
-                num_reqs,
-                num_tokens_padded,
-                draft_attn_metadata,
-                draft_slot_mappings,
-                num_tokens_across_dp,
-                batch_desc.cg_mode,
-            )
-        return num_tokens_padded
 
     def _build_width(self, num_query_tokens: int) -> int:
         """Nodes the drafter builds per request for a drafter batch of
@@ -627,16 +599,6 @@ class DDTreeSpeculator(DFlashSpeculator):
             # Large trees: the tree rows that are not context would dominate.
             features = torch.cat([pick(x) for x in aux_hidden_states], dim=-1)
         return self.model.combine_hidden_states(features)
-
-    def _context_slots(
-        self, num_context: int
-    ) -> torch.Tensor | list[torch.Tensor | None]:
-        if self._layer_group_idx is None:
-            return self._context_slot_mappings[0][:num_context]
-        return [
-            self._context_slot_mappings[gidx][:num_context]
-            for gidx in self._layer_group_idx
-        ]
 
     def _draft_tokens(self, trees: DDTree) -> torch.Tensor:
         # Padding nodes (-1) still enter the target batch; any valid id will do.
