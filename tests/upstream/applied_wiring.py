@@ -15,6 +15,7 @@ import itertools
 import json
 import pickle
 import sys
+import textwrap
 import types
 from pathlib import Path
 
@@ -943,6 +944,85 @@ def _speculator_method(call):
     ):
         return func.attr
     return None
+
+
+# The methods the series' first patch splits out of DFlash's propose.
+DFLASH_STEPS = ("_prepare_draft_context", "_store_context_kv", "_run_drafter")
+# The plugin's source (vllm_ddtree/glue.py), put beside this file as text by
+# tests/upstream/test_series.py: read, never imported.
+PLUGIN_GLUE = Path(__file__).with_name("ddtree_plugin_glue.py.txt")
+
+
+def _methods(cls_node: ast.ClassDef) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in cls_node.body if isinstance(n, ast.FunctionDef)}
+
+
+def _class_node(cls) -> ast.ClassDef:
+    (node,) = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
+    return node
+
+
+def _self_calls(fn_node: ast.FunctionDef) -> list[ast.Call]:
+    return [
+        n
+        for n in ast.walk(fn_node)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "self"
+    ]
+
+
+def test_dflash_propose_runs_in_steps():
+    """DFlash's propose calls its steps and no longer does their work itself;
+    DDTree overrides the context step and the graph body, inherits the
+    forward, and its context step takes DFlash's call."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
+
+    dflash = _methods(_class_node(DFlashSpeculator))
+    assert set(DFLASH_STEPS) <= dflash.keys()
+    calls = {c.func.attr: c for c in _self_calls(dflash["propose"])}
+    assert {"_prepare_draft_context", "_run_drafter"} <= calls.keys()
+    names = {n.id for n in ast.walk(dflash["propose"]) if isinstance(n, ast.Name)}
+    assert not names & {"dispatch_cg_and_sync_dp", "prepare_dflash_inputs"}
+    context_calls = {c.func.attr for c in _self_calls(dflash["_prepare_draft_context"])}
+    assert "_store_context_kv" in context_calls
+    for name in ("_prepare_draft_context", "_generate_draft", "propose"):
+        assert name in vars(DDTreeSpeculator), name
+    for name in ("_store_context_kv", "_run_drafter"):
+        assert name not in vars(DDTreeSpeculator), name
+    call = calls["_prepare_draft_context"]
+    inspect.signature(DDTreeSpeculator._prepare_draft_context).bind(
+        object(), *call.args, **{k.arg: None for k in call.keywords}
+    )
+
+
+def test_dflash_steps_are_the_plugins():
+    """The steps the DDTree plugin adds to vLLM 0.26's DFlash
+    (``glue._DFlashSteps``) are the patched DFlash's methods: the same syntax
+    trees, so plugin and series run one code. Every step DDTree calls and
+    does not override is among them."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
+
+    (glue_steps,) = [
+        n
+        for n in ast.parse(PLUGIN_GLUE.read_text()).body
+        if isinstance(n, ast.ClassDef) and n.name == "_DFlashSteps"
+    ]
+    plugin = _methods(glue_steps)
+    assert plugin and set(plugin) <= set(DFLASH_STEPS)
+    dflash = _methods(_class_node(DFlashSpeculator))
+    for name, node in plugin.items():
+        assert name in dflash, f"the patched DFlashSpeculator has no {name}"
+        assert ast.dump(node) == ast.dump(dflash[name]), name
+    ddtree = _methods(_class_node(DDTreeSpeculator))
+    called = {c.func.attr for fn in ddtree.values() for c in _self_calls(fn)}
+    inherited = called & set(DFLASH_STEPS) - ddtree.keys()
+    assert inherited and inherited <= plugin.keys()
 
 
 def test_base_speculator_hooks_keep_chains_as_they_are():
