@@ -287,8 +287,11 @@ gives the same results with and without the series.""",
         "[Spec Decode][MRv2] DDTree speculator and tree verification",
         """\
 * ddtree.py: DDTreeSpeculator subclasses MRv2's DFlashSpeculator and
-  overrides the input preparation (context = root + accepted path), the
-  graph body (logits -> build_ddtree), propose and init_cudagraph_manager.
+  overrides two of the steps patch 0 splits propose into, the context
+  (_prepare_draft_context: root + accepted path) and the graph body
+  (_generate_draft: logits -> build_ddtree), runs DFlash's forward
+  (_run_drafter) as it is, and overrides propose (the walk before the
+  steps, the trees' storage after) and init_cudagraph_manager.
   It owns the per-request trees (DraftTrees, reset in add_request as
   RequestState resets its draft tokens) and their verification:
   init_rejection_sampler returns the TreeRejectionSampler that walks them,
