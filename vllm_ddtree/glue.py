@@ -922,9 +922,9 @@ class _DFlashSteps:
     """The steps of DFlash's ``propose`` that ``DDTreeSpeculator`` runs, as the
     series' first patch (``upstream/edits/0000-dflash-propose-steps.diff``)
     writes them in ``DFlashSpeculator``; :func:`_patch_dflash` adds them to
-    vLLM 0.26's, whose ``propose`` is one body. The same code, not a copy to
-    keep in step by hand: ``tests/upstream/applied_wiring.py`` checks that each
-    has the syntax tree of the patched vLLM's method."""
+    vLLM 0.26's, whose ``propose`` is one body. A copy of the patch's methods,
+    held to them by ``tests/upstream/applied_wiring.py``, which checks that
+    each has the syntax tree of the patched vLLM's method of its name."""
 
     def _store_context_kv(
         self,
