@@ -98,7 +98,9 @@ def test_the_patch_splits_propose(modules):
     stock, patched = modules
     for name in ("_prepare_draft_context", "_store_context_kv", "_run_drafter"):
         assert name in vars(patched.DFlashSpeculator)
-        assert name not in vars(stock.DFlashSpeculator)
+        # vLLM's own class lacks it (the plugin, if loaded, added its copy).
+        step = vars(stock.DFlashSpeculator).get(name)
+        assert step is None or getattr(step, "__ddtree_patched__", False)
     assert "dispatch_cg_and_sync_dp" not in inspect.getsource(
         patched.DFlashSpeculator.propose
     )
