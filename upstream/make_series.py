@@ -51,7 +51,7 @@ class Patch:
 
 PATCHES = (
     Patch(
-        "0000-dflash-propose-steps",
+        "0001-dflash-propose-steps",
         "[Spec Decode][MRv2] DFlash: propose in overridable steps",
         """\
 A refactor of DFlashSpeculator.propose with no change in behaviour: its
@@ -80,7 +80,7 @@ instead of after; the two copies write different buffers on one stream.
 No host sync is added and the captured graphs are unchanged. DSpark,
 which overrides _generate_draft, runs as before.
 
-DDTree (patch 5) overrides _prepare_draft_context (its drafter's context is
+DDTree (patch 6) overrides _prepare_draft_context (its drafter's context is
 each request's root and accepted path) and _generate_draft (logits to
 trees), and runs the drafter through _run_drafter.
 
@@ -95,7 +95,7 @@ and without the series; DFlash's and DSpark's end-to-end tests
         edits=True,
     ),
     Patch(
-        "0001-tree-primitives",
+        "0002-tree-primitives",
         "[Spec Decode] Tree builder, tree rejection sampler and tree KV compaction",
         """\
 The GPU pieces a tree speculator needs, independent of any model runner:
@@ -140,7 +140,7 @@ vocabulary sizes; on the CPU through TRITON_INTERPRET=1.""",
         ),
     ),
     Patch(
-        "0002-tree-attn-backend",
+        "0003-tree-attn-backend",
         "[Attention] TREE_ATTN: paged attention with per-request token-tree masks",
         """\
 Revives tree attention (the old backend was removed in #42121), with a mask
@@ -186,7 +186,7 @@ FlashAttention).""",
         edits=True,
     ),
     Patch(
-        "0003-ddtree-method-config",
+        "0004-ddtree-method-config",
         '[Spec Decode] method "ddtree" with tree_budget in --speculative-config',
         """\
 "ddtree" joins SpeculativeMethod: {"method": "ddtree", "model": <DFlash
@@ -202,7 +202,7 @@ the DDTree plugin uses on stock vLLM, so the rules cannot drift):
 * tree_budget_per_batch_size: budgets by batch size, mapped onto vLLM's
   dynamic speculative decoding schedule.
 * adaptive_budget: each step's trees sized on the worker, tree_budget a
-  per-request cap (the default; the hooks are patch 6, and until then the
+  per-request cap (the default; the hooks are patch 7, and until then the
   engine refuses it with a clear error).
 
 _verify_args checks the drafter is DFlash with a block_size (its depth).
@@ -217,7 +217,7 @@ target's, so the step budget is not cut by (B - 1) x max_num_seqs.
 EngineArgs builds the DDTree SpeculativeConfig after refusing engine
 settings DDTree cannot run with (pipeline or context parallelism, LoRA, a
 quantized KV cache, non-dense targets, Model Runner V1); the target's
-attention backend becomes TREE_ATTN (patch 2's member; a user's other
+attention backend becomes TREE_ATTN (patch 3's member; a user's other
 choice is an error), the drafter keeps its own. Batch defaults: max_num_seqs and
 max_num_batched_tokens fit trees of B + 1 tokens (or the user's values are
 checked), and CUDA graphs are captured in multiples of B + 1 within vLLM's
@@ -225,7 +225,7 @@ largest capture size, unless the user set sizes. The finished config must
 run on Model Runner V2. DDTree is untested with tensor_parallel_size > 1: a
 warning says so.
 
-The speculator and tree verification come with patch 5; DDTree's modules
+The speculator and tree verification come with patch 6; DDTree's modules
 read the settings with DDTreeConfig.from_vllm_config.
 
 Tests: tests/v1/spec_decode/test_ddtree_config.py (parsing and every error
@@ -250,7 +250,7 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
         edits=True,
     ),
     Patch(
-        "0004-scheduler-lookahead-stats",
+        "0005-scheduler-lookahead-stats",
         "[Core] Scheduler lookahead, structured outputs and stats for DDTree",
         """\
 * Lookahead slots: DDTree's drafter writes KV for [bonus, mask x depth]
@@ -283,11 +283,11 @@ gives the same results with and without the series.""",
         edits=True,
     ),
     Patch(
-        "0005-ddtree-speculator-mrv2",
+        "0006-ddtree-speculator-mrv2",
         "[Spec Decode][MRv2] DDTree speculator and tree verification",
         """\
 * ddtree.py: DDTreeSpeculator subclasses MRv2's DFlashSpeculator and
-  overrides two of the steps patch 0 splits propose into, the context
+  overrides two of the steps patch 1 splits propose into, the context
   (_prepare_draft_context: root + accepted path) and the graph body
   (_generate_draft: logits -> build_ddtree), runs DFlash's forward
   (_run_drafter) as it is, and overrides propose (the walk before the
@@ -312,7 +312,7 @@ gives the same results with and without the series.""",
   speculator's trees (handed over in set_attn); ddtree_inputs.py: the GPU
   writers of those inputs, of the drafter's context and of stored trees.
 * ddtree_adaptive.py: the adaptive budget's planner. DDTreeSpeculator
-  builds it; the scheduler and model-runner hooks that drive it are patch 6
+  builds it; the scheduler and model-runner hooks that drive it are patch 7
   (the config refuses adaptive budgets until then, so it stays idle).
 * init_speculator picks DDTreeSpeculator for method "ddtree", and
   init_model_state DDTreeModelState for a DDTree config; once the KV caches
@@ -350,19 +350,19 @@ every serving path) need a GPU and the overlay's engine fixtures
         edits=True,
     ),
     Patch(
-        "0006-ddtree-adaptive-budget",
+        "0007-ddtree-adaptive-budget",
         "[Spec Decode][Core][MRv2] DDTree adaptive tree budget",
         """\
 With "adaptive_budget": true (the default) tree_budget is a per-request cap
 and each step's trees are sized on the worker, from a step-cost model seeded
 by timing the captured CUDA graphs and from the measured acceptance
-(ddtree_adaptive.py, patch 5). This patch wires it into vLLM and lifts the
-config's refusal of adaptive budgets (patch 3):
+(ddtree_adaptive.py, patch 6). This patch wires it into vLLM and lifts the
+config's refusal of adaptive budgets (patch 4):
 
 * arg_utils.py: the refusal goes; without async scheduling a warning says
   the slots per batch size do not apply. (An adaptive config's ladder of
   budgets a step may choose and its per-batch-size caps are DDTreeConfig's,
-  from the SpeculativeConfig fields of patch 3.)
+  from the SpeculativeConfig fields of patch 4.)
 * scheduler.py: the draft slots per batch size (dynamic_sd_lookup) are a
   TreeSlots (ddtree_slots.py, added here): the engine's caps
   (engine_tree_slots), lowered per batch size to a few times the budget the
@@ -401,7 +401,7 @@ functions that exist, not run.""",
         edits=True,
     ),
     Patch(
-        "0007-docs",
+        "0008-docs",
         "[Docs] DDTree speculative decoding",
         """\
 The user guide: what DDTree does, how to run it, budgets, supported

@@ -920,7 +920,7 @@ def _init_model_state(original, vllm_config, model, encoder_cache, device):
 
 class _DFlashSteps:
     """The steps of DFlash's ``propose`` that ``DDTreeSpeculator`` runs, as the
-    series' first patch (``upstream/edits/0000-dflash-propose-steps.diff``)
+    series' first patch (``upstream/edits/0001-dflash-propose-steps.diff``)
     writes them in ``DFlashSpeculator``; :func:`_patch_dflash` adds them to
     vLLM 0.26's, whose ``propose`` is one body. A copy of the patch's methods,
     held to them by ``tests/upstream/applied_wiring.py``, which checks that

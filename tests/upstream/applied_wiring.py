@@ -924,7 +924,7 @@ def test_model_runner_sizes_ddtree_outputs():
     )
 
 
-# Tree verification as a property of the speculator (patch 5): BaseSpeculator's
+# Tree verification as a property of the speculator (patch 6): BaseSpeculator's
 # hooks, their defaults for chain speculators, and the model runner's calls,
 # the last two run with stand-ins for the runner up to the speculator.
 

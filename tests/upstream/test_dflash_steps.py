@@ -4,7 +4,7 @@
 DFlash does (CPU).
 
 vLLM 0.26.0's ``DFlashSpeculator`` and the same module with
-``upstream/edits/0000-dflash-propose-steps.diff`` applied, imported side by
+``upstream/edits/0001-dflash-propose-steps.diff`` applied, imported side by
 side, each run ``propose`` on the same batch with the same stand-ins for what
 needs a GPU (the drafter network, the CUDA-graph manager, the draft attention
 metadata, EPLB): the draft tokens, every buffer the speculator writes, and the
@@ -38,7 +38,7 @@ from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
-EDIT = ROOT / "upstream" / "edits" / "0000-dflash-propose-steps.diff"
+EDIT = ROOT / "upstream" / "edits" / "0001-dflash-propose-steps.diff"
 DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
 PATCHED = "ddtree_test_patched_dflash_speculator"
 DEPTH, BLOCK = 3, 16
