@@ -41,8 +41,8 @@ HELPERS = ("tests/models/tiny_models.py",)
 
 # Floors: what the runs pass today, less a margin for tests the package's
 # authors may merge or drop. A run that passes fewer means tests went missing.
-MIN_SERIES_PASSED = 450
-MIN_WIRING_PASSED = 28
+MIN_SERIES_PASSED = 550
+MIN_WIRING_PASSED = 42
 MIN_VLLM_PASSED = 180
 
 VLLM_VERSION = "0.26.0"
