@@ -5,8 +5,11 @@ scheduler's output, and the GPU split that hands the step's nodes to the
 requests, against MRv2's own input writers run on the split a brute-force
 ranking gives (CPU: Triton interpreter)."""
 
+import ast
 import copy
 import dataclasses
+import inspect
+import textwrap
 import types
 
 import numpy as np
@@ -221,9 +224,7 @@ def _runner(gen, num_reqs, log_probs, temperature, logprobs=False):
             )
         ),
         speculator=types.SimpleNamespace(
-            state=types.SimpleNamespace(
-                trees=types.SimpleNamespace(log_probs=tensor(log_probs))
-            )
+            trees=types.SimpleNamespace(log_probs=tensor(log_probs))
         ),
         model_state=types.SimpleNamespace(num_new_sampled_tokens_per_step=1),
         decode_query_len=1 + CAP,
@@ -560,7 +561,7 @@ def test_warm_up_compiles_the_split_for_every_cap_block(monkeypatch):
         scatter_=lambda *a: None, reset_=lambda slot: None, log_probs=None
     )
     spec = types.SimpleNamespace(
-        state=types.SimpleNamespace(trees=trees),
+        trees=trees,
         hidden_size=4,
         dtype=torch.float32,
         model=types.SimpleNamespace(compute_logits=lambda h: h),
@@ -649,3 +650,68 @@ def test_estimates_reach_the_plan_that_may_read_them(monkeypatch, tp_size):
         assert seen == [10, 20, 20, 30, 30]
     else:
         assert seen == [None, 10, 20, 20, 30]
+
+
+def _self_attributes(cls) -> set[str]:
+    """Names a class's methods assign as ``self.<name>``."""
+    names = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        for target in targets:
+            if (
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+            ):
+                names.add(target.attr)
+    return names
+
+
+def test_stand_in_speculator_matches_the_real_one():
+    """The tests above give the budget stand-in speculators; every attribute
+    ddtree_adaptive reads from the runner's speculator must exist on
+    DDTreeSpeculator, or a renamed attribute passes here and fails only on a
+    GPU engine (as ``speculator.state`` once did)."""
+    from vllm.v1.spec_decode import ddtree_adaptive
+    from vllm.v1.spec_decode.ddtree import DDTreeSpeculator
+
+    tree = ast.parse(inspect.getsource(ddtree_adaptive))
+
+    def is_speculator(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "speculator"
+
+    # Per function: local names bound to the runner's speculator
+    # (``spec = runner.speculator``) and helpers' ``spec`` parameters, and
+    # what is read from them.
+    read, num_aliases = set(), 0
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        aliases = {
+            target.id
+            for node in ast.walk(func)
+            if isinstance(node, ast.Assign) and is_speculator(node.value)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        aliases |= {a.arg for a in func.args.args if a.arg in ("spec", "speculator")}
+        num_aliases += len(aliases)
+        read |= {
+            node.attr
+            for node in ast.walk(func)
+            if isinstance(node, ast.Attribute)
+            and (
+                is_speculator(node.value)
+                or (isinstance(node.value, ast.Name) and node.value.id in aliases)
+            )
+        }
+    provided = set(dir(DDTreeSpeculator))
+    for cls in DDTreeSpeculator.__mro__[:-1]:
+        provided |= _self_attributes(cls)
+    print(f"{len(read)} speculator attributes read by ddtree_adaptive: {sorted(read)}")
+    assert num_aliases and len(read) >= 5
+    assert not read - provided, sorted(read - provided)

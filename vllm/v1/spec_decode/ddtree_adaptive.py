@@ -244,7 +244,7 @@ class AdaptiveTreeBudget:
         drafter runs without a graph) and the step caps; returns the launches.
         """
         spec = runner.speculator
-        state = spec.state
+        trees_state = spec.trees
         temperature = runner.sampler.sampling_states.temperature.gpu
         device = self.device
         idx = torch.zeros(1, dtype=torch.int32, device=device)
@@ -265,7 +265,7 @@ class AdaptiveTreeBudget:
             build_ddtree(
                 logits.unflatten(0, (1, self.cfg.draft_depth)), width, out=trees
             )
-            state.trees.scatter_(idx, trees, 1, spec.draft_tokens)
+            trees_state.scatter_(idx, trees, 1, spec.draft_tokens)
             expected_accepted_nodes(
                 trees.log_probs,
                 temperature,
@@ -283,7 +283,7 @@ class AdaptiveTreeBudget:
         caps = {min(1 << k, most) for k in range(most.bit_length() + 1)}
         for cap in sorted(c for c in caps if c > 0):
             assign_tree_nodes(
-                state.trees.log_probs,
+                trees_state.log_probs,
                 idx,
                 temperature,
                 scratch,
@@ -298,10 +298,10 @@ class AdaptiveTreeBudget:
             1, self.cfg.draft_depth, dtype=torch.int32, device=device
         )
         scratch.update(
-            state.trees.log_probs, idx, temperature, cu, accepted, accepted[:, 0]
+            trees_state.log_probs, idx, temperature, cu, accepted, accepted[:, 0]
         )
         # Slot 0's tree is not a request's: a request added there is reset.
-        state.trees.reset_(0)
+        trees_state.reset_(0)
         logger.info(
             "DDTree: adaptive budget kernels warmed up for tree widths %s in %.1f s",
             widths,
@@ -371,9 +371,9 @@ class AdaptiveTreeBudget:
         num_reqs = plan.num_reqs
         buffers = runner.input_buffers
         req_states = runner.req_states
-        state = runner.speculator.state
+        trees_state = runner.speculator.trees
         assign_tree_nodes(
-            state.trees.log_probs,
+            trees_state.log_probs,
             input_batch.idx_mapping,
             runner.sampler.sampling_states.temperature.gpu,
             self.calibration,
