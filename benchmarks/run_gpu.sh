@@ -104,7 +104,9 @@ tests/v1/test_sm90_compile.py"
   patched)
     # The offline, serving-path and serve modules against vLLM with the upstream
     # series applied and no plugin (tests/upstream/patched_vllm.py builds it in
-    # PATCHED), side by side; logs in $OUT/pytest_patched_<module>.log.
+    # PATCHED), side by side; logs in $OUT/pytest_patched_<module>.log. The
+    # serving module's memory-profiling engine waits for the others to end
+    # (tests/e2e/engines.py: gpu_share), so give the mode LIMIT=1200 or more.
     PATCHED=${PATCHED:-build/patched_vllm}
     rm -rf "$PATCHED"
     python3 -m tests.upstream.patched_vllm "$PATCHED" > "$OUT/patched_vllm.log" 2>&1 \
@@ -112,7 +114,7 @@ tests/v1/test_sm90_compile.py"
     export DDTREE_E2E_PATCHED_VLLM=$PATCHED
     pids=()
     for module in test_ddtree_llm test_ddtree_serving test_ddtree_serve; do
-      parallel=3
+      parallel=5
       [ $module = test_ddtree_serving ] && parallel=${SERVING_PARALLEL:-7}
       DDTREE_E2E_PARALLEL=$parallel pytest_to "$OUT/pytest_patched_$module.log" -s \
         "$@" "tests/e2e/$module.py" &

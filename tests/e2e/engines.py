@@ -17,13 +17,22 @@ span pytest runs: the tiny checkpoints are made there once
 a key of its configuration and of every source file it runs (this checkout's
 ``vllm/``, ``vllm_ddtree/`` and the e2e helpers), so a changed file never reuses
 a stale result.
+
+Test modules may also run side by side (``benchmarks/run_gpu.sh patched``). A
+configuration without a fixed KV cache runs vLLM's memory profiling, so it
+waits for the GPU to itself: every engine holds ``gpu_share`` while it runs,
+shared, and a profiling one holds it alone.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,6 +45,8 @@ from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
 ROOT = Path(__file__).resolve().parents[2]
 CACHE_ENV = "DDTREE_E2E_CACHE_DIR"
 PARALLEL_ENV = "DDTREE_E2E_PARALLEL"
+# The lock file test processes on one GPU share (default: in the temp folder).
+GPU_LOCK_ENV = "DDTREE_E2E_GPU_LOCK"
 ENGINE_TIMEOUT_S = 600
 # Far more than the tiny models need (2 KiB of KV per token and layer group).
 KV_CACHE_BYTES = 1 << 30
@@ -164,22 +175,41 @@ def _parallel() -> int:
     return count
 
 
+@contextlib.contextmanager
+def gpu_share(exclusive: bool) -> Iterator[None]:
+    """Hold the GPU with the other test processes on this host (``exclusive``:
+    alone, for vLLM's memory profiling, which fails when another process frees
+    GPU memory meanwhile). A waiting exclusive holder does not stop new shared
+    ones, so it runs once every engine started before it has finished."""
+    path = os.environ.get(GPU_LOCK_ENV) or os.path.join(
+        tempfile.gettempdir(), "vllm-ddtree-e2e-gpu.lock"
+    )
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _run_one(name: str, text: str, tmp_dir: Path, log_prefix: str) -> dict:
     cfg, out = tmp_dir / f"{name}.json", tmp_dir / f"{name}.out.json"
     cfg.write_text(text)
     env = dict(os.environ)
     # Engines started side by side must not write the same compile artifacts.
     env["VLLM_CACHE_ROOT"] = str(tmp_dir / "vllm_cache" / name)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.generate", str(cfg), str(out)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=ENGINE_TIMEOUT_S,
-        check=False,
-    )
+    profiled = "kv_cache_memory_bytes" not in json.loads(text)["llm"]
+    with gpu_share(exclusive=profiled):
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.e2e.generate", str(cfg), str(out)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=ENGINE_TIMEOUT_S,
+            check=False,
+        )
     save_log(f"{log_prefix}_{name}", proc.stdout)
     if proc.returncode != 0:
         return {"error": proc.stdout[-6000:]}

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from tests.e2e.engines import KV_CACHE_BYTES
+from tests.e2e.engines import KV_CACHE_BYTES, gpu_share
 from tests.e2e.servers import ddtree_log_lines, metric, metrics, serving
 from tests.e2e.servers import post as _post
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
@@ -55,7 +55,10 @@ def served(tmp_path_factory):
         "0.1",
     ]
     try:
-        with serving(tmp, {"ddtree_serve": (str(target), args)}) as servers:
+        with (
+            gpu_share(exclusive=False),
+            serving(tmp, {"ddtree_serve": (str(target), args)}) as servers,
+        ):
             yield servers["ddtree_serve"]
     except RuntimeError as e:
         pytest.fail(str(e))

@@ -12,6 +12,11 @@ import pytest
 from tests.e2e import engines
 
 
+@pytest.fixture(autouse=True)
+def _own_gpu_lock(tmp_path, monkeypatch):
+    monkeypatch.setenv(engines.GPU_LOCK_ENV, str(tmp_path / "gpu.lock"))
+
+
 class FakeEngineProcess:
     """Stands in for ``subprocess.run`` of ``tests.e2e.generate``."""
 
@@ -88,7 +93,10 @@ def test_parallel_runs_overlap_with_own_compile_caches(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(argv, 0, "engine log")
 
     monkeypatch.setattr(engines.subprocess, "run", fake)
-    configs = {name: {"llm": {"model": name}} for name in ("c", "a", "b")}
+    configs = {
+        name: {"llm": {"model": name, "kv_cache_memory_bytes": 1}}
+        for name in ("c", "a", "b")
+    }
     out = engines.run_engines(configs, tmp_path, "t")
     assert list(out) == ["c", "a", "b"]
     assert len(set(roots)) == 3
@@ -105,3 +113,33 @@ def test_engine_kwargs_use_a_fixed_kv_cache(tmp_path):
     """No memory profiling (it fails when engines run side by side)."""
     kwargs = engines.llm_kwargs(tmp_path / "m")
     assert kwargs["kv_cache_memory_bytes"] == engines.KV_CACHE_BYTES
+
+
+def test_a_profiling_engine_waits_for_the_gpu_to_itself(tmp_path, monkeypatch):
+    """While another test process holds the GPU (a shared ``gpu_share``), an
+    engine with a fixed KV cache starts and one with vLLM's memory profiling
+    (no ``kv_cache_memory_bytes``) waits until it is released."""
+    monkeypatch.delenv(engines.CACHE_ENV, raising=False)
+    monkeypatch.delenv("DDTREE_E2E_LOG_DIR", raising=False)
+    started = []
+
+    def fake(argv, **kwargs):
+        started.append(json.loads(open(argv[-2]).read())["llm"]["model"])
+        with open(argv[-1], "w") as f:
+            json.dump({"runs": {}}, f)
+        return subprocess.CompletedProcess(argv, 0, "engine log")
+
+    monkeypatch.setattr(engines.subprocess, "run", fake)
+    fixed = {"fixed": {"llm": {"model": "fixed", "kv_cache_memory_bytes": 1}}}
+    profiled = {"profiled": {"llm": {"model": "profiled"}}}
+    with engines.gpu_share(exclusive=False):
+        engines.run_engines(fixed, tmp_path, "t")
+        assert started == ["fixed"]
+        waiting = threading.Thread(
+            target=engines.run_engines, args=(profiled, tmp_path, "t")
+        )
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and started == ["fixed"]
+    waiting.join(timeout=30)
+    assert not waiting.is_alive() and started == ["fixed", "profiled"]
