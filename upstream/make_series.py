@@ -213,6 +213,10 @@ use_eagle(), async scheduling (EagleModelTypes), Model Runner V2's supported
 methods, the scheduler's lookahead. max_num_new_slots_for_drafting is 0 for
 DDTree: its drafter runs the mask tokens in its own batch, never in the
 target's, so the step budget is not cut by (B - 1) x max_num_seqs.
+Two properties: draft_depth (DDTree: the drafter's block_size - 1, the
+deepest a tree can be) and num_draft_positions (the positions the
+spec-decode stats count: num_speculative_tokens for chains, the depth for
+trees; ddtree_config.num_draft_positions, which the plugin calls too).
 
 EngineArgs builds the DDTree SpeculativeConfig after refusing engine
 settings DDTree cannot run with (pipeline or context parallelism, LoRA, a
@@ -258,9 +262,11 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
   (depth + 1 = 16 for DFlash b16), not DFlash's num_speculative_tokens + 1
   (too few for budgets under 15, wasted KV above).
 * Spec-decode stats: a tree's accepted path is at most the drafter's depth
-  long, so SpecDecodingStats and the Prometheus per-position counters are
-  sized by the depth (ddtree_metrics.py), not by tree_budget (up to 1024
-  series).
+  long, so SpecDecodingStats (the scheduler's) and SpecDecodingProm's
+  per-position counters are sized by SpeculativeConfig.num_draft_positions
+  (patch 4: the depth for trees, num_speculative_tokens for chains), not by
+  tree_budget (up to 1024 series); observe_draft counts draft positions up
+  to that size (a tree's nodes outnumber its depths). Chains are unchanged.
 * Structured-output requests decode without drafts: vLLM validates drafts
   against the grammar as a chain, which a tree in node order is not. The
   scheduler records them in add_request and clears their spec_token_ids
@@ -270,16 +276,11 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
 The tree is fed as B draft tokens, parents before children, so any prefix
 the scheduler keeps is still a tree; nothing else in the scheduler changes.
 
-Tests: tests/v1/spec_decode/test_ddtree_metrics.py (a tree's accepted path
-counted per depth, impossible counts clamped, never raised); the scheduler's
-lookahead, stats, structured-output requests and Prometheus series for a
-DDTree config are checked against the patched tree by the overlay's
+Tests: the scheduler's lookahead, stats (a tree's accepted path counted per
+depth), structured-output requests and Prometheus series for a DDTree
+config are checked against the patched tree by the overlay's
 tests/upstream/applied_wiring.py; vLLM's own tests/v1/core/test_scheduler.py
 gives the same results with and without the series.""",
-        files=(
-            "vllm/v1/spec_decode/ddtree_metrics.py",
-            "tests/v1/spec_decode/test_ddtree_metrics.py",
-        ),
         edits=True,
     ),
     Patch(
@@ -373,7 +374,8 @@ config's refusal of adaptive budgets (patch 4):
   kept go to the worker in SchedulerOutput.ddtree_kept_blocks.
   update_from_output reads the worker's ModelRunnerOutput.ddtree_budget (a
   BudgetReport): the slots follow its next budget and the spec-decode
-  counters count the step's nodes per request, not the slots.
+  counters count the step's nodes per request, not the slots
+  (ddtree_metrics.verified_draft_tokens, added here).
 * model_runner.py (MRv2): execute_model cuts the block table rows the
   scheduler cut (truncate_block_tables) and plans the step's budget before
   the batch is padded and dispatched; prepare_inputs applies the
@@ -387,7 +389,8 @@ config's refusal of adaptive budgets (patch 4):
 Tests: tests/v1/spec_decode/test_ddtree_slots.py (slots per budget against
 brute force, TreeSlots following the reported budget per batch-size bucket,
 tail blocks freed past the computed tokens and lookahead, block-table rows
-cut, the spec-decode counters of the step's budget). The config, slots,
+cut), test_ddtree_metrics.py (the draft tokens counted for the step's
+budget). The config, slots,
 advice and block freeing are checked on the CPU against the patched tree by
 the overlay's tests/upstream/applied_wiring.py (vLLM's async scheduler over
 four requests: each request holds exactly the blocks its tokens need, and a
@@ -396,7 +399,9 @@ model-runner hooks need a GPU: they are checked to import and to call
 functions that exist, not run.""",
         files=(
             "vllm/v1/spec_decode/ddtree_slots.py",
+            "vllm/v1/spec_decode/ddtree_metrics.py",
             "tests/v1/spec_decode/test_ddtree_slots.py",
+            "tests/v1/spec_decode/test_ddtree_metrics.py",
         ),
         edits=True,
     ),

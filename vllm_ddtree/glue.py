@@ -255,6 +255,17 @@ def _ddtree_of(vllm_config: Any):
     return DDTreeConfig.from_vllm_config(vllm_config)
 
 
+def _num_draft_positions(vllm_config: Any, cfg) -> int:
+    """What ``SpeculativeConfig.num_draft_positions`` gives where vLLM has
+    method "ddtree": the same function, fed the DFlash config's draft count
+    and the plugin's drafter depth."""
+    from vllm.v1.spec_decode.ddtree_config import num_draft_positions
+
+    return num_draft_positions(
+        vllm_config.speculative_config.num_speculative_tokens, cfg.draft_depth
+    )
+
+
 def register_tree_attn_backend() -> None:
     """Register TREE_ATTN as ``AttentionBackendEnum.CUSTOM`` (vLLM 0.26's slot
     for an out-of-tree backend), for a DDTree engine only; safe to call again.
@@ -590,10 +601,10 @@ def _scheduler_init(original, self, *args, **kwargs):
     self.num_lookahead_tokens = cfg.draft_len
     # vLLM sizes per-position stats by num_speculative_tokens (tree_budget),
     # and indexes them by draft token; a tree's path is draft_depth long at most.
-    from vllm.v1.spec_decode.ddtree_metrics import make_tree_spec_decoding_stats
+    from vllm_ddtree.spec_stats import make_tree_spec_decoding_stats
 
     self.make_spec_decoding_stats = functools.partial(
-        make_tree_spec_decoding_stats, self, cfg.draft_depth
+        make_tree_spec_decoding_stats, self, _num_draft_positions(self.vllm_config, cfg)
     )
     # Structured-output requests decode without drafts (their grammar would
     # have to follow every tree path): the ids of those not finished yet.
@@ -1040,10 +1051,12 @@ class _DFlashSteps:
 def _prometheus_init(original, self, vllm_config, *args, **kwargs):
     cfg = _ddtree_of(vllm_config)
     if cfg is not None:
-        from vllm.v1.spec_decode.ddtree_metrics import depth_sized
+        from vllm_ddtree.spec_stats import positions_sized
 
         # One per-position series per drafter position, not per tree node.
         make = type(self)._spec_decoding_cls
-        spec = depth_sized(vllm_config.speculative_config, cfg.draft_depth)
+        spec = positions_sized(
+            vllm_config.speculative_config, _num_draft_positions(vllm_config, cfg)
+        )
         self._spec_decoding_cls = lambda _spec, *a, **kw: make(spec, *a, **kw)
     original(self, vllm_config, *args, **kwargs)

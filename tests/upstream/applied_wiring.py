@@ -638,16 +638,53 @@ def test_scheduler_lookahead_is_the_drafter_block(models):
     _, config = _engine_config(models, budget=4)
     sched = _scheduler(config)
     assert sched.num_lookahead_tokens == 16
-    assert sched.ddtree_draft_depth == 15
+    assert sched.num_draft_positions == 15
 
 
 def test_scheduler_stats_are_per_depth(models):
     _, config = _engine_config(models, budget=64)
     sched = _scheduler(config, log_stats=True)
+    # vLLM's own method, with no tree branch: sized by num_draft_positions.
+    assert "make_spec_decoding_stats" not in vars(sched)
     stats = sched.make_spec_decoding_stats(None, 64, 3, None, "r")
+    stats = sched.make_spec_decoding_stats(stats, 8, 8, None, "r")
     assert len(stats.num_accepted_tokens_per_pos) == 15
-    assert stats.num_accepted_tokens_per_pos[:4] == [1, 1, 1, 0]
-    assert stats.num_draft_tokens == 64
+    assert stats.num_accepted_tokens_per_pos == [2, 2, 2] + [1] * 5 + [0] * 7
+    # Position i counts the trees that could reach depth i + 1.
+    assert stats.num_draft_tokens_per_pos == [2] * 8 + [1] * 7
+    assert stats.num_draft_tokens == 64 + 8
+    assert stats.num_drafts == 2
+
+
+def test_speculative_config_draft_positions(models):
+    """SpeculativeConfig.draft_depth and num_draft_positions: the drafter's
+    depth for "ddtree" (whatever the budget), the draft tokens for a chain;
+    both through ddtree_config's functions, as the plugin's stats."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm.v1.spec_decode.ddtree_config import num_draft_positions
+
+    for budget in (4, 64):
+        spec = _speculative_config(models, tree_budget=budget, adaptive_budget=False)
+        assert (spec.draft_depth, spec.num_draft_positions) == (15, 15)
+        assert spec.num_speculative_tokens == budget
+        assert num_draft_positions(budget, spec.draft_depth) == 15
+    target, drafter = models
+    config = EngineArgs(
+        model=target,
+        speculative_config={
+            "method": "dflash",
+            "model": drafter,
+            "num_speculative_tokens": 7,
+        },
+        max_model_len=2048,
+    ).create_engine_config()
+    spec = config.speculative_config
+    assert (spec.draft_depth, spec.num_draft_positions) == (None, 7)
+    sched = _scheduler(config, log_stats=True)
+    assert sched.num_draft_positions == 7
+    stats = sched.make_spec_decoding_stats(None, 7, 7, None, "r")
+    assert stats.num_draft_tokens_per_pos == [1] * 7
 
 
 def _request(req_id, params, prompt=(1, 2, 3), block_hasher=None):
@@ -725,16 +762,20 @@ def test_prometheus_counters_per_depth(models):
 
     class Recording(PrometheusStatLogger):
         def _spec_decoding_cls(self, spec, *args, **kwargs):
-            seen.append(spec.num_speculative_tokens)
-            return types.SimpleNamespace()
+            prom = super()._spec_decoding_cls(spec, *args, **kwargs)
+            seen.append((spec, prom.counter_spec_decode_num_accepted_tokens_per_pos))
+            return prom
 
     unregister_vllm_metrics()
     try:
         Recording(config, engine_indexes=[0])
     finally:
         unregister_vllm_metrics()
-    assert seen == [15]
-    # The engine's own config keeps the tree's draft slots.
+    ((spec, per_pos),) = seen
+    # The engine's own config, no copy: SpecDecodingProm reads its
+    # num_draft_positions, one series per depth, not per tree node.
+    assert spec is config.speculative_config
+    assert len(per_pos[0]) == 15
     assert config.speculative_config.num_speculative_tokens == 64
 
 

@@ -194,3 +194,31 @@ def test_schedule_errors_name_the_key(schedule):
     with pytest.raises(ValueError, match="tree_budget_per_batch_size") as info:
         ddt.parse_tree_budget({"tree_budget_per_batch_size": schedule})
     assert "num_speculative_tokens" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "num_speculative_tokens, draft_depth, positions",
+    [
+        (128, 15, 15),  # a tree: the drafter's depth, not its nodes
+        (4, 15, 15),  # a budget under the depth still reaches every depth
+        (1024, 7, 7),
+        (15, None, 15),  # a chain: its draft tokens
+        (3, None, 3),
+    ],
+)
+def test_num_draft_positions(num_speculative_tokens, draft_depth, positions):
+    """SpeculativeConfig.num_draft_positions (the series) and the plugin's
+    stats call this one function."""
+    assert ddt.num_draft_positions(num_speculative_tokens, draft_depth) == positions
+
+
+def test_num_draft_positions_of_a_ddtree_config_is_its_depth():
+    """For the reader's config of a "ddtree" SpeculativeConfig, the positions
+    are the depth its drafter gives (what the property reads)."""
+    for block_size in (16, 8, 2):
+        spec = _ddtree_spec(ddt.tree_budget_of(64, None, False), _drafter(block_size))
+        depth = ddt.draft_depth_of(spec.draft_model_config)
+        assert DDTreeConfig.from_speculative_config(spec).draft_depth == depth
+        assert ddt.num_draft_positions(spec.num_speculative_tokens, depth) == (
+            block_size - 1
+        )

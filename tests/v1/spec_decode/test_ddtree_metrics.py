@@ -1,29 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""DDTree's spec-decode stats (``vllm/v1/spec_decode/ddtree_metrics.py``): a
-tree's accepted path counted per depth, sized by the drafter's depth, not by
-``tree_budget`` (CPU). The scheduler's and Prometheus logger's use of them is
-checked where they are wired (tests/plugins/test_ddtree_engine_config.py for the
-plugin, the overlay's tests/upstream/applied_wiring.py for the series)."""
+"""The draft tokens an adaptive DDTree step counts
+(``vllm/v1/spec_decode/ddtree_metrics.py``, CPU). The per-position stats sized
+by ``SpeculativeConfig.num_draft_positions`` are vLLM's own code: checked in
+the patched tree by the overlay's tests/upstream/applied_wiring.py, and the
+plugin's counterpart on stock vLLM by tests/plugins/test_ddtree_spec_stats.py."""
+
+import pytest
+
+from vllm.v1.spec_decode.ddtree_metrics import verified_draft_tokens
 
 
-def test_observe_tree_counts_by_depth():
-    from vllm.v1.spec_decode.ddtree_metrics import observe_tree
+@pytest.mark.parametrize(
+    "slots, accepted, budget, counted",
+    [
+        (15, 2, 3, 3),  # the step's budget, not the slots
+        (15, 7, 3, 7),  # the split gave the request more: its accepted path
+        (2, 2, 3, 2),  # never more than the slots
+        (15, 0, 3, 3),  # nothing accepted: still the budget's nodes
+        (15, 0, 0, 0),  # a step that verified no tree counts no draft
+        (1024, 15, 1023, 1023),
+    ],
+)
+def test_verified_draft_tokens(slots, accepted, budget, counted):
+    assert verified_draft_tokens(slots, accepted, budget) == counted
 
-    stats = None
-    # (tree nodes, accepted path length): a full tree, a short tree, a miss.
-    for nodes, accepted in [(128, 15), (128, 3), (4, 4), (128, 0)]:
-        stats = observe_tree(stats, 15, nodes, accepted)
-    assert len(stats.num_accepted_tokens_per_pos) == 15
-    assert stats.num_drafts == 4
-    assert stats.num_draft_tokens == 128 * 3 + 4
-    assert stats.num_accepted_tokens == 22
-    assert stats.num_accepted_tokens_per_pos == [3, 3, 3, 2] + [1] * 11
-    assert stats.num_draft_tokens_per_pos == [4] * 4 + [3] * 11
-    # Impossible counts are clamped (and logged once), never raised: the stats
-    # are made inside the scheduler's step.
-    for nodes, accepted, counted in [(128, 16, 15), (3, 4, 3), (8, -1, 0)]:
-        before = stats.num_accepted_tokens
-        stats = observe_tree(stats, 15, nodes, accepted)
-        assert stats.num_accepted_tokens - before == counted
-    assert stats.num_drafts == 7
+
+def test_every_accepted_token_counts_and_slots_bound():
+    for slots in (1, 3, 15, 64):
+        for budget in (0, 1, 3, 15, 63, 127):
+            for accepted in range(min(slots, 15) + 1):
+                n = verified_draft_tokens(slots, accepted, budget)
+                assert accepted <= n <= slots
+                assert n == slots or n >= budget

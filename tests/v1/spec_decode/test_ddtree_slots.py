@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The scheduler's draft slots and KV blocks of an adaptive DDTree engine
-(``vllm/v1/spec_decode/ddtree_slots.py``), the worker's block-table cut, and
-the spec-decode counters of a step's budget (CPU, on stand-ins). vLLM's async
+(``vllm/v1/spec_decode/ddtree_slots.py``) and the worker's block-table cut
+(CPU, on stand-ins); the spec-decode counters of a step's budget are in
+test_ddtree_metrics.py. vLLM's async
 scheduler run that checks blocks held against a worker's block table needs an
 engine config: it is in the overlay's tests/upstream/applied_wiring.py (the
 series' edits) and tests/plugins/test_ddtree_engine_config.py (the plugin's
@@ -138,29 +139,3 @@ def test_truncate_block_tables_cuts_rows_in_kernel_blocks():
     assert num_blocks.np.tolist() == [[4, 9, 9], [8, 18, 18]]
     assert truncate_block_tables(tables, {}, {"a": (1, 1)}) == 0
     assert num_blocks.copies == 2
-
-
-def test_spec_decode_counters_count_the_step_budget():
-    """The scheduler's counters: the reported budget's nodes per request, or
-    the accepted path where the split gave a request more (never an accepted
-    token lost, never more than the slots)."""
-    from vllm.v1.spec_decode.ddtree_metrics import make_tree_spec_decoding_stats
-
-    sched = types.SimpleNamespace(log_stats=True, _ddtree_step_budget=3)
-    # (slots, accepted) -> draft tokens counted
-    cases = {(15, 2): 3, (15, 7): 7, (2, 2): 2, (15, 0): 3}
-    stats = None
-    for (slots, accepted), want in cases.items():
-        before = 0 if stats is None else stats.num_draft_tokens
-        stats = make_tree_spec_decoding_stats(
-            sched, 15, stats, slots, accepted, None, "r"
-        )
-        assert stats.num_draft_tokens - before == want, (slots, accepted)
-    assert stats.num_accepted_tokens == 11 and stats.num_drafts == 4
-    # A plain step (budget 0) verified no tree: nothing counted.
-    sched._ddtree_step_budget = 0
-    assert make_tree_spec_decoding_stats(sched, 15, None, 15, 0, None, "r") is None
-    # No report: the slots, as before.
-    sched._ddtree_step_budget = None
-    stats = make_tree_spec_decoding_stats(sched, 15, None, 15, 2, None, "r")
-    assert stats.num_draft_tokens == 15

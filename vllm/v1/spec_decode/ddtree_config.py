@@ -480,6 +480,17 @@ def draft_depth_of(draft_model_config: Any) -> int:
     return block_size - 1
 
 
+def num_draft_positions(num_speculative_tokens: int, draft_depth: int | None) -> int:
+    """Draft positions per request and step, by which vLLM's spec-decode stats
+    count acceptance (``SpecDecodingStats``, the Prometheus per-position
+    series): the drafter's depth for a tree (``draft_depth``; its
+    ``num_speculative_tokens`` nodes lie at most that deep, and position ``i``
+    counts paths that reached depth ``i + 1``), else the chain's
+    ``num_speculative_tokens``. ``SpeculativeConfig.num_draft_positions``
+    where vLLM has method "ddtree"; the plugin's stats on stock vLLM."""
+    return num_speculative_tokens if draft_depth is None else draft_depth
+
+
 def check_engine_args(args: Any, target_model_config: Any) -> None:
     """Raise for engine settings DDTree cannot serve. ``args`` is vLLM's
     ``EngineArgs``; ``target_model_config`` its target ``ModelConfig``."""
