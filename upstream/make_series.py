@@ -371,7 +371,9 @@ walk with the KV compaction against its torch reference and the drafter's
 context, and request slots that are joined, finished and reused),
 test_ddtree_inputs.py (tree positions, masks and slots),
 test_ddtree_adaptive.py and test_ddtree_tp.py (kernels on sharded heads).
-The speculator's end-to-end tests (greedy output equal to no speculation on
+tests/models/tiny_models.py, which test_ddtree.py imports, makes a tiny
+Qwen3 target and DFlash drafter on the spot (random weights, a byte-level
+tokenizer; nothing downloaded). The speculator's end-to-end tests (greedy output equal to no speculation on
 every serving path) need a GPU and the overlay's engine fixtures
 (tests/e2e), which are not in this patch.""",
         files=(
@@ -383,6 +385,7 @@ every serving path) need a GPU and the overlay's engine fixtures
             "tests/v1/spec_decode/test_ddtree_inputs.py",
             "tests/v1/spec_decode/test_ddtree_adaptive.py",
             "tests/v1/spec_decode/test_ddtree_tp.py",
+            "tests/models/tiny_models.py",
         ),
         edits=True,
     ),
