@@ -95,6 +95,47 @@ and without the series; DFlash's and DSpark's end-to-end tests
         edits=True,
     ),
     Patch(
+        "0001a-prompt-logprobs-padded-joins",
+        "[Bugfix][Spec Decode][MRv2] No prompt logprobs for a padded join's "
+        "placeholder drafts",
+        """\
+With speculative decoding (EAGLE, DFlash, any num_spec_tokens > 0 without a
+per-batch-size schedule), the scheduler pads a one-token prompt that joins
+running decodes to 1 + num_spec_tokens tokens with placeholder drafts, so
+the step keeps its uniform-decode CUDA graph; so is a prompt whose tokens
+but the last were computed (a prefix-cache or KV-connector hit).
+PromptLogprobsWorker.compute_prompt_logprobs returns one row per scheduled
+token but the last, so such a prompt gets num_spec_tokens rows of prompt
+logprobs for the placeholders (scored against whatever follows the prompt
+in the request's token buffer), where the same request without
+speculation gets none.
+
+* prompt_logprob_rows.py: num_prompt_tokens_scheduled, the prompt tokens
+  among each request's scheduled tokens (min(scheduled, prompt_len -
+  computed prefill), on the host arrays the worker already reads).
+* prompt_logprob.py: each request's rows end at its last prompt token
+  (start + prompt tokens, less the prompt's last when the prompt is done).
+  Steps without placeholders get the rows they got before; nothing changes
+  when no request asks for prompt logprobs (the early return).
+
+The count is its own module so that the DDTree overlay, which runs on
+vLLM 0.26 as released, trims DDTree's padded joins with the same function.
+
+Tests: tests/v1/worker/test_gpu_prompt_logprobs_padded_join.py runs MRv2's
+own PromptLogprobsWorker (Triton interpreted on the CPU) on a padded step,
+with 1, 3 and 15 placeholder drafts, and on the same step without
+speculation: a one-token prompt, a cached prompt's last token and a chunked
+prompt's last chunk, in request-state slots out of batch order; the prompt
+logprobs are equal field by field. The test fails on v0.26.0's worker (it is
+marked as an expected failure there, so that the overlay's run on stock vLLM
+keeps proving it).""",
+        files=(
+            "vllm/v1/worker/gpu/sample/prompt_logprob_rows.py",
+            "tests/v1/worker/test_gpu_prompt_logprobs_padded_join.py",
+        ),
+        edits=True,
+    ),
+    Patch(
         "0002-tree-primitives",
         "[Spec Decode] Tree builder, tree rejection sampler and tree KV compaction",
         """\
@@ -322,19 +363,18 @@ gives the same results with and without the series.""",
 * load_model: the structured-output bitmask of a DDTree runner is sized by
   the step's token limit, not max_num_reqs x (1 + tree_budget) logit rows
   (about 10 GiB at 512 requests, budget 1024 and a 152K vocabulary); a step
-  has no more logit rows than tokens. Prompt logprobs of a one-token prompt
-  padded with placeholder drafts drop the placeholders' rows
-  (ddtree_verify.trim_prompt_logprobs).
+  has no more logit rows than tokens. (Prompt logprobs of a padded join need
+  nothing of DDTree's own: patch 1a fixed them for every speculator.)
 
 Tests: tests/v1/spec_decode/test_ddtree.py (the speculator and model state
 through these hooks on the CPU: tree inputs, the walk, propose given the
 walk with the KV compaction against its torch reference and the drafter's
 context, and request slots that are joined, finished and reused),
 test_ddtree_inputs.py (tree positions, masks and slots),
-test_ddtree_adaptive.py, test_ddtree_tp.py (kernels on sharded heads) and
-test_ddtree_prompt_logprobs.py (MRv2's own prompt-logprobs worker on a
-padded join, trimmed, equals the step without speculation). The
-speculator's end-to-end tests (greedy output equal to no speculation on
+test_ddtree_adaptive.py and test_ddtree_tp.py (kernels on sharded heads).
+tests/models/tiny_models.py, which test_ddtree.py imports, makes a tiny
+Qwen3 target and DFlash drafter on the spot (random weights, a byte-level
+tokenizer; nothing downloaded). The speculator's end-to-end tests (greedy output equal to no speculation on
 every serving path) need a GPU and the overlay's engine fixtures
 (tests/e2e), which are not in this patch.""",
         files=(
@@ -346,7 +386,7 @@ every serving path) need a GPU and the overlay's engine fixtures
             "tests/v1/spec_decode/test_ddtree_inputs.py",
             "tests/v1/spec_decode/test_ddtree_adaptive.py",
             "tests/v1/spec_decode/test_ddtree_tp.py",
-            "tests/v1/spec_decode/test_ddtree_prompt_logprobs.py",
+            "tests/models/tiny_models.py",
         ),
         edits=True,
     ),

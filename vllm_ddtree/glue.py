@@ -53,7 +53,8 @@ Engine-core and worker side:
    split of its nodes), ``sample_tokens`` (the budget report on the step's
    output), ``load_model`` (the
    structured-output bitmask sized by the step's token limit; prompt logprobs
-   without a padded join's placeholder rows) and
+   without a padded join's placeholder rows, where vLLM's worker returns them:
+   DDTree runners only) and
    ``capture_model`` (the budget's step-cost prior from the captured graphs).
 
 Front end:
@@ -778,25 +779,62 @@ def _add_requests(original, self, scheduler_output, *args, **kwargs):
 
 
 def _trim_prompt_logprobs_of(runner) -> None:
-    """This runner's prompt logprobs without the rows of a padded join's
-    placeholder drafts (``ddtree_verify.trim_prompt_logprobs``)."""
+    """A DDTree runner's prompt logprobs without the rows of a padded join's
+    placeholder drafts, where vLLM's worker still returns them (vLLM 0.26.0;
+    the upstream series fixes ``compute_prompt_logprobs`` itself for every
+    speculator). Called for DDTree runners only: DFlash and EAGLE engines keep
+    vLLM's behaviour."""
     worker = getattr(runner, "prompt_logprobs_worker", None)
     if worker is None or getattr(worker.compute_prompt_logprobs, _PATCHED, False):
         return
-    from vllm.v1.spec_decode.ddtree_verify import trim_prompt_logprobs
+    from vllm.v1.worker.gpu.sample import prompt_logprob
+    from vllm.v1.worker.gpu.sample.prompt_logprob_rows import (
+        num_prompt_tokens_scheduled,
+    )
 
+    if getattr(prompt_logprob, "num_prompt_tokens_scheduled", None) is not None:
+        return  # vLLM's worker counts the prompt tokens itself.
     compute = worker.compute_prompt_logprobs
 
     @functools.wraps(compute)
     def trimmed(logits_fn, hidden_states, input_batch, *args, **kwargs):
         out = compute(logits_fn, hidden_states, input_batch, *args, **kwargs)
+        if not out:
+            return out
         # The prompt lengths from the runner's request state (what MRv2 passes
         # in), not from the call's argument positions.
-        prompt_lens = runner.req_states.prompt_len.np
-        return trim_prompt_logprobs(out, input_batch, prompt_lens)
+        prompt_lens = runner.req_states.prompt_len.np[input_batch.idx_mapping_np]
+        num_prompt_tokens = num_prompt_tokens_scheduled(
+            input_batch.num_scheduled_tokens,
+            input_batch.num_computed_prefill_tokens_np,
+            prompt_lens,
+        )
+        excess = input_batch.num_scheduled_tokens - num_prompt_tokens
+        return _without_last_rows(out, input_batch.req_ids, excess)
 
     setattr(trimmed, _PATCHED, True)
     worker.compute_prompt_logprobs = trimmed
+
+
+def _without_last_rows(prompt_logprobs: dict, req_ids: list[str], excess) -> dict:
+    """``prompt_logprobs`` less each request's last ``excess`` rows (batch
+    order), dropping a request left with none. vLLM 0.26's rows end at the
+    step's last scheduled token; the ones past the prompt are placeholders'.
+    The dict holds only requests that asked for prompt logprobs."""
+    index = {req_id: i for i, req_id in enumerate(req_ids)}
+    out = {}
+    for req_id, tensors in prompt_logprobs.items():
+        extra = int(excess[index[req_id]])
+        keep = tensors.logprobs.shape[0] - extra
+        if extra <= 0:
+            out[req_id] = tensors
+        elif keep > 0:
+            out[req_id] = tensors._replace(
+                logprob_token_ids=tensors.logprob_token_ids[:keep],
+                logprobs=tensors.logprobs[:keep],
+                selected_token_ranks=tensors.selected_token_ranks[:keep],
+            )
+    return out
 
 
 def _adaptive_of(runner):

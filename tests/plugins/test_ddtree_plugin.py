@@ -18,6 +18,7 @@ without it (``VLLM_PLUGINS=""``: vLLM loads no general plugin):
   engine fails, with a message naming both backends and the fix.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -74,9 +75,12 @@ def test_loading_imports_little():
     print(
         f"plugin load: {result['seconds'] * 1e3:.1f} ms, {len(new)} new modules: {new}"
     )
+    # From a checkout the plugin imports the packages it adds modules to, to
+    # extend their search paths; an empty package __init__ costs nothing.
+    extended = {m for m in new if _is_empty_checkout_package(m)}
     heavy = [
         m
-        for m in new
+        for m in sorted(set(new) - extended)
         if m.startswith(
             (
                 "vllm.v1.worker",
@@ -91,7 +95,18 @@ def test_loading_imports_little():
         )
     ]
     assert not heavy, heavy
-    assert len(new) <= 12, new
+    assert len(set(new) - extended) <= 12, new
+
+
+def _is_empty_checkout_package(name: str) -> bool:
+    """Whether ``name`` is a vLLM package that this checkout adds modules to
+    and whose own __init__.py is empty (nothing imported but the package)."""
+    checkout_dir = ROOT.joinpath(*name.split("."))
+    if not checkout_dir.is_dir():
+        return False
+    spec = importlib.util.find_spec(name)
+    init = Path(spec.origin) if spec and spec.origin else None
+    return init is not None and init.name == "__init__.py" and not init.read_bytes()
 
 
 def test_wrappers_reach_modules_imported_later():

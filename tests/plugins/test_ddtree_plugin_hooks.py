@@ -5,7 +5,7 @@ twice wraps once, the scheduler's lookahead, the runner's speculator and
 model-state choice, the worker's budget report and block-table cut, and the
 prompt-logprob trim hooked onto the runner's worker. The module functions they
 call are tested without the plugin (tests/v1/spec_decode/test_ddtree_slots.py,
-test_ddtree_prompt_logprobs.py)."""
+tests/v1/worker/test_gpu_prompt_logprobs_padded_join.py)."""
 
 import ast
 import inspect
@@ -16,8 +16,14 @@ import numpy as np
 import pytest
 
 import vllm_ddtree
-from tests.v1.spec_decode.test_ddtree_prompt_logprobs import Engine
 from tests.v1.spec_decode.test_ddtree_slots import _Uva
+from tests.v1.worker.test_gpu_prompt_logprobs_padded_join import (
+    PROMPTS,
+    Engine,
+    assert_no_speculation,
+    join_step,
+    rows_of,
+)
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm_ddtree import glue
 
@@ -33,6 +39,7 @@ def test_register_is_idempotent():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.metrics.loggers import PrometheusStatLogger
+
     from vllm.v1.worker.gpu import model_runner
 
     def wrapped():
@@ -174,20 +181,70 @@ def test_glue_reports_the_budget_and_cuts_rows_before_the_step():
     assert seen == [("plan", scheduler_output), ("step", [[9, 5]])]
 
 
-def test_plugin_trims_the_runners_worker_once():
-    """The plugin's hook (DDTree engines, after load_model) wraps the runner's
-    own worker: the padded join's rows are gone, and hooking again changes
-    nothing."""
-    engine = Engine({"running": [5] * 10, "one": [7]})
-    runner = types.SimpleNamespace(
+def _runner_of(engine, vllm_config=None):
+    return types.SimpleNamespace(
+        vllm_config=vllm_config,
         prompt_logprobs_worker=engine.worker,
         req_states=types.SimpleNamespace(
             prompt_len=types.SimpleNamespace(np=engine.prompt_lens)
         ),
     )
+
+
+@pytest.mark.parametrize("num_spec_tokens", [3, 15])
+def test_plugin_trims_a_padded_join_on_vllm_0_26(num_spec_tokens):
+    """On vLLM 0.26.0, whose worker returns a padded join's placeholder rows,
+    the plugin's hook (DDTree runners, after load_model) makes the runner's own
+    worker give the prompt logprobs of no speculation."""
+    engine = Engine(PROMPTS)
+    glue._trim_prompt_logprobs_of(_runner_of(engine))
+    out = join_step(engine, num_spec_tokens, padded=True)
+    assert_no_speculation(out, num_spec_tokens)
+    # A step without placeholders keeps its rows.
+    engine = Engine({"p": [1, 2, 3, 4, 5]})
+    glue._trim_prompt_logprobs_of(_runner_of(engine))
+    assert len(rows_of(engine.step([("p", 0, 5, 5)])["p"])) == 4
+
+
+def test_plugin_trims_the_runners_worker_once():
+    """Hooking again changes nothing; a one-token prompt's padded join has no
+    prompt logprobs left."""
+    engine = Engine({"running": [5] * 10, "one": [7]})
+    runner = _runner_of(engine)
     glue._trim_prompt_logprobs_of(runner)
     wrapped = engine.worker.compute_prompt_logprobs
     glue._trim_prompt_logprobs_of(runner)
     assert engine.worker.compute_prompt_logprobs is wrapped
-    out = engine.step([("running", 9, 4, 10), ("one", 0, 4, 1)], trim=False)
+    out = engine.step([("running", 9, 4, 10), ("one", 0, 4, 1)])
     assert out == {}
+
+
+def test_plugin_leaves_a_worker_that_counts_prompt_tokens(monkeypatch):
+    """Where vLLM's worker counts the prompt tokens itself (the series' fix),
+    the plugin adds no trim, which would drop real rows."""
+    from vllm.v1.worker.gpu.sample import prompt_logprob, prompt_logprob_rows
+
+    monkeypatch.setattr(
+        prompt_logprob,
+        "num_prompt_tokens_scheduled",
+        prompt_logprob_rows.num_prompt_tokens_scheduled,
+        raising=False,
+    )
+    engine = Engine(PROMPTS)
+    compute = engine.worker.compute_prompt_logprobs
+    glue._trim_prompt_logprobs_of(_runner_of(engine))
+    assert engine.worker.compute_prompt_logprobs == compute
+
+
+def test_dflash_runner_keeps_vllms_prompt_logprobs():
+    """A DFlash (or EAGLE) engine's runner is not hooked: on vLLM 0.26.0 its
+    padded joins keep the placeholders' rows, as without the plugin."""
+    plain = types.SimpleNamespace(additional_config={}, speculative_config=object())
+    engine = Engine(PROMPTS)
+    compute = engine.worker.compute_prompt_logprobs
+    assert glue._load_model(lambda self: "loaded", _runner_of(engine, plain)) == (
+        "loaded"
+    )
+    assert engine.worker.compute_prompt_logprobs == compute
+    out = join_step(engine, 3, padded=True)
+    assert len(rows_of(out["chunked"])) == 3 + 3

@@ -780,9 +780,8 @@ def test_prometheus_counters_per_depth(models):
 
 
 def test_runner_picks_ddtree_speculator_and_model_state(models, monkeypatch):
-    from vllm.v1.worker.gpu import model_states, spec_decode
-
     from vllm.v1.spec_decode import ddtree, ddtree_verify
+    from vllm.v1.worker.gpu import model_states, spec_decode
 
     _, config = _engine_config(models, budget=8)
     made = []
@@ -938,12 +937,7 @@ def test_capture_model_profiles_without_graphs():
 
 
 def test_model_runner_sizes_ddtree_outputs():
-    """load_model's structured-output rows bounded by the step's tokens, and
-    sample_tokens' prompt logprobs trimmed of padded joins' placeholder rows
-    (the functions it imports exist and take the arguments it passes)."""
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-
-    from vllm.v1.spec_decode import ddtree_verify
+    """load_model's structured-output rows bounded by the step's tokens."""
 
     def named(call):
         func = call.func
@@ -954,15 +948,41 @@ def test_model_runner_sizes_ddtree_outputs():
         m == "load_model" and "max_num_batched_tokens" in ast.unparse(c)
         for m, _, c in calls
     )
-    trims = [c for m, n, c in _runner_calls(named) if n == "trim_prompt_logprobs"]
-    assert [m for m, n, _ in _runner_calls(named) if n == "trim_prompt_logprobs"] == [
-        "sample_tokens"
-    ]
-    inspect.signature(ddtree_verify.trim_prompt_logprobs).bind(*trims[0].args)
-    source = inspect.getsource(GPUModelRunner.sample_tokens)
-    assert "from vllm.v1.spec_decode.ddtree_verify import trim_prompt_logprobs" in (
-        source
+
+
+# Prompt logprobs of padded joins (patch 1a): MRv2's own worker leaves out a
+# padded join's placeholder rows for every speculator, so the runner trims
+# nothing of DDTree's own.
+
+
+def test_prompt_logprob_worker_counts_the_prompt_tokens():
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from vllm.v1.worker.gpu.sample import prompt_logprob, prompt_logprob_rows
+
+    assert (
+        prompt_logprob.num_prompt_tokens_scheduled
+        is prompt_logprob_rows.num_prompt_tokens_scheduled
     )
+    source = inspect.getsource(prompt_logprob.PromptLogprobsWorker)
+    assert "num_prompt_tokens_scheduled(" in source
+    assert "trim_prompt_logprobs" not in inspect.getsource(GPUModelRunner)
+
+
+@pytest.mark.parametrize("num_spec_tokens", [1, 15])
+def test_padded_join_has_the_prompt_logprobs_of_no_speculation(num_spec_tokens):
+    """The series' test of patch 1a, not marked as an expected failure here:
+    the patched worker's prompt logprobs of a padded join equal those of the
+    step without speculation."""
+    from tests.v1.worker.test_gpu_prompt_logprobs_padded_join import (
+        PROMPTS,
+        Engine,
+        assert_no_speculation,
+        join_step,
+    )
+
+    out = join_step(Engine(PROMPTS), num_spec_tokens, padded=True)
+    assert_no_speculation(out, num_spec_tokens)
 
 
 # Tree verification as a property of the speculator (patch 6): BaseSpeculator's
@@ -987,7 +1007,7 @@ def _speculator_method(call):
     return None
 
 
-# The methods the series' first patch splits out of DFlash's propose.
+# The methods the series' patch 1 splits out of DFlash's propose.
 DFLASH_STEPS = ("_prepare_draft_context", "_store_context_kv", "_run_drafter")
 # The plugin's source (vllm_ddtree/glue.py), put beside this file as text by
 # tests/upstream/test_series.py: read, never imported.
@@ -1230,7 +1250,6 @@ def test_sample_tokens_hands_the_step_walk_to_propose(monkeypatch):
             next_prefill_tokens=None,
             draft_tokens=torch.zeros(2, 2, dtype=torch.int64),
         ),
-        is_ddtree=False,
         main_stream=None,
         output_copy_stream=None,
         speculator=types.SimpleNamespace(supports_mm_inputs=False, propose=propose),

@@ -254,39 +254,3 @@ class DDTreeModelState(DefaultModelState):
             cached = self._target_groups = (attn_groups, kept)
         return cached[1]
 
-
-def trim_prompt_logprobs(
-    prompt_logprobs: dict[str, Any],
-    input_batch: InputBatch,
-    # [max_num_reqs] prompt lengths, request-state order
-    prompt_lens: Any,
-) -> dict[str, Any]:
-    """MRv2's prompt logprobs with the rows past each prompt dropped.
-
-    vLLM's scheduler pads a one-token prompt that joins running requests to
-    ``1 + num_spec_tokens`` tokens (placeholder drafts, so the step keeps its
-    CUDA graph), and MRv2 returns one prompt-logprob row per scheduled token but
-    the last: the placeholders' rows. Without speculation such a prompt has
-    none. A step's rows end at its last prompt token, so the excess is what the
-    step scheduled past the prompt. Only requests that asked for prompt
-    logprobs are in the dict: the loop is over those."""
-    if not prompt_logprobs:
-        return prompt_logprobs
-    index = {req_id: i for i, req_id in enumerate(input_batch.req_ids)}
-    prompt_lens = prompt_lens[input_batch.idx_mapping_np]
-    left = prompt_lens - input_batch.num_computed_prefill_tokens_np
-    excess = input_batch.num_scheduled_tokens - left
-    out = {}
-    for req_id, tensors in prompt_logprobs.items():
-        extra = int(excess[index[req_id]])
-        if extra <= 0:
-            out[req_id] = tensors
-            continue
-        keep = tensors.logprobs.shape[0] - extra
-        if keep > 0:
-            out[req_id] = tensors._replace(
-                logprob_token_ids=tensors.logprob_token_ids[:keep],
-                logprobs=tensors.logprobs[:keep],
-                selected_token_ranks=tensors.selected_token_ranks[:keep],
-            )
-    return out
