@@ -205,6 +205,10 @@ the DDTree plugin uses on stock vLLM, so the rules cannot drift):
   per-request cap (the default; the hooks are patch 7, and until then the
   engine refuses it with a clear error).
 
+A before-validator hands each field's raw value to ddtree_config's
+check_tree_setting, so pydantic's lax mode never turns "12" or true into a
+budget, or 1 into adaptive_budget: the error names the key, as the plugin's.
+
 _verify_args checks the drafter is DFlash with a block_size (its depth).
 DDTree drafts with DFlash's drafter, so use_dflash() is true for it and the
 DFlash-keyed branches take it: drafter loading (EAGLEConfig as DFlash),
