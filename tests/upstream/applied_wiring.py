@@ -729,6 +729,48 @@ def test_scheduler_lookahead_is_the_drafter_block(models):
     assert sched.num_draft_positions == 15
 
 
+def test_scheduler_finds_ddtree_by_its_method(models):
+    """The scheduler's and the grammar bitmask's hunks read method "ddtree"
+    and draft_depth, not the plugin's reader: a DFlash engine carrying the
+    plugin's additional_config key (which the reader would take for DDTree)
+    keeps DFlash's lookahead, drafts and bitmask rows."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm.v1.spec_decode.ddtree_config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
+
+    _, config = _engine_config(models, budget=4)
+    spec = config.speculative_config
+    assert _scheduler(config).num_lookahead_tokens == spec.draft_depth + 1 == 16
+    target, drafter = models
+    dflash = EngineArgs(
+        model=target,
+        speculative_config={
+            "method": "dflash",
+            "model": drafter,
+            "num_speculative_tokens": 4,
+        },
+        additional_config={ADDITIONAL_CONFIG_KEY: DDTreeConfig(4, 15).to_dict()},
+        max_model_len=2048,
+    ).create_engine_config()
+    assert DDTreeConfig.from_vllm_config(dflash) == DDTreeConfig(4, 15)
+    sched = _scheduler(dflash)
+    assert sched.num_lookahead_tokens == 5
+    assert sched.ddtree_grammar_reqs is None
+    rows = []
+
+    def allocate_token_bitmask(n):
+        rows.append(n)
+        raise _Allocated
+
+    manager = sched.structured_output_manager
+    manager.backend = types.SimpleNamespace(
+        allocate_token_bitmask=allocate_token_bitmask
+    )
+    with pytest.raises(_Allocated):
+        manager.grammar_bitmask({}, ["g"], {})
+    assert rows == [dflash.scheduler_config.max_num_seqs * 5]
+
+
 def test_scheduler_stats_are_per_depth(models):
     _, config = _engine_config(models, budget=64)
     sched = _scheduler(config, log_stats=True)
