@@ -263,8 +263,9 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
         """\
 * Lookahead slots: DDTree's drafter writes KV for [bonus, mask x depth]
   past the committed tokens, so num_lookahead_tokens is the drafter's block
-  (depth + 1 = 16 for DFlash b16), not DFlash's num_speculative_tokens + 1
-  (too few for budgets under 15, wasted KV above).
+  (draft_depth + 1 = 16 for DFlash b16), not DFlash's num_speculative_tokens
+  + 1 (too few for budgets under 15, wasted KV above). The scheduler and the
+  grammar bitmask key on speculative_config.method == "ddtree".
 * Spec-decode stats: a tree's accepted path is at most the drafter's depth
   long, so SpecDecodingStats (the scheduler's) and SpecDecodingProm's
   per-position counters are sized by SpeculativeConfig.num_draft_positions
