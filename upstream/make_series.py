@@ -246,6 +246,10 @@ the DDTree plugin uses on stock vLLM, so the rules cannot drift):
   per-request cap (the default; the hooks are patch 7, and until then the
   engine refuses it with a clear error).
 
+A before-validator hands each field's raw value to ddtree_config's
+check_tree_setting, so pydantic's lax mode never turns "12" or true into a
+budget, or 1 into adaptive_budget: the error names the key, as the plugin's.
+
 _verify_args checks the drafter is DFlash with a block_size (its depth).
 DDTree drafts with DFlash's drafter, so use_dflash() is true for it and the
 DFlash-keyed branches take it: drafter loading (EAGLEConfig as DFlash),
@@ -300,8 +304,9 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
         """\
 * Lookahead slots: DDTree's drafter writes KV for [bonus, mask x depth]
   past the committed tokens, so num_lookahead_tokens is the drafter's block
-  (depth + 1 = 16 for DFlash b16), not DFlash's num_speculative_tokens + 1
-  (too few for budgets under 15, wasted KV above).
+  (draft_depth + 1 = 16 for DFlash b16), not DFlash's num_speculative_tokens
+  + 1 (too few for budgets under 15, wasted KV above). The scheduler and the
+  grammar bitmask key on speculative_config.method == "ddtree".
 * Spec-decode stats: a tree's accepted path is at most the drafter's depth
   long, so SpecDecodingStats (the scheduler's) and SpecDecodingProm's
   per-position counters are sized by SpeculativeConfig.num_draft_positions

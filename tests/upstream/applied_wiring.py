@@ -388,6 +388,94 @@ def test_tree_settings_belong_to_ddtree(models):
         )
 
 
+# Values pydantic's lax mode would coerce into a field's type (true -> 1,
+# "12" -> 12, 1 -> True); DDTree's parser refuses each, naming the first key.
+COERCIBLE_TREE_SETTINGS = [
+    {"tree_budget": True},
+    {"tree_budget": "12"},
+    {"tree_budget": 12.0},
+    {"tree_budget": True, "tree_budget_per_batch_size": [[1, 4, 1]]},
+    {"adaptive_budget": "yes"},
+    {"adaptive_budget": 1},
+    {"adaptive_budget": "false"},
+    {"tree_budget_per_batch_size": [[1, True, 8]]},
+    {"tree_budget_per_batch_size": [["1", 4, 8]]},
+    {"tree_budget_per_batch_size": [[1, 4, 8.0]]},
+    {"tree_budget_per_batch_size": [[1, 4, 8], [5, 8, "2"]]},
+]
+
+
+def _plugin_error(fields) -> str:
+    """The message of the plugin's parser (stock vLLM) for the same keys."""
+    from vllm.v1.spec_decode.ddtree_config import parse_speculative_config
+
+    with pytest.raises(ValueError) as error:
+        parse_speculative_config({"method": "ddtree", "model": "d", **fields})
+    return str(error.value)
+
+
+@pytest.mark.parametrize("fields", COERCIBLE_TREE_SETTINGS)
+def test_speculative_config_takes_tree_settings_as_given(models, fields):
+    """The tree fields reach DDTree's parser as the user gave them: an error
+    naming the key, the plugin's message, never a coerced budget."""
+    message = _plugin_error(fields)
+    assert next(iter(fields)) in message
+    with pytest.raises(ValueError) as error:
+        _speculative_config(models, **fields)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("fields", COERCIBLE_TREE_SETTINGS[:3])
+def test_serve_cli_takes_tree_settings_as_given(models, fields):
+    """`--speculative-config` JSON goes through the same check (EngineArgs ->
+    SpeculativeConfig)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    target, drafter = models
+    spec = {"method": "ddtree", "model": drafter, **fields}
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(
+        ["--model", target, "--max-model-len", "2048"]
+        + ["--speculative-config", json.dumps(spec)]
+    )
+    with pytest.raises(ValueError) as error:
+        EngineArgs.from_cli_args(args).create_engine_config()
+    assert _plugin_error(fields) in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tree_budget": 1, "adaptive_budget": False},
+        {"tree_budget": 1024},
+        {"tree_budget": "auto", "adaptive_budget": False},
+        {"tree_budget": None, "adaptive_budget": None},
+        {"tree_budget_per_batch_size": [[1, 4, 63], [5, 64, 15]]},
+        {
+            "tree_budget": 64,
+            "tree_budget_per_batch_size": ((9, 64, 4), (1, 8, 64)),
+            "adaptive_budget": False,
+        },
+    ],
+)
+def test_speculative_config_keeps_valid_tree_settings(models, fields):
+    """Valid settings expand as the plugin's parser expands them (None: not
+    set)."""
+    from vllm.v1.spec_decode.ddtree_config import parse_speculative_config
+
+    spec = _speculative_config(models, **fields)
+    given = {k: v for k, v in fields.items() if v is not None}
+    parsed = parse_speculative_config({"method": "ddtree", "model": "d", **given})
+    assert spec.tree_budget == parsed.tree_budget
+    assert type(spec.tree_budget) is int
+    assert spec.adaptive_budget is parsed.adaptive
+    assert (spec.tree_budget_per_batch_size or []) == list(parsed.schedule)
+    assert spec.num_speculative_tokens_per_batch_size == parsed.dflash.get(
+        "num_speculative_tokens_per_batch_size"
+    )
+
+
 # Method-name tuples keyed on DFlash in these modules: DDTree drafts with
 # DFlash's drafter, so each must name "ddtree" too (or go through use_dflash()).
 DFLASH_KEYED_MODULES = (
@@ -639,6 +727,48 @@ def test_scheduler_lookahead_is_the_drafter_block(models):
     sched = _scheduler(config)
     assert sched.num_lookahead_tokens == 16
     assert sched.num_draft_positions == 15
+
+
+def test_scheduler_finds_ddtree_by_its_method(models):
+    """The scheduler's and the grammar bitmask's hunks read method "ddtree"
+    and draft_depth, not the plugin's reader: a DFlash engine carrying the
+    plugin's additional_config key (which the reader would take for DDTree)
+    keeps DFlash's lookahead, drafts and bitmask rows."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm.v1.spec_decode.ddtree_config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
+
+    _, config = _engine_config(models, budget=4)
+    spec = config.speculative_config
+    assert _scheduler(config).num_lookahead_tokens == spec.draft_depth + 1 == 16
+    target, drafter = models
+    dflash = EngineArgs(
+        model=target,
+        speculative_config={
+            "method": "dflash",
+            "model": drafter,
+            "num_speculative_tokens": 4,
+        },
+        additional_config={ADDITIONAL_CONFIG_KEY: DDTreeConfig(4, 15).to_dict()},
+        max_model_len=2048,
+    ).create_engine_config()
+    assert DDTreeConfig.from_vllm_config(dflash) == DDTreeConfig(4, 15)
+    sched = _scheduler(dflash)
+    assert sched.num_lookahead_tokens == 5
+    assert sched.ddtree_grammar_reqs is None
+    rows = []
+
+    def allocate_token_bitmask(n):
+        rows.append(n)
+        raise _Allocated
+
+    manager = sched.structured_output_manager
+    manager.backend = types.SimpleNamespace(
+        allocate_token_bitmask=allocate_token_bitmask
+    )
+    with pytest.raises(_Allocated):
+        manager.grammar_bitmask({}, ["g"], {})
+    assert rows == [dflash.scheduler_config.max_num_seqs * 5]
 
 
 def test_scheduler_stats_are_per_depth(models):

@@ -39,8 +39,8 @@ GLUE_IN_TREE = "tests/upstream_applied/ddtree_plugin_glue.py.txt"
 
 # Floors: what the runs pass today, less a margin for tests the package's
 # authors may merge or drop. A run that passes fewer means tests went missing.
-MIN_SERIES_PASSED = 558
-MIN_WIRING_PASSED = 47
+MIN_SERIES_PASSED = 600
+MIN_WIRING_PASSED = 66
 MIN_VLLM_PASSED = 180
 
 VLLM_VERSION = "0.26.0"

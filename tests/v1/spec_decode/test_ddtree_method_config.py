@@ -197,6 +197,56 @@ def test_schedule_errors_name_the_key(schedule):
 
 
 @pytest.mark.parametrize(
+    "key, value",
+    [
+        ("tree_budget", True),
+        ("tree_budget", "12"),
+        ("tree_budget", 12.0),
+        ("tree_budget", 0),
+        ("tree_budget_per_batch_size", [[1, True, 8]]),
+        ("tree_budget_per_batch_size", [["1", 4, 8]]),
+        ("tree_budget_per_batch_size", [[2, 8, 16]]),
+        ("adaptive_budget", "yes"),
+        ("adaptive_budget", 1),
+    ],
+)
+def test_one_check_per_key(key, value):
+    """check_tree_setting, which SpeculativeConfig's tree fields run on the
+    raw value, refuses what the parser refuses, with the parser's message."""
+    with pytest.raises(ValueError, match=key) as field:
+        ddt.check_tree_setting(key, value)
+    with pytest.raises(ValueError) as parsed:
+        ddt.parse_tree_budget({key: value})
+    assert str(field.value) == str(parsed.value)
+
+
+@pytest.mark.parametrize("key", ddt.TREE_KEYS)
+def test_one_check_per_key_takes_valid_values(key):
+    valid = {
+        "tree_budget": [1, 1024, "auto"],
+        "tree_budget_per_batch_size": [[[1, 4, 63], [5, 64, 15]], ((1, 8, 7),)],
+        "adaptive_budget": [True, False],
+    }
+    for value in valid[key]:
+        ddt.check_tree_setting(key, value)
+    with pytest.raises(ValueError, match="not one of DDTree's tree settings"):
+        ddt.check_tree_setting("num_speculative_tokens", 8)
+
+
+def test_a_budget_beside_a_schedule_is_still_an_integer():
+    """true and 12.0 equal a schedule's budget of 1 or 12, and are refused
+    all the same."""
+    for budget, largest in ((True, 1), (12.0, 12)):
+        with pytest.raises(ValueError, match="tree_budget must be an integer"):
+            ddt.parse_tree_budget(
+                {
+                    "tree_budget": budget,
+                    "tree_budget_per_batch_size": [[1, 4, largest]],
+                }
+            )
+
+
+@pytest.mark.parametrize(
     "num_speculative_tokens, draft_depth, positions",
     [
         (128, 15, 15),  # a tree: the drafter's depth, not its nodes

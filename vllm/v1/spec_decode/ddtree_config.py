@@ -262,15 +262,13 @@ def parse_tree_budget(settings: Mapping[str, Any]) -> TreeBudget:
     tree.
     """
     adaptive = settings.get(ADAPTIVE_KEY, DEFAULT_ADAPTIVE)
-    if not isinstance(adaptive, bool):
-        raise ValueError(
-            f"{ADAPTIVE_KEY} must be true (each step's tree sized by measured cost "
-            f"and acceptance: the default) or false (every step verifies "
-            f"tree_budget, or its schedule's budget for the batch size), got "
-            f"{adaptive!r}"
-        )
+    check_adaptive_budget(adaptive)
     schedule = settings.get("tree_budget_per_batch_size")
     given = settings.get("tree_budget", DEFAULT_TREE_BUDGET)
+    if given != AUTO_TREE_BUDGET:
+        # Before the schedule's budget is compared with it, which true or
+        # 12.0 would equal.
+        check_tree_budget(given)
     if "tree_budget" in settings and given == AUTO_TREE_BUDGET and schedule is not None:
         raise ValueError(
             "tree_budget='auto' picks the budget itself; drop "
@@ -283,7 +281,6 @@ def parse_tree_budget(settings: Mapping[str, Any]) -> TreeBudget:
         else:
             schedule = [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
     if schedule is None:
-        check_tree_budget(given)
         budget, ranges = given, ()
     else:
         ranges = tuple(parse_budget_schedule(schedule))
@@ -304,6 +301,23 @@ def parse_tree_budget(settings: Mapping[str, Any]) -> TreeBudget:
                 "2**k - 1"
             )
     return TreeBudget(budget, adaptive, ranges)
+
+
+def check_tree_setting(key: str, value: Any) -> None:
+    """Check one tree key (:data:`TREE_KEYS`) as the user gave it, before any
+    conversion: its type and range, not how it goes with the other keys
+    (:func:`parse_tree_budget`). ``SpeculativeConfig``'s tree fields run it
+    on the raw value, where pydantic's lax mode would take ``"12"`` or
+    ``true`` as a budget and ``1`` as ``adaptive_budget``."""
+    if key == "tree_budget":
+        if value != AUTO_TREE_BUDGET:
+            check_tree_budget(value)
+    elif key == "tree_budget_per_batch_size":
+        parse_budget_schedule(value)
+    elif key == ADAPTIVE_KEY:
+        check_adaptive_budget(value)
+    else:
+        raise ValueError(f"{key!r} is not one of DDTree's tree settings {TREE_KEYS}")
 
 
 def tree_budget_of(
@@ -458,6 +472,16 @@ def check_tree_budget(budget: Any) -> None:
         raise ValueError(
             f"tree_budget must be in [1, {MAX_BUDGET}], got {budget}; "
             f"{AUTO_TREE_BUDGET!r} (the default) lets the cost model pick"
+        )
+
+
+def check_adaptive_budget(adaptive: Any) -> None:
+    if not isinstance(adaptive, bool):
+        raise ValueError(
+            f"{ADAPTIVE_KEY} must be true (each step's tree sized by measured cost "
+            f"and acceptance: the default) or false (every step verifies "
+            f"tree_budget, or its schedule's budget for the batch size), got "
+            f"{adaptive!r}"
         )
 
 
