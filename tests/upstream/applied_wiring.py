@@ -756,19 +756,7 @@ def test_scheduler_finds_ddtree_by_its_method(models):
     sched = _scheduler(dflash)
     assert sched.num_lookahead_tokens == 5
     assert sched.ddtree_grammar_reqs is None
-    rows = []
-
-    def allocate_token_bitmask(n):
-        rows.append(n)
-        raise _Allocated
-
-    manager = sched.structured_output_manager
-    manager.backend = types.SimpleNamespace(
-        allocate_token_bitmask=allocate_token_bitmask
-    )
-    with pytest.raises(_Allocated):
-        manager.grammar_bitmask({}, ["g"], {})
-    assert rows == [dflash.scheduler_config.max_num_seqs * 5]
+    assert _grammar_bitmask_rows(sched) == dflash.scheduler_config.max_num_seqs * 5
 
 
 def test_scheduler_stats_are_per_depth(models):
@@ -863,11 +851,9 @@ class _Allocated(Exception):
     pass
 
 
-def test_grammar_bitmask_has_one_row_per_request(models):
-    """DDTree's structured-output requests verify no drafts: the scheduler's
-    grammar bitmask has max_num_seqs rows, not max_num_seqs x (1 + budget)."""
-    _, config = _engine_config(models, budget=64)
-    sched = _scheduler(config)
+def _grammar_bitmask_rows(sched) -> int:
+    """The rows the scheduler's structured-output manager allocates for its
+    grammar bitmask (the allocation is stopped there)."""
     rows = []
 
     def allocate_token_bitmask(n):
@@ -880,7 +866,16 @@ def test_grammar_bitmask_has_one_row_per_request(models):
     )
     with pytest.raises(_Allocated):
         manager.grammar_bitmask({}, ["g"], {})
-    assert rows == [config.scheduler_config.max_num_seqs]
+    (count,) = rows
+    return count
+
+
+def test_grammar_bitmask_has_one_row_per_request(models):
+    """DDTree's structured-output requests verify no drafts: the scheduler's
+    grammar bitmask has max_num_seqs rows, not max_num_seqs x (1 + budget)."""
+    _, config = _engine_config(models, budget=64)
+    sched = _scheduler(config)
+    assert _grammar_bitmask_rows(sched) == config.scheduler_config.max_num_seqs
 
 
 def test_prometheus_counters_per_depth(models):
