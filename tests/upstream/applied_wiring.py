@@ -79,6 +79,20 @@ def _engine_config(models, budget=128, **kwargs):
     return args, args.create_engine_config()
 
 
+def _dflash_engine_config(models, num_speculative_tokens, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = models
+    spec = {
+        "method": "dflash",
+        "model": drafter,
+        "num_speculative_tokens": num_speculative_tokens,
+    }
+    return EngineArgs(
+        model=target, speculative_config=spec, max_model_len=2048, **kwargs
+    ).create_engine_config()
+
+
 def test_engine_config_is_a_ddtree_speculative_config(models):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -734,24 +748,17 @@ def test_scheduler_finds_ddtree_by_its_method(models):
     and draft_depth, not the plugin's reader: a DFlash engine carrying the
     plugin's additional_config key (which the reader would take for DDTree)
     keeps DFlash's lookahead, drafts and bitmask rows."""
-    from vllm.engine.arg_utils import EngineArgs
 
     from vllm.v1.spec_decode.ddtree_config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
 
     _, config = _engine_config(models, budget=4)
     spec = config.speculative_config
     assert _scheduler(config).num_lookahead_tokens == spec.draft_depth + 1 == 16
-    target, drafter = models
-    dflash = EngineArgs(
-        model=target,
-        speculative_config={
-            "method": "dflash",
-            "model": drafter,
-            "num_speculative_tokens": 4,
-        },
+    dflash = _dflash_engine_config(
+        models,
+        4,
         additional_config={ADDITIONAL_CONFIG_KEY: DDTreeConfig(4, 15).to_dict()},
-        max_model_len=2048,
-    ).create_engine_config()
+    )
     assert DDTreeConfig.from_vllm_config(dflash) == DDTreeConfig(4, 15)
     sched = _scheduler(dflash)
     assert sched.num_lookahead_tokens == 5
@@ -778,7 +785,6 @@ def test_speculative_config_draft_positions(models):
     """SpeculativeConfig.draft_depth and num_draft_positions: the drafter's
     depth for "ddtree" (whatever the budget), the draft tokens for a chain;
     both through ddtree_config's functions, as the plugin's stats."""
-    from vllm.engine.arg_utils import EngineArgs
 
     from vllm.v1.spec_decode.ddtree_config import num_draft_positions
 
@@ -787,16 +793,7 @@ def test_speculative_config_draft_positions(models):
         assert (spec.draft_depth, spec.num_draft_positions) == (15, 15)
         assert spec.num_speculative_tokens == budget
         assert num_draft_positions(budget, spec.draft_depth) == 15
-    target, drafter = models
-    config = EngineArgs(
-        model=target,
-        speculative_config={
-            "method": "dflash",
-            "model": drafter,
-            "num_speculative_tokens": 7,
-        },
-        max_model_len=2048,
-    ).create_engine_config()
+    config = _dflash_engine_config(models, 7)
     spec = config.speculative_config
     assert (spec.draft_depth, spec.num_draft_positions) == (None, 7)
     sched = _scheduler(config, log_stats=True)
