@@ -748,7 +748,6 @@ def test_scheduler_finds_ddtree_by_its_method(models):
     and draft_depth, not the plugin's reader: a DFlash engine carrying the
     plugin's additional_config key (which the reader would take for DDTree)
     keeps DFlash's lookahead, drafts and bitmask rows."""
-
     from vllm.v1.spec_decode.ddtree_config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
 
     _, config = _engine_config(models, budget=4)
@@ -785,7 +784,6 @@ def test_speculative_config_draft_positions(models):
     """SpeculativeConfig.draft_depth and num_draft_positions: the drafter's
     depth for "ddtree" (whatever the budget), the draft tokens for a chain;
     both through ddtree_config's functions, as the plugin's stats."""
-
     from vllm.v1.spec_decode.ddtree_config import num_draft_positions
 
     for budget in (4, 64):
