@@ -305,7 +305,7 @@ def _create_speculative_config(
     if not ddt.is_ddtree_method(raw):
         return original(self, target_model_config, target_parallel_config)
 
-    parsed = ddt.parse_speculative_config(raw)
+    parsed = ddt.parse_speculative_config(raw, target_model_config)
     budget, dflash = parsed.tree_budget, parsed.dflash
     ddt.check_engine_args(self, target_model_config)
     if target_parallel_config.tensor_parallel_size > 1:

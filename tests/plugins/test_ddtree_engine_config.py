@@ -403,7 +403,8 @@ def test_budget_schedule_without_async_scheduling_warns(
         "adaptive budget's draft slots per batch size take effect with async "
         "scheduling only"
         in w
-        and "tree_budget=1024 slots" in w
+        # "auto"'s cap at max_model_len 2048 (ddtree_config.max_warmup_budget).
+        and "tree_budget=511 slots" in w
         for w in warnings
     ), warnings
     warnings.clear()
@@ -520,10 +521,11 @@ def test_auto_is_adaptive_up_to_the_largest_tree(models, cuda_platform):
     from vllm.engine.arg_utils import EngineArgs
 
     target, drafter = models
+    # 4096 fits the start-up warm-up of a 1024-node tree (2051 tokens).
     config = EngineArgs(
         model=target,
         speculative_config={"method": "ddtree", "model": drafter, **ADAPTIVE},
-        max_model_len=2048,
+        max_model_len=4096,
     ).create_engine_config()
     cfg = DDTreeConfig.from_vllm_config(config)
     assert cfg.adaptive and cfg.tree_budget == 1024
@@ -532,6 +534,30 @@ def test_auto_is_adaptive_up_to_the_largest_tree(models, cuda_platform):
     assert sched.max_num_seqs == min(
         SchedulerConfig.DEFAULT_MAX_NUM_SEQS, sched.max_num_batched_tokens // 16
     )
+
+
+def test_tree_budget_fits_the_start_up_warm_up(models, cuda_platform):
+    """vLLM's warm-up prefills B + 2 prompt tokens, then decodes a B + 1 token
+    step per request: at max_model_len 2048 "auto" caps trees at 511 nodes and
+    a budget of 1024 is refused before the engine starts, naming the length
+    it needs (without the bound the warm-up wrote past a block-table row)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = models
+
+    def build(**spec):
+        return EngineArgs(
+            model=target,
+            speculative_config={"method": "ddtree", "model": drafter, **spec},
+            max_model_len=2048,
+        ).create_engine_config()
+
+    cfg = DDTreeConfig.from_vllm_config(build(**ADAPTIVE))
+    assert cfg.adaptive and cfg.tree_budget == 511
+    assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 127, 255, 511)
+    assert DDTreeConfig.from_vllm_config(build(tree_budget=1022)).tree_budget == 1022
+    with pytest.raises(ValueError, match=r"needs max_model_len >= 2051 .*at most 1022"):
+        build(tree_budget=1024, adaptive_budget=False)
 
 
 def test_engine_start_names_ddtree_in_vllms_log(models, cuda_platform):

@@ -306,7 +306,7 @@ def test_engine_config_refuses_a_non_dflash_drafter(models):
         ).create_engine_config()
 
 
-def _speculative_config(models, **fields):
+def _speculative_config(models, max_model_len=4096, **fields):
     from vllm.config import ParallelConfig, SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
 
@@ -314,12 +314,37 @@ def _speculative_config(models, **fields):
     fields.setdefault("model", drafter)
     return SpeculativeConfig(
         method="ddtree",
+        # 4096 fits the warm-up of the largest tree (ddtree_config.
+        # max_warmup_budget): the defaults below are the builder's largest.
         target_model_config=EngineArgs(
-            model=target, max_model_len=2048
+            model=target, max_model_len=max_model_len
         ).create_model_config(),
         target_parallel_config=ParallelConfig(),
         **fields,
     )
+
+
+def test_speculative_config_fits_the_start_up_warm_up(models):
+    """SpeculativeConfig(method="ddtree") bounds the tree budget by its target:
+    vLLM's warm-up runs a B + 2 token prompt, then a B + 1 token step, so at
+    max_model_len 2048 "auto" caps trees at 511 nodes (the ladder's largest
+    budget under 1023) and an explicit 1024 is refused, naming the length."""
+    spec = _speculative_config(models, max_model_len=2048)
+    assert (spec.tree_budget, spec.num_speculative_tokens) == (511, 511)
+    listed = [b for *_, b in spec.num_speculative_tokens_per_batch_size]
+    assert listed == [511, 255, 127, 63, 31, 15, 7, 3, 1, 0]
+    assert _speculative_config(models, max_model_len=2050).tree_budget == 1023
+    with pytest.raises(ValueError, match=r"needs max_model_len >= 2051"):
+        _speculative_config(models, max_model_len=2048, tree_budget=1024)
+    with pytest.raises(ValueError, match=r"at most 1022"):
+        _speculative_config(
+            models,
+            max_model_len=2048,
+            tree_budget_per_batch_size=[[1, 4, 1023], [5, 64, 15]],
+            adaptive_budget=False,
+        )
+    spec = _speculative_config(models, max_model_len=2048, tree_budget=1022)
+    assert spec.num_speculative_tokens == 1022
 
 
 def test_speculative_config_takes_ddtree(models):

@@ -777,7 +777,11 @@ def test_walk_accepts_only_what_the_target_was_fed(vllm_config, monkeypatch):
     though the target's samples follow the stored tree's path."""
     gen = torch.Generator().manual_seed(12)
     spec, state_ms, attn_groups = _attached(vllm_config, monkeypatch)
-    trees = _trees(gen)
+    logits = torch.randn(NUM_STATES, DEPTH, VOCAB_SIZE, generator=gen) * 3
+    # One likely token at every depth, so that slot 2's tree has a path of
+    # two nodes or more whatever the vocabulary's size.
+    logits[2, :, 7] += 12
+    trees = build_ddtree_reference(logits, BUDGET)
     _store(spec.trees, trees)
     path = _path_to(trees.parent_ids[2], _deepest(trees.depths[2], 6))
     assert len(path) >= 2

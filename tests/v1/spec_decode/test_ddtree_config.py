@@ -323,6 +323,86 @@ def test_parse_auto_budget_conflicts_with_a_schedule():
         )
 
 
+def _sized_target(max_model_len, vocab_size=151936):
+    return types.SimpleNamespace(
+        model="t", max_model_len=max_model_len, get_vocab_size=lambda: vocab_size
+    )
+
+
+@pytest.mark.parametrize(
+    "max_model_len, vocab_size, want",
+    [
+        (40960, 151936, 1024),  # a Qwen3-8B default: the builder's largest tree
+        (2051, 151936, 1024),  # 1024 + 2 prompt tokens, then a 1025-token step
+        (2050, 151936, 1023),
+        (2048, 151936, 511),  # the ladder's largest budget at most 1022
+        (64, 151936, 15),
+        (5, 151936, 1),
+        (40960, 1024, 511),  # token ids 0 .. B + 1 must be in the vocabulary
+    ],
+)
+def test_auto_cap_fits_the_start_up_warm_up(max_model_len, vocab_size, want):
+    """vLLM's warm-up prefills B + 2 prompt tokens with ids 0 .. B + 1, then
+    decodes B + 1 tokens per request: "auto" takes the largest ladder budget
+    that fits the target (an adaptive budget's cap)."""
+    target = _sized_target(max_model_len, vocab_size)
+    assert ddt.max_warmup_budget(target) == min(
+        (max_model_len - 3) // 2, vocab_size - 2
+    )
+    parsed = ddt.parse_speculative_config({"method": "ddtree", "model": "d"}, target)
+    assert parsed.tree_budget == parsed.dflash["num_speculative_tokens"] == want
+    listed = [b for *_, b in parsed.dflash["num_speculative_tokens_per_batch_size"]]
+    assert listed[0] == want and max(listed) == want
+    assert ddt.tree_budget_of(target_model_config=target).tree_budget == want
+    # Without a target nothing bounds it.
+    assert ddt.max_warmup_budget(None) is None
+    assert ddt.tree_budget_of().tree_budget == ddt.AUTO_TREE_BUDGET_CAP
+
+
+@pytest.mark.parametrize(
+    "raw, target, match",
+    [
+        (
+            {"tree_budget": 1024},
+            _sized_target(2048),
+            r"a tree budget of 1024 does not fit 't' at max_model_len=2048: .* "
+            r"needs max_model_len >= 2051 .*at most 1022, or raise --max-model-len",
+        ),
+        ({"tree_budget": 600, **FIXED}, _sized_target(1024), r"at most 510"),
+        (
+            {"tree_budget_per_batch_size": [[1, 4, 1023], [5, 64, 15]], **FIXED},
+            _sized_target(2048),
+            r"a tree budget of 1023 does not fit",
+        ),
+        # "auto" with fixed budgets is a table, refused where its largest
+        # budget (31) does not fit.
+        (
+            {"tree_budget": "auto", **FIXED},
+            _sized_target(64),
+            r"budget of 31 .*at most 30",
+        ),
+        ({}, _sized_target(4), r"budget of 1 .*DDTree cannot run on this target"),
+        ({"tree_budget": 1024}, _sized_target(40960, 1024), r"more than 1025 tokens"),
+    ],
+)
+def test_budget_too_large_for_the_warm_up(raw, target, match):
+    with pytest.raises(ValueError, match=match):
+        ddt.parse_speculative_config({"method": "ddtree", "model": "d", **raw}, target)
+
+
+def test_budget_that_fits_the_warm_up_is_kept():
+    target = _sized_target(2048)
+    for raw, want in [
+        ({"tree_budget": 1022}, 1022),
+        ({"tree_budget": 64, **FIXED}, 64),
+        ({"tree_budget": "auto", **FIXED}, 31),
+    ]:
+        parsed = ddt.parse_speculative_config(
+            {"method": "ddtree", "model": "d", **raw}, target
+        )
+        assert parsed.tree_budget == want, raw
+
+
 def test_cudagraph_sizes_cover_every_scheduled_budget():
     cfg = DDTreeConfig(64, 15, (4, 16))
     assert cfg.all_budgets == (4, 16, 64)

@@ -251,7 +251,9 @@ class TreeBudget(NamedTuple):
         return [list(r) for r in self.schedule] or None
 
 
-def parse_tree_budget(settings: Mapping[str, Any]) -> TreeBudget:
+def parse_tree_budget(
+    settings: Mapping[str, Any], target_model_config: Any = None
+) -> TreeBudget:
     """Check and expand the tree keys (:data:`TREE_KEYS`) of a ddtree config;
     ``settings`` holds those the user gave, the others take their defaults.
 
@@ -259,7 +261,9 @@ def parse_tree_budget(settings: Mapping[str, Any]) -> TreeBudget:
     ``tree_budget_per_batch_size`` schedule (or ``auto``'s) sets the budget of
     each batch size. With an adaptive budget (the default) the budget and the
     schedule are per-request caps, and ``"auto"`` is the builder's largest
-    tree.
+    tree, or the largest ladder budget the target's start-up warm-up fits
+    (:func:`max_warmup_budget`; no limit when ``target_model_config`` is
+    None).
     """
     adaptive = settings.get(ADAPTIVE_KEY, DEFAULT_ADAPTIVE)
     check_adaptive_budget(adaptive)
@@ -275,9 +279,14 @@ def parse_tree_budget(settings: Mapping[str, Any]) -> TreeBudget:
             "tree_budget_per_batch_size, or drop tree_budget to use your "
             "schedule"
         )
+    limit = max_warmup_budget(target_model_config)
     if schedule is None and given == AUTO_TREE_BUDGET:
         if adaptive:
             given = AUTO_TREE_BUDGET_CAP
+            if limit is not None and limit < given:
+                # "auto" is the caller's choice of the largest tree, so it
+                # shrinks to what this target can run rather than fail.
+                given = max(ladder_floor(budget_ladder(AUTO_TREE_BUDGET_CAP), limit), 1)
         else:
             schedule = [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
     if schedule is None:
@@ -290,6 +299,8 @@ def parse_tree_budget(settings: Mapping[str, Any]) -> TreeBudget:
                 f"tree_budget={given!r} must equal the largest budget of "
                 f"tree_budget_per_batch_size ({budget}), or be left out"
             )
+    if limit is not None and budget > limit:
+        _raise_too_large_for_warmup(budget, target_model_config, limit)
     if adaptive:
         ladder = adaptive_ladder(budget, ranges)
         if len(ladder) > MAX_LADDER:
@@ -301,6 +312,44 @@ def parse_tree_budget(settings: Mapping[str, Any]) -> TreeBudget:
                 "2**k - 1"
             )
     return TreeBudget(budget, adaptive, ranges)
+
+
+def max_warmup_budget(target_model_config: Any) -> int | None:
+    """The largest tree budget vLLM's start-up warm-up can run on the target
+    (None without a target config).
+
+    Model Runner V2's ``warmup_kernels`` prefills requests of
+    ``decode_query_len + 1`` prompt tokens with ids ``0, 1, ...``, then runs a
+    decode step of ``decode_query_len`` tokens each, and ``decode_query_len``
+    is ``B + 1`` for trees of B nodes. So ``2 * B + 3`` tokens must fit in
+    ``max_model_len`` (beyond it the step writes past a request's block
+    table row), and ``B + 1`` must be a token of the vocabulary (the
+    embedding lookup asserts): a tree of 1024 nodes needs ``max_model_len``
+    >= 2051."""
+    if target_model_config is None:
+        return None
+    max_model_len = target_model_config.max_model_len
+    vocab_size = target_model_config.get_vocab_size()
+    return min((max_model_len - 3) // 2, vocab_size - 2)
+
+
+def _raise_too_large_for_warmup(budget: int, target_model_config: Any, limit: int):
+    max_model_len = target_model_config.max_model_len
+    vocab_size = target_model_config.get_vocab_size()
+    hint = (
+        f"lower tree_budget (and the budgets of tree_budget_per_batch_size) to "
+        f"at most {limit}"
+        if limit >= 1
+        else "DDTree cannot run on this target"
+    )
+    raise ValueError(
+        f"DDTree: a tree budget of {budget} does not fit "
+        f"{target_model_config.model!r} at max_model_len={max_model_len}: "
+        f"vLLM's start-up warm-up runs a {budget + 2}-token prompt and then a "
+        f"{budget + 1}-token tree step per request, which needs max_model_len "
+        f">= {2 * budget + 3} and a vocabulary of more than {budget + 1} tokens "
+        f"(this target has {vocab_size}); {hint}, or raise --max-model-len"
+    )
 
 
 def check_tree_setting(key: str, value: Any) -> None:
@@ -324,11 +373,13 @@ def tree_budget_of(
     tree_budget: Any = None,
     tree_budget_per_batch_size: Any = None,
     adaptive_budget: Any = None,
+    target_model_config: Any = None,
 ) -> TreeBudget:
     """:func:`parse_tree_budget` of config fields, where None means not set."""
     values = (tree_budget, tree_budget_per_batch_size, adaptive_budget)
     return parse_tree_budget(
-        {key: value for key, value in zip(TREE_KEYS, values) if value is not None}
+        {key: value for key, value in zip(TREE_KEYS, values) if value is not None},
+        target_model_config,
     )
 
 
@@ -380,9 +431,13 @@ class ParsedSpeculativeConfig(NamedTuple):
     schedule: tuple[tuple[int, int, int], ...]
 
 
-def parse_speculative_config(raw: Mapping[str, Any]) -> ParsedSpeculativeConfig:
+def parse_speculative_config(
+    raw: Mapping[str, Any], target_model_config: Any = None
+) -> ParsedSpeculativeConfig:
     """A ``{"method": "ddtree", ...}`` dict -> DDTree's settings and the DFlash
-    config dict (stock vLLM, which has no ``ddtree`` method).
+    config dict (stock vLLM, which has no ``ddtree`` method); the target's
+    ``ModelConfig``, where given, bounds the tree budget
+    (:func:`max_warmup_budget`).
 
     The dict is what vLLM's ``SpeculativeConfig`` accepts: method ``"dflash"``
     with ``tree_budget`` draft slots per request, and the tree settings'
@@ -391,7 +446,9 @@ def parse_speculative_config(raw: Mapping[str, Any]) -> ParsedSpeculativeConfig:
     """
     cfg = {str(k).replace("-", "_"): v for k, v in raw.items()}
     cfg.pop("method")
-    tree = parse_tree_budget({k: cfg.pop(k) for k in TREE_KEYS if k in cfg})
+    tree = parse_tree_budget(
+        {k: cfg.pop(k) for k in TREE_KEYS if k in cfg}, target_model_config
+    )
     check_draft_settings(
         cfg.get("model"),
         "num_speculative_tokens" in cfg
