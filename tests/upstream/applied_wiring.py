@@ -768,22 +768,26 @@ def test_scheduler_lookahead_is_the_drafter_block(models):
     assert sched.num_draft_positions == 15
 
 
-def test_scheduler_finds_ddtree_by_its_method(models):
-    """The scheduler's and the grammar bitmask's hunks read method "ddtree"
-    and draft_depth, not the plugin's reader: a DFlash engine carrying the
-    plugin's additional_config key (which the reader would take for DDTree)
-    keeps DFlash's lookahead, drafts and bitmask rows."""
+def _dflash_with_the_plugins_key(models):
+    """A DFlash engine config carrying the plugin's additional_config key for
+    the same slots, which DDTree's reader takes for DDTree on stock vLLM."""
     from vllm.v1.spec_decode.ddtree_config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
 
-    _, config = _engine_config(models, budget=4)
-    spec = config.speculative_config
-    assert _scheduler(config).num_lookahead_tokens == spec.draft_depth + 1 == 16
-    dflash = _dflash_engine_config(
+    return _dflash_engine_config(
         models,
         4,
         additional_config={ADDITIONAL_CONFIG_KEY: DDTreeConfig(4, 15).to_dict()},
     )
-    assert DDTreeConfig.from_vllm_config(dflash) == DDTreeConfig(4, 15)
+
+
+def test_scheduler_finds_ddtree_by_its_method(models):
+    """The scheduler's and the grammar bitmask's hunks read method "ddtree"
+    and draft_depth: a DFlash engine carrying the plugin's additional_config
+    key keeps DFlash's lookahead, drafts and bitmask rows."""
+    _, config = _engine_config(models, budget=4)
+    spec = config.speculative_config
+    assert _scheduler(config).num_lookahead_tokens == spec.draft_depth + 1 == 16
+    dflash = _dflash_with_the_plugins_key(models)
     sched = _scheduler(dflash)
     assert sched.num_lookahead_tokens == 5
     assert sched.ddtree_grammar_reqs is None
@@ -941,6 +945,37 @@ def test_runner_picks_ddtree_speculator_and_model_state(models, monkeypatch):
     assert model_states.init_model_state(config, model, None, "cpu") == "state"
     assert [m[0] for m in made] == ["speculator", "state"]
     assert made[1][1][1] is model
+
+
+def test_only_method_ddtree_is_ddtree(models, monkeypatch):
+    """Where vLLM takes method "ddtree", DDTree's reader (which the runner's
+    and the model state's hunks call) answers for that method alone: a DFlash
+    engine carrying the plugin's additional_config key stays DFlash, with
+    DFlash's speculator and the default model state."""
+    from vllm.v1.spec_decode import ddtree, ddtree_verify
+    from vllm.v1.spec_decode.ddtree_config import DDTreeConfig, vllm_has_ddtree_method
+    from vllm.v1.worker.gpu import model_states, spec_decode
+    from vllm.v1.worker.gpu.model_states import default
+    from vllm.v1.worker.gpu.spec_decode.dflash import speculator
+
+    assert vllm_has_ddtree_method()
+    dflash = _dflash_with_the_plugins_key(models)
+    assert DDTreeConfig.from_vllm_config(dflash) is None
+    for module, name in [
+        (ddtree, "DDTreeSpeculator"),
+        (ddtree_verify, "DDTreeModelState"),
+        (speculator, "DFlashSpeculator"),
+        (default, "DefaultModelState"),
+    ]:
+        monkeypatch.setattr(module, name, lambda *args, name=name: name)
+    assert spec_decode.init_speculator(dflash, "cpu") == "DFlashSpeculator"
+    model = torch.nn.Linear(2, 2)
+    assert model_states.init_model_state(dflash, model, None, "cpu") == (
+        "DefaultModelState"
+    )
+    # The DDTree engine's own config is still read.
+    _, config = _engine_config(models, budget=4)
+    assert DDTreeConfig.from_vllm_config(config) == DDTreeConfig(4, 15)
 
 
 # The model runner's hooks (MRv2) need a GPU to run: what follows checks, on

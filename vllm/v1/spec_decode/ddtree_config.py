@@ -36,9 +36,10 @@ b nodes the scheduler keeps are the best tree of budget b.
 Every check raises ``ValueError`` with the setting to change.
 """
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 from vllm.v1.spec_decode.ddtree_budget import MAX_BUDGETS as MAX_LADDER
 from vllm.v1.spec_decode.ddtree_cost import budget_ladder
@@ -193,6 +194,10 @@ class DDTreeConfig:
         if getattr(spec, "method", None) == DDTREE_METHOD:
             # vLLM with method "ddtree": the settings are the config's fields.
             return cls.from_speculative_config(spec)
+        if vllm_has_ddtree_method():
+            # There the method is the only switch: a DFlash engine that
+            # carries the plugin's key stays DFlash.
+            return None
         additional = getattr(vllm_config, "additional_config", None)
         if not isinstance(additional, Mapping):
             return None
@@ -215,6 +220,15 @@ class DDTreeConfig:
             bool(raw.get("adaptive", False)),
             tuple(tuple(int(v) for v in c) for c in raw.get("caps", ())),
         )
+
+
+@functools.cache
+def vllm_has_ddtree_method() -> bool:
+    """Whether this vLLM takes method "ddtree" (the upstream series applied),
+    rather than running DDTree through the plugin's DFlash config."""
+    from vllm.config.speculative import SpeculativeMethod
+
+    return DDTREE_METHOD in get_args(SpeculativeMethod)
 
 
 def is_ddtree_method(speculative_config: Any) -> bool:
