@@ -80,7 +80,7 @@ instead of after; the two copies write different buffers on one stream.
 No host sync is added and the captured graphs are unchanged. DSpark,
 which overrides _generate_draft, runs as before.
 
-DDTree (patch 6) overrides _prepare_draft_context (its drafter's context is
+DDTree (patch 7) overrides _prepare_draft_context (its drafter's context is
 each request's root and accepted path) and _generate_draft (logits to
 trees), and runs the drafter through _run_drafter.
 
@@ -95,7 +95,7 @@ and without the series; DFlash's and DSpark's end-to-end tests
         edits=True,
     ),
     Patch(
-        "0001a-prompt-logprobs-padded-joins",
+        "0002-prompt-logprobs-padded-joins",
         "[Bugfix][Spec Decode][MRv2] No prompt logprobs for a padded join's "
         "placeholder drafts",
         """\
@@ -136,7 +136,7 @@ keeps proving it).""",
         edits=True,
     ),
     Patch(
-        "0002-tree-primitives",
+        "0003-tree-primitives",
         "[Spec Decode] Tree builder, tree rejection sampler and tree KV compaction",
         """\
 The GPU pieces a tree speculator needs, independent of any model runner:
@@ -181,7 +181,7 @@ vocabulary sizes; on the CPU through TRITON_INTERPRET=1.""",
         ),
     ),
     Patch(
-        "0003-tree-attn-backend",
+        "0004-tree-attn-backend",
         "[Attention] TREE_ATTN: paged attention with per-request token-tree masks",
         """\
 Revives tree attention (the old backend was removed in #42121), with a mask
@@ -227,7 +227,7 @@ FlashAttention).""",
         edits=True,
     ),
     Patch(
-        "0004-ddtree-method-config",
+        "0005-ddtree-method-config",
         '[Spec Decode] method "ddtree" with tree_budget in --speculative-config',
         """\
 "ddtree" joins SpeculativeMethod: {"method": "ddtree", "model": <DFlash
@@ -248,7 +248,7 @@ the DDTree plugin uses on stock vLLM, so the rules cannot drift):
 * tree_budget_per_batch_size: budgets by batch size, mapped onto vLLM's
   dynamic speculative decoding schedule.
 * adaptive_budget: each step's trees sized on the worker, tree_budget a
-  per-request cap (the default; the hooks are patch 7, and until then the
+  per-request cap (the default; the hooks are patch 8, and until then the
   engine refuses it with a clear error).
 
 A before-validator hands each field's raw value to ddtree_config's
@@ -271,7 +271,7 @@ trees; ddtree_config.num_draft_positions, which the plugin calls too).
 EngineArgs builds the DDTree SpeculativeConfig after refusing engine
 settings DDTree cannot run with (pipeline or context parallelism, LoRA, a
 quantized KV cache, non-dense targets, Model Runner V1); the target's
-attention backend becomes TREE_ATTN (patch 3's member; a user's other
+attention backend becomes TREE_ATTN (patch 4's member; a user's other
 choice is an error), the drafter keeps its own. Batch defaults: max_num_seqs and
 max_num_batched_tokens fit trees of B + 1 tokens (or the user's values are
 checked), and CUDA graphs are captured in multiples of B + 1 within vLLM's
@@ -279,7 +279,7 @@ largest capture size, unless the user set sizes. The finished config must
 run on Model Runner V2. DDTree is untested with tensor_parallel_size > 1: a
 warning says so.
 
-The speculator and tree verification come with patch 6; DDTree's modules
+The speculator and tree verification come with patch 7; DDTree's modules
 read the settings with DDTreeConfig.from_vllm_config.
 
 Tests: tests/v1/spec_decode/test_ddtree_config.py (parsing and every error
@@ -304,7 +304,7 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
         edits=True,
     ),
     Patch(
-        "0005-scheduler-lookahead-stats",
+        "0006-scheduler-lookahead-stats",
         "[Core] Scheduler lookahead, structured outputs and stats for DDTree",
         """\
 * Lookahead slots: DDTree's drafter writes KV for [bonus, mask x depth]
@@ -315,7 +315,7 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
 * Spec-decode stats: a tree's accepted path is at most the drafter's depth
   long, so SpecDecodingStats (the scheduler's) and SpecDecodingProm's
   per-position counters are sized by SpeculativeConfig.num_draft_positions
-  (patch 4: the depth for trees, num_speculative_tokens for chains), not by
+  (patch 5: the depth for trees, num_speculative_tokens for chains), not by
   tree_budget (up to 1024 series); observe_draft counts draft positions up
   to that size (a tree's nodes outnumber its depths). Chains are unchanged.
 * Structured-output requests decode without drafts: vLLM validates drafts
@@ -335,7 +335,7 @@ gives the same results with and without the series.""",
         edits=True,
     ),
     Patch(
-        "0006-ddtree-speculator-mrv2",
+        "0007-ddtree-speculator-mrv2",
         "[Spec Decode][MRv2] DDTree speculator and tree verification",
         """\
 * ddtree.py: DDTreeSpeculator subclasses MRv2's DFlashSpeculator and
@@ -364,7 +364,7 @@ gives the same results with and without the series.""",
   speculator's trees (handed over in set_attn); ddtree_inputs.py: the GPU
   writers of those inputs, of the drafter's context and of stored trees.
 * ddtree_adaptive.py: the adaptive budget's planner. DDTreeSpeculator
-  builds it; the scheduler and model-runner hooks that drive it are patch 7
+  builds it; the scheduler and model-runner hooks that drive it are patch 8
   (the config refuses adaptive budgets until then, so it stays idle).
 * init_speculator picks DDTreeSpeculator for method "ddtree", and
   init_model_state DDTreeModelState for a DDTree config; once the KV caches
@@ -374,7 +374,7 @@ gives the same results with and without the series.""",
   the step's token limit, not max_num_reqs x (1 + tree_budget) logit rows
   (about 10 GiB at 512 requests, budget 1024 and a 152K vocabulary); a step
   has no more logit rows than tokens. (Prompt logprobs of a padded join need
-  nothing of DDTree's own: patch 1a fixed them for every speculator.)
+  nothing of DDTree's own: patch 2 fixed them for every speculator.)
 
 Tests: tests/v1/spec_decode/test_ddtree.py (the speculator and model state
 through these hooks on the CPU: tree inputs, the walk, propose given the
@@ -401,19 +401,19 @@ every serving path) need a GPU and the overlay's engine fixtures
         edits=True,
     ),
     Patch(
-        "0007-ddtree-adaptive-budget",
+        "0008-ddtree-adaptive-budget",
         "[Spec Decode][Core][MRv2] DDTree adaptive tree budget",
         """\
 With "adaptive_budget": true (the default) tree_budget is a per-request cap
 and each step's trees are sized on the worker, from a step-cost model seeded
 by timing the captured CUDA graphs and from the measured acceptance
-(ddtree_adaptive.py, patch 6). This patch wires it into vLLM and lifts the
-config's refusal of adaptive budgets (patch 4):
+(ddtree_adaptive.py, patch 7). This patch wires it into vLLM and lifts the
+config's refusal of adaptive budgets (patch 5):
 
 * arg_utils.py: the refusal goes; without async scheduling a warning says
   the slots per batch size do not apply. (An adaptive config's ladder of
   budgets a step may choose and its per-batch-size caps are DDTreeConfig's,
-  from the SpeculativeConfig fields of patch 4.)
+  from the SpeculativeConfig fields of patch 5.)
 * scheduler.py: the draft slots per batch size (dynamic_sd_lookup) are a
   TreeSlots (ddtree_slots.py, added here): the engine's caps
   (engine_tree_slots), lowered per batch size to a few times the budget the
@@ -456,7 +456,7 @@ functions that exist, not run.""",
         edits=True,
     ),
     Patch(
-        "0008-docs",
+        "0009-docs",
         "[Docs] DDTree speculative decoding",
         """\
 The user guide: what DDTree does, how to run it, budgets, supported

@@ -4,7 +4,7 @@
 verification the speculator's (CPU, stand-ins for the runner).
 
 vLLM 0.26's runner has no speculator hooks for verification, so the glue does at
-run time what the upstream series' patch 6 writes into ``GPUModelRunner``:
+run time what the upstream series' patch 7 writes into ``GPUModelRunner``:
 ``load_model`` puts the speculator's tree sampler in the rejection-sampler
 slot, ``add_requests`` resets a joining request's tree, and ``sample_tokens``
 hands the step's sampler output (the walk) to ``propose``, for that call only.

@@ -1130,7 +1130,7 @@ def test_model_runner_sizes_ddtree_outputs():
     )
 
 
-# Prompt logprobs of padded joins (patch 1a): MRv2's own worker leaves out a
+# Prompt logprobs of padded joins (patch 2): MRv2's own worker leaves out a
 # padded join's placeholder rows for every speculator, so the runner trims
 # nothing of DDTree's own.
 
@@ -1151,7 +1151,7 @@ def test_prompt_logprob_worker_counts_the_prompt_tokens():
 
 @pytest.mark.parametrize("num_spec_tokens", [1, 15])
 def test_padded_join_has_the_prompt_logprobs_of_no_speculation(num_spec_tokens):
-    """The series' test of patch 1a, not marked as an expected failure here:
+    """The series' test of patch 2, not marked as an expected failure here:
     the patched worker's prompt logprobs of a padded join equal those of the
     step without speculation."""
     from tests.v1.worker.test_gpu_prompt_logprobs_padded_join import (
@@ -1165,7 +1165,7 @@ def test_padded_join_has_the_prompt_logprobs_of_no_speculation(num_spec_tokens):
     assert_no_speculation(out, num_spec_tokens)
 
 
-# Tree verification as a property of the speculator (patch 6): BaseSpeculator's
+# Tree verification as a property of the speculator (patch 7): BaseSpeculator's
 # hooks, their defaults for chain speculators, and the model runner's calls,
 # the last two run with stand-ins for the runner up to the speculator.
 
