@@ -242,9 +242,9 @@ the DDTree plugin uses on stock vLLM, so the rules cannot drift):
   refused. The target bounds it: Model Runner V2's start-up warm-up
   prefills B + 2 prompt tokens (ids 0 .. B + 1), then decodes B + 1 per
   request, so B needs max_model_len >= 2B + 3 (past it the warm-up writes
-  beyond a block-table row) and a larger vocabulary. "auto" takes the
-  largest ladder budget that fits; a larger explicit budget is refused,
-  naming the most that fits.
+  beyond a block-table row) and a vocabulary of more than B + 1 tokens.
+  "auto" takes the largest budget that fits; a larger explicit budget is
+  refused, naming the most that fits.
 * tree_budget_per_batch_size: budgets by batch size, mapped onto vLLM's
   dynamic speculative decoding schedule.
 * adaptive_budget: each step's trees sized on the worker, tree_budget a

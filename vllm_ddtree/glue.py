@@ -107,7 +107,33 @@ def apply() -> None:
     modules: a process that never builds the scheduler or a GPU model runner
     never loads them for the plugin's sake."""
     for module, patch in _PATCHES.items():
-        _when_imported(module, patch)
+        _when_imported(module, _unless_vllm_has_ddtree(patch))
+
+
+def _unless_vllm_has_ddtree(patch: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``patch``, skipped on a vLLM that takes method "ddtree" itself (the
+    upstream series applied): there the wrappers would turn a ddtree config
+    into DFlash and the plugin's key, which that vLLM's reader ignores, so
+    the engine would run DFlash."""
+
+    def patch_unless_native(module: Any) -> None:
+        from vllm.v1.spec_decode.ddtree_config import vllm_has_ddtree_method
+
+        if vllm_has_ddtree_method():
+            global _stood_aside
+            if not _stood_aside:
+                _stood_aside = True
+                logger.info(
+                    "DDTree: this vLLM has method 'ddtree' of its own; the "
+                    "plugin leaves it alone"
+                )
+            return
+        patch(module)
+
+    return patch_unless_native
+
+
+_stood_aside = False
 
 
 def _patch_engine_args(module) -> None:

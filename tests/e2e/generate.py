@@ -251,6 +251,7 @@ def _engine_facts(llm) -> dict:
         "num_cudagraph_capture_sizes": len(
             cfg.compilation_config.cudagraph_capture_sizes or ()
         ),
+        "num_speculative_tokens": cfg.num_speculative_tokens,
     }
 
 

@@ -19,7 +19,7 @@ several batches:
   (``tree_budget_per_batch_size``): 64 nodes for one request, 16 for 2-8, 4
   for 9-32, same batches; ``ddtree_auto``: ``tree_budget="auto"`` with the
   adaptive budget (``adaptive_budget`` true: the cost model alone decides, up
-  to 511 nodes per request, the largest tree whose start-up warm-up fits
+  to 1022 nodes per request, the largest tree whose start-up warm-up fits
   ``max_model_len`` 2048), same batches; ``ddtree_fixed_64``: 64 nodes in
   every step (the default, said explicitly), same batches.
 
@@ -240,13 +240,15 @@ def test_budget_per_batch_size(results):
 
 def test_auto_budget(results):
     """tree_budget="auto" (adaptive): greedy output is the reference's. At
-    max_model_len 2048 the cap is 511 nodes per request, not the builder's
-    1024, whose warm-up (a 1026-token prompt, then a 1025-token step) does not
-    fit (ddtree_config.max_warmup_budget). vLLM's draft-token metric counts
-    the slots the scheduler gave (at most the cap per tree), not the nodes a
-    step verified."""
+    max_model_len 2048 the engine's cap, its draft slots per request, is 1022
+    nodes, not the builder's 1024, whose start-up warm-up (a 1026-token
+    prompt, then a 1025-token step) does not fit
+    (ddtree_config.max_warmup_budget). vLLM's draft-token metric counts the
+    slots the scheduler gave (at most the cap per tree), not the nodes a step
+    verified."""
     drafts, draft_tokens = _scheduled_run(results, "ddtree_auto", "auto")
-    assert draft_tokens <= 511 * drafts
+    assert results["ddtree_auto"]["engine"]["num_speculative_tokens"] == 1022
+    assert draft_tokens <= 1022 * drafts
 
 
 def test_fixed_budget(results):

@@ -404,7 +404,7 @@ def test_budget_schedule_without_async_scheduling_warns(
         "scheduling only"
         in w
         # "auto"'s cap at max_model_len 2048 (ddtree_config.max_warmup_budget).
-        and "tree_budget=511 slots" in w
+        and "tree_budget=1022 slots" in w
         for w in warnings
     ), warnings
     warnings.clear()
@@ -538,9 +538,10 @@ def test_auto_is_adaptive_up_to_the_largest_tree(models, cuda_platform):
 
 def test_tree_budget_fits_the_start_up_warm_up(models, cuda_platform):
     """vLLM's warm-up prefills B + 2 prompt tokens, then decodes a B + 1 token
-    step per request: at max_model_len 2048 "auto" caps trees at 511 nodes and
-    a budget of 1024 is refused before the engine starts, naming the length
-    it needs (without the bound the warm-up wrote past a block-table row)."""
+    step per request: at max_model_len 2048 "auto" caps trees at 1022 nodes
+    and a budget of 1024 is refused before the engine starts, naming the
+    length it needs (without the bound the warm-up wrote past a block-table
+    row)."""
     from vllm.engine.arg_utils import EngineArgs
 
     target, drafter = models
@@ -553,10 +554,13 @@ def test_tree_budget_fits_the_start_up_warm_up(models, cuda_platform):
         ).create_engine_config()
 
     cfg = DDTreeConfig.from_vllm_config(build(**ADAPTIVE))
-    assert cfg.adaptive and cfg.tree_budget == 511
-    assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 127, 255, 511)
-    assert DDTreeConfig.from_vllm_config(build(tree_budget=1022)).tree_budget == 1022
-    with pytest.raises(ValueError, match=r"needs max_model_len >= 2051 .*at most 1022"):
+    assert cfg.adaptive and cfg.tree_budget == 1022
+    assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 127, 255, 511, 1022)
+    with pytest.raises(
+        ValueError,
+        match=r"tree_budget 1024 needs --max-model-len >= 2051 .*max_model_len=2048: "
+        r"raise it, or set tree_budget to at most 1022$",
+    ):
         build(tree_budget=1024, adaptive_budget=False)
 
 

@@ -64,6 +64,41 @@ def test_register_is_idempotent():
     assert not hasattr(original, "__wrapped__")
 
 
+def test_plugin_stands_aside_where_vllm_has_ddtree(monkeypatch):
+    """On a vLLM that takes method "ddtree" itself (the series applied) the
+    wrappers are not installed: they would hand that vLLM a DFlash config and
+    the plugin's key, which its reader ignores. Elsewhere they are."""
+    from vllm.v1.spec_decode import ddtree_config
+
+    def engine_args_module():
+        class EngineArgs:
+            def create_speculative_config(self, *args):
+                return "vllm's"
+
+            def _set_default_max_num_seqs_and_batched_tokens_args(self, *args):
+                return None
+
+            def create_engine_config(self, *args):
+                return None
+
+        return types.SimpleNamespace(EngineArgs=EngineArgs)
+
+    patch = glue._unless_vllm_has_ddtree(glue._PATCHES["vllm.engine.arg_utils"])
+    original = engine_args_module()
+    method = original.EngineArgs.create_speculative_config
+    monkeypatch.setattr(ddtree_config, "vllm_has_ddtree_method", lambda: True)
+    patch(original)
+    assert original.EngineArgs.create_speculative_config is method
+    stock = engine_args_module()
+    method = stock.EngineArgs.create_speculative_config
+    monkeypatch.setattr(ddtree_config, "vllm_has_ddtree_method", lambda: False)
+    patch(stock)
+    assert stock.EngineArgs.create_speculative_config is not method
+    assert getattr(stock.EngineArgs.create_speculative_config, glue._PATCHED)
+    # apply() installs every wrapper through this guard.
+    assert "_unless_vllm_has_ddtree(patch)" in inspect.getsource(glue.apply)
+
+
 def test_dflash_gets_the_steps_it_lacks():
     """Stock DFlash gains the steps of ``propose`` that DDTree runs: the
     series' first patch's code (``glue._DFlashSteps``), run with the globals of

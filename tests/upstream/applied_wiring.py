@@ -327,16 +327,20 @@ def _speculative_config(models, max_model_len=4096, **fields):
 def test_speculative_config_fits_the_start_up_warm_up(models):
     """SpeculativeConfig(method="ddtree") bounds the tree budget by its target:
     vLLM's warm-up runs a B + 2 token prompt, then a B + 1 token step, so at
-    max_model_len 2048 "auto" caps trees at 511 nodes (the ladder's largest
-    budget under 1023) and an explicit 1024 is refused, naming the length."""
+    max_model_len 2048 "auto" caps trees at 1022 nodes (and every process
+    reading the config back gets 1022) and an explicit 1024 is refused,
+    naming the length it needs."""
+    from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+
     spec = _speculative_config(models, max_model_len=2048)
-    assert (spec.tree_budget, spec.num_speculative_tokens) == (511, 511)
+    assert (spec.tree_budget, spec.num_speculative_tokens) == (1022, 1022)
     listed = [b for *_, b in spec.num_speculative_tokens_per_batch_size]
-    assert listed == [511, 255, 127, 63, 31, 15, 7, 3, 1, 0]
+    assert listed == [1022, 511, 255, 127, 63, 31, 15, 7, 3, 1, 0]
+    assert DDTreeConfig.from_speculative_config(spec).tree_budget == 1022
     assert _speculative_config(models, max_model_len=2050).tree_budget == 1023
-    with pytest.raises(ValueError, match=r"needs max_model_len >= 2051"):
+    with pytest.raises(ValueError, match=r"needs --max-model-len >= 2051 "):
         _speculative_config(models, max_model_len=2048, tree_budget=1024)
-    with pytest.raises(ValueError, match=r"at most 1022"):
+    with pytest.raises(ValueError, match=r"at most 1022$"):
         _speculative_config(
             models,
             max_model_len=2048,

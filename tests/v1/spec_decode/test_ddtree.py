@@ -1059,6 +1059,29 @@ def _accepted_path(trees):
 # ---------------------------------------------------------------------------
 
 
+def test_warm_up_refuses_a_length_fitted_below_the_tree(vllm_config, monkeypatch):
+    """--max-model-len -1 fits the length to GPU memory after the engine
+    config (and its budget check) is built; the model state checks again
+    before vLLM's start-up warm-up, which runs 2 * B + 3 tokens per request,
+    and names the fitted length. At 2 * B + 3 tokens it goes on."""
+    state_ms = _model_state(vllm_config)
+    model_config = vllm_config.model_config
+    monkeypatch.setattr(model_config, "original_max_model_len", -1)
+    monkeypatch.setattr(model_config, "max_model_len", 2 * BUDGET + 2)
+    with pytest.raises(
+        ValueError,
+        match=rf"tree_budget {BUDGET} needs --max-model-len >= {2 * BUDGET + 3} "
+        r".*\(fitted to GPU memory for --max-model-len -1\): raise it, or set "
+        rf"tree_budget to at most {BUDGET - 1}",
+    ):
+        state_ms.warm_up_tree_attention(None, [])
+    monkeypatch.setattr(model_config, "max_model_len", 2 * BUDGET + 3)
+    # Past the check, the warm-up looks for the target's TREE_ATTN layers
+    # among the runner's attention groups (none given here).
+    with pytest.raises(ValueError, match="DDTree needs TREE_ATTN"):
+        state_ms.warm_up_tree_attention(None, [])
+
+
 def test_warm_up_covers_the_engines_tree_attention_variants(vllm_config, monkeypatch):
     """After capture the model state warms TREE_ATTN once per distinct layer
     shape, over the variants of every step the scheduler's limits allow, on

@@ -330,33 +330,113 @@ def _sized_target(max_model_len, vocab_size=151936):
 
 
 @pytest.mark.parametrize(
-    "max_model_len, vocab_size, want",
+    "max_model_len, vocab_size, limit, want",
     [
-        (40960, 151936, 1024),  # a Qwen3-8B default: the builder's largest tree
-        (2051, 151936, 1024),  # 1024 + 2 prompt tokens, then a 1025-token step
-        (2050, 151936, 1023),
-        (2048, 151936, 511),  # the ladder's largest budget at most 1022
-        (64, 151936, 15),
-        (5, 151936, 1),
-        (40960, 1024, 511),  # token ids 0 .. B + 1 must be in the vocabulary
+        # A Qwen3-8B default: the builder's largest tree.
+        (40960, 151936, 20478, 1024),
+        # 1024 + 2 prompt tokens, then a 1025-token step.
+        (2051, 151936, 1024, 1024),
+        (2050, 151936, 1023, 1023),
+        (2048, 151936, 1022, 1022),
+        (64, 151936, 30, 30),
+        (5, 151936, 1, 1),
+        # Token ids 0 .. B + 1 must be in the vocabulary.
+        (40960, 1026, 1024, 1024),
+        (40960, 1025, 1023, 1023),
     ],
 )
-def test_auto_cap_fits_the_start_up_warm_up(max_model_len, vocab_size, want):
+def test_auto_cap_fits_the_start_up_warm_up(max_model_len, vocab_size, limit, want):
     """vLLM's warm-up prefills B + 2 prompt tokens with ids 0 .. B + 1, then
-    decodes B + 1 tokens per request: "auto" takes the largest ladder budget
-    that fits the target (an adaptive budget's cap)."""
+    decodes B + 1 tokens per request: "auto" takes the largest budget that
+    fits the target (an adaptive budget's cap), and so does every budget of
+    auto's fixed schedule."""
     target = _sized_target(max_model_len, vocab_size)
-    assert ddt.max_warmup_budget(target) == min(
-        (max_model_len - 3) // 2, vocab_size - 2
-    )
+    assert ddt.max_warmup_budget(target) == limit
     parsed = ddt.parse_speculative_config({"method": "ddtree", "model": "d"}, target)
     assert parsed.tree_budget == parsed.dflash["num_speculative_tokens"] == want
     listed = [b for *_, b in parsed.dflash["num_speculative_tokens_per_batch_size"]]
     assert listed[0] == want and max(listed) == want
     assert ddt.tree_budget_of(target_model_config=target).tree_budget == want
-    # Without a target nothing bounds it.
+    fixed = ddt.tree_budget_of("auto", None, False, target)
+    auto = ddt.AUTO_TREE_BUDGET_PER_BATCH_SIZE
+    assert fixed.schedule == tuple((f, l, min(b, want)) for f, l, b in auto)
+    ddt.check_warmup_budget(limit, target)
+    with pytest.raises(ValueError, match=f"at most {limit}$"):
+        ddt.check_warmup_budget(limit + 1, target)
+
+
+def _run_vllms_warm_up(monkeypatch, tree_budget, max_model_len, vocab_size):
+    """vLLM's own ``warmup_kernels`` on a stand-in runner for trees of
+    ``tree_budget`` nodes (decode_query_len B + 1): the largest prompt token
+    id it feeds, and the most blocks it gives one request, against the
+    block-table row ``GPUModelRunner.initialize_kv_cache`` sizes."""
+    import torch
+
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.gpu import warmup
+
+    block = 16
+    spec = FullAttentionSpec(
+        block_size=block, num_kv_heads=1, head_size=64, dtype=torch.float16
+    )
+    runner = types.SimpleNamespace(
+        num_speculative_steps=tree_budget,
+        decode_query_len=tree_budget + 1,
+        kv_cache_config=types.SimpleNamespace(
+            kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=spec)],
+            num_blocks=1 << 20,
+        ),
+        model_state=types.SimpleNamespace(),
+        is_encoder_decoder=False,
+        scheduler_config=types.SimpleNamespace(
+            max_num_seqs=4, max_num_batched_tokens=1 << 20
+        ),
+        is_pooling_model=False,
+        is_last_pp_rank=True,
+        model_config=types.SimpleNamespace(get_vocab_size=lambda: vocab_size),
+        kv_connector=types.SimpleNamespace(set_disabled=lambda disabled: None),
+    )
+    steps = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda: None)
+    warmup.warmup_kernels(runner, steps.append, lambda grammar_output: None)
+    prefill, decode = steps[0], steps[1]
+    max_id = max(max(r.prompt_token_ids) for r in prefill.scheduled_new_reqs)
+    blocks = [len(r.block_ids[0]) for r in prefill.scheduled_new_reqs]
+    added = decode.scheduled_cached_reqs.new_block_ids
+    blocks = [n + len(b[0]) if b else n for n, b in zip(blocks, added)]
+    # initialize_kv_cache: the row holds max_model_len, in whole groups of
+    # 128 tokens.
+    align = 128 // block
+    row = cdiv(cdiv(max_model_len, block), align) * align
+    return max_id, max(blocks), row
+
+
+@pytest.mark.parametrize(
+    "max_model_len, vocab_size", [(2048, 151936), (40960, 1024), (4000, 151936)]
+)
+def test_bound_holds_vllms_own_warm_up(monkeypatch, max_model_len, vocab_size):
+    """At the budget max_warmup_budget allows, vLLM's warm-up feeds only token
+    ids of the vocabulary and fits every request in its block-table row; where
+    the bound is tight (max_model_len a multiple of 128, or the vocabulary),
+    one node more breaks one of the two."""
+    target = _sized_target(max_model_len, vocab_size)
+    limit = ddt.max_warmup_budget(target)
+    max_id, blocks, row = _run_vllms_warm_up(
+        monkeypatch, limit, max_model_len, vocab_size
+    )
+    assert max_id < vocab_size and blocks <= row, (max_id, blocks, row)
+    if max_model_len % 128 == 0 or vocab_size - 2 == limit:
+        max_id, blocks, row = _run_vllms_warm_up(
+            monkeypatch, limit + 1, max_model_len, vocab_size
+        )
+        assert max_id >= vocab_size or blocks > row, (max_id, blocks, row)
+
+
+def test_no_target_no_bound():
     assert ddt.max_warmup_budget(None) is None
     assert ddt.tree_budget_of().tree_budget == ddt.AUTO_TREE_BUDGET_CAP
+    ddt.check_warmup_budget(ddt.AUTO_TREE_BUDGET_CAP, None)
 
 
 @pytest.mark.parametrize(
@@ -365,24 +445,31 @@ def test_auto_cap_fits_the_start_up_warm_up(max_model_len, vocab_size, want):
         (
             {"tree_budget": 1024},
             _sized_target(2048),
-            r"a tree budget of 1024 does not fit 't' at max_model_len=2048: .* "
-            r"needs max_model_len >= 2051 .*at most 1022, or raise --max-model-len",
+            r"^DDTree: tree_budget 1024 needs --max-model-len >= 2051 \(vLLM's "
+            r"start-up warm-up runs a 1026-token prompt, then a 1025-token tree "
+            r"step per request\); 't' runs at max_model_len=2048: raise it, or "
+            r"set tree_budget to at most 1022$",
         ),
-        ({"tree_budget": 600, **FIXED}, _sized_target(1024), r"at most 510"),
+        ({"tree_budget": 600, **FIXED}, _sized_target(1024), r"at most 510$"),
         (
             {"tree_budget_per_batch_size": [[1, 4, 1023], [5, 64, 15]], **FIXED},
             _sized_target(2048),
-            r"a tree budget of 1023 does not fit",
+            r"^DDTree: the largest budget of tree_budget_per_batch_size 1023 "
+            r"needs --max-model-len >= 2049 .*to at most 1022$",
         ),
-        # "auto" with fixed budgets is a table, refused where its largest
-        # budget (31) does not fit.
         (
-            {"tree_budget": "auto", **FIXED},
-            _sized_target(64),
-            r"budget of 31 .*at most 30",
+            {},
+            _sized_target(4),
+            r"^DDTree cannot run on 't' at max_model_len=4: .*needs max_model_len "
+            r">= 5",
         ),
-        ({}, _sized_target(4), r"budget of 1 .*DDTree cannot run on this target"),
-        ({"tree_budget": 1024}, _sized_target(40960, 1024), r"more than 1025 tokens"),
+        (
+            {"tree_budget": 1024},
+            _sized_target(40960, 1024),
+            r"^DDTree: tree_budget 1024 is too large for 't': vLLM's start-up "
+            r"warm-up feeds token ids up to 1025, and its vocabulary has 1024 "
+            r"tokens; set tree_budget to at most 1022$",
+        ),
     ],
 )
 def test_budget_too_large_for_the_warm_up(raw, target, match):

@@ -66,7 +66,8 @@ AUTO_TREE_BUDGET_PER_BATCH_SIZE: tuple[tuple[int, int, int], ...] = (
     (5, 1024, 15),  # vLLM carries the last budget past the end
 )
 # "auto" with an adaptive budget: the cost model alone decides, up to the
-# builder's largest tree per request.
+# builder's largest tree per request (or the largest the target's start-up
+# warm-up fits, max_warmup_budget).
 AUTO_TREE_BUDGET_CAP = MAX_BUDGET
 # Speculative-config key: true (the default) sizes each step's trees by
 # measured cost and acceptance, with tree_budget a per-request cap; false
@@ -275,9 +276,10 @@ def parse_tree_budget(
     ``tree_budget_per_batch_size`` schedule (or ``auto``'s) sets the budget of
     each batch size. With an adaptive budget (the default) the budget and the
     schedule are per-request caps, and ``"auto"`` is the builder's largest
-    tree, or the largest ladder budget the target's start-up warm-up fits
-    (:func:`max_warmup_budget`; no limit when ``target_model_config`` is
-    None).
+    tree. ``target_model_config`` (None: no bound) bounds every budget by
+    what vLLM's start-up warm-up can run on the target
+    (:func:`max_warmup_budget`): ``"auto"`` shrinks to fit, a budget the user
+    gave is refused past it.
     """
     adaptive = settings.get(ADAPTIVE_KEY, DEFAULT_ADAPTIVE)
     check_adaptive_budget(adaptive)
@@ -294,15 +296,17 @@ def parse_tree_budget(
             "schedule"
         )
     limit = max_warmup_budget(target_model_config)
+    # "auto" leaves the size to DDTree, so it shrinks to what the target can
+    # run (the smallest tree still needs a budget of 1) rather than fail.
+    fit = AUTO_TREE_BUDGET_CAP if limit is None else max(limit, 1)
     if schedule is None and given == AUTO_TREE_BUDGET:
         if adaptive:
-            given = AUTO_TREE_BUDGET_CAP
-            if limit is not None and limit < given:
-                # "auto" is the caller's choice of the largest tree, so it
-                # shrinks to what this target can run rather than fail.
-                given = max(ladder_floor(budget_ladder(AUTO_TREE_BUDGET_CAP), limit), 1)
+            given = min(AUTO_TREE_BUDGET_CAP, fit)
         else:
-            schedule = [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
+            schedule = [
+                [first, last, min(budget, fit)]
+                for first, last, budget in AUTO_TREE_BUDGET_PER_BATCH_SIZE
+            ]
     if schedule is None:
         budget, ranges = given, ()
     else:
@@ -314,7 +318,9 @@ def parse_tree_budget(
                 f"tree_budget_per_batch_size ({budget}), or be left out"
             )
     if limit is not None and budget > limit:
-        _raise_too_large_for_warmup(budget, target_model_config, limit)
+        _raise_too_large_for_warmup(
+            budget, target_model_config, from_schedule=bool(ranges)
+        )
     if adaptive:
         ladder = adaptive_ladder(budget, ranges)
         if len(ladder) > MAX_LADDER:
@@ -335,11 +341,13 @@ def max_warmup_budget(target_model_config: Any) -> int | None:
     Model Runner V2's ``warmup_kernels`` prefills requests of
     ``decode_query_len + 1`` prompt tokens with ids ``0, 1, ...``, then runs a
     decode step of ``decode_query_len`` tokens each, and ``decode_query_len``
-    is ``B + 1`` for trees of B nodes. So ``2 * B + 3`` tokens must fit in
-    ``max_model_len`` (beyond it the step writes past a request's block
-    table row), and ``B + 1`` must be a token of the vocabulary (the
-    embedding lookup asserts): a tree of 1024 nodes needs ``max_model_len``
-    >= 2051."""
+    is ``B + 1`` for trees of B nodes. So ``B + 1`` must be a token of the
+    vocabulary (the embedding lookup asserts), and ``2 * B + 3`` tokens must
+    fit in ``max_model_len``: a block-table row holds ``max_model_len``
+    rounded up to 128 tokens, and the warm-up's blocks can write past it;
+    within ``max_model_len`` they also stay within the KV cache, which vLLM
+    sizes for one request of that length. A tree of 1024 nodes needs
+    ``max_model_len`` >= 2051."""
     if target_model_config is None:
         return None
     max_model_len = target_model_config.max_model_len
@@ -347,22 +355,54 @@ def max_warmup_budget(target_model_config: Any) -> int | None:
     return min((max_model_len - 3) // 2, vocab_size - 2)
 
 
-def _raise_too_large_for_warmup(budget: int, target_model_config: Any, limit: int):
+def check_warmup_budget(tree_budget: int, target_model_config: Any) -> None:
+    """Raise if vLLM's start-up warm-up cannot run trees of ``tree_budget``
+    nodes on the target as it is now (:func:`max_warmup_budget`). The
+    parsers check it when the engine config is built; the model state checks
+    it again once the KV cache is sized, since ``--max-model-len -1`` fits
+    the length to GPU memory only then."""
+    limit = max_warmup_budget(target_model_config)
+    if limit is not None and tree_budget > limit:
+        _raise_too_large_for_warmup(tree_budget, target_model_config)
+
+
+def _raise_too_large_for_warmup(
+    budget: int, target_model_config: Any, from_schedule: bool = False
+) -> None:
+    """The error for a budget past :func:`max_warmup_budget`, naming the
+    limit that binds and what to change."""
+    model = target_model_config.model
     max_model_len = target_model_config.max_model_len
     vocab_size = target_model_config.get_vocab_size()
-    hint = (
-        f"lower tree_budget (and the budgets of tree_budget_per_batch_size) to "
-        f"at most {limit}"
-        if limit >= 1
-        else "DDTree cannot run on this target"
+    limit = min((max_model_len - 3) // 2, vocab_size - 2)
+    what = (
+        "the largest budget of tree_budget_per_batch_size"
+        if from_schedule
+        else "tree_budget"
     )
+    if limit < 1:
+        raise ValueError(
+            f"DDTree cannot run on {model!r} at max_model_len={max_model_len}: "
+            "vLLM's start-up warm-up of the smallest tree (1 node) needs "
+            "max_model_len >= 5 and a vocabulary of 3 tokens or more"
+        )
+    if 2 * budget + 3 > max_model_len:
+        fitted = (
+            " (fitted to GPU memory for --max-model-len -1)"
+            if getattr(target_model_config, "original_max_model_len", None) == -1
+            else ""
+        )
+        raise ValueError(
+            f"DDTree: {what} {budget} needs --max-model-len >= "
+            f"{2 * budget + 3} (vLLM's start-up warm-up runs a {budget + 2}-token "
+            f"prompt, then a {budget + 1}-token tree step per request); "
+            f"{model!r} runs at max_model_len={max_model_len}{fitted}: raise it, "
+            f"or set {what} to at most {limit}"
+        )
     raise ValueError(
-        f"DDTree: a tree budget of {budget} does not fit "
-        f"{target_model_config.model!r} at max_model_len={max_model_len}: "
-        f"vLLM's start-up warm-up runs a {budget + 2}-token prompt and then a "
-        f"{budget + 1}-token tree step per request, which needs max_model_len "
-        f">= {2 * budget + 3} and a vocabulary of more than {budget + 1} tokens "
-        f"(this target has {vocab_size}); {hint}, or raise --max-model-len"
+        f"DDTree: {what} {budget} is too large for {model!r}: vLLM's start-up "
+        f"warm-up feeds token ids up to {budget + 1}, and its vocabulary has "
+        f"{vocab_size} tokens; set {what} to at most {limit}"
     )
 
 

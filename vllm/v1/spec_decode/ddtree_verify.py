@@ -36,7 +36,7 @@ from vllm.v1.attention.ops.triton_tree_attention import (
     warm_up_tree_attention,
 )
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
+from vllm.v1.spec_decode.ddtree_config import DDTreeConfig, check_warmup_budget
 from vllm.v1.spec_decode.ddtree_inputs import write_tree_verify_inputs
 from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.input_batch import InputBatch
@@ -79,6 +79,7 @@ class DDTreeModelState(DefaultModelState):
         super().__init__(vllm_config, model, encoder_cache, device)
         cfg = DDTreeConfig.from_vllm_config(vllm_config)
         assert cfg is not None, "DDTreeModelState needs a DDTree engine config"
+        self.tree_budget = cfg.tree_budget
         self.tree_inputs = TreeAttentionInputs.allocate(
             self.max_num_reqs, cfg.tree_budget, device
         )
@@ -162,6 +163,9 @@ class DDTreeModelState(DefaultModelState):
         exist (the model runner's ``initialize_kv_cache``, in every CUDA-graph
         mode), with the real KV caches and tree buffers; returns the kernel
         launches."""
+        # vLLM's own warm-up runs next; with --max-model-len -1 the length it
+        # runs under was fitted to GPU memory after the budget was checked.
+        check_warmup_budget(self.tree_budget, self.vllm_config.model_config)
         self._bind_tree_inputs(attn_groups)
         assert self._tree_groups is not None
         start = time.perf_counter()
@@ -253,4 +257,3 @@ class DDTreeModelState(DefaultModelState):
             ]
             cached = self._target_groups = (attn_groups, kept)
         return cached[1]
-
