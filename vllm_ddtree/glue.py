@@ -79,7 +79,7 @@ import importlib.abc
 import sys
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from vllm.logger import init_logger
 
@@ -117,9 +117,7 @@ def _unless_vllm_has_ddtree(patch: Callable[[Any], None]) -> Callable[[Any], Non
     the engine would run DFlash."""
 
     def patch_unless_native(module: Any) -> None:
-        from vllm.v1.spec_decode.ddtree_config import vllm_has_ddtree_method
-
-        if vllm_has_ddtree_method():
+        if _vllm_has_ddtree_method():
             global _stood_aside
             if not _stood_aside:
                 _stood_aside = True
@@ -134,6 +132,15 @@ def _unless_vllm_has_ddtree(patch: Callable[[Any], None]) -> Callable[[Any], Non
 
 
 _stood_aside = False
+
+
+def _vllm_has_ddtree_method() -> bool:
+    """``ddtree_config.vllm_has_ddtree_method``, read from vLLM's own config
+    module: importing ddtree_config here would load DDTree's modules while the
+    plugin installs itself (tests/plugins/test_ddtree_plugin.py)."""
+    from vllm.config.speculative import SpeculativeMethod
+
+    return "ddtree" in get_args(SpeculativeMethod)
 
 
 def _patch_engine_args(module) -> None:

@@ -68,7 +68,6 @@ def test_plugin_stands_aside_where_vllm_has_ddtree(monkeypatch):
     """On a vLLM that takes method "ddtree" itself (the series applied) the
     wrappers are not installed: they would hand that vLLM a DFlash config and
     the plugin's key, which its reader ignores. Elsewhere they are."""
-    from vllm.v1.spec_decode import ddtree_config
 
     def engine_args_module():
         class EngineArgs:
@@ -86,15 +85,19 @@ def test_plugin_stands_aside_where_vllm_has_ddtree(monkeypatch):
     patch = glue._unless_vllm_has_ddtree(glue._PATCHES["vllm.engine.arg_utils"])
     original = engine_args_module()
     method = original.EngineArgs.create_speculative_config
-    monkeypatch.setattr(ddtree_config, "vllm_has_ddtree_method", lambda: True)
+    monkeypatch.setattr(glue, "_vllm_has_ddtree_method", lambda: True)
     patch(original)
     assert original.EngineArgs.create_speculative_config is method
     stock = engine_args_module()
     method = stock.EngineArgs.create_speculative_config
-    monkeypatch.setattr(ddtree_config, "vllm_has_ddtree_method", lambda: False)
+    monkeypatch.setattr(glue, "_vllm_has_ddtree_method", lambda: False)
     patch(stock)
     assert stock.EngineArgs.create_speculative_config is not method
     assert getattr(stock.EngineArgs.create_speculative_config, glue._PATCHED)
+    # The plugin's check agrees with the package's on this (stock) vLLM.
+    from vllm.v1.spec_decode.ddtree_config import vllm_has_ddtree_method
+
+    assert glue._vllm_has_ddtree_method() is vllm_has_ddtree_method() is False
     # apply() installs every wrapper through this guard.
     assert "_unless_vllm_has_ddtree(patch)" in inspect.getsource(glue.apply)
 
