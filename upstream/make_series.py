@@ -367,7 +367,7 @@ gives the same results with and without the series.""",
   builds it; the scheduler and model-runner hooks that drive it are patch 8
   (the config refuses adaptive budgets until then, so it stays idle).
 * init_speculator picks DDTreeSpeculator for method "ddtree", and
-  init_model_state DDTreeModelState for a DDTree config; once the KV caches
+  init_model_state DDTreeModelState for it too; once the KV caches
   exist, the model runner compiles every TREE_ATTN variant a step can pick
   (warm_up_tree_attention), so none is first compiled in a user's step.
 * load_model: the structured-output bitmask of a DDTree runner is sized by

@@ -952,10 +952,10 @@ def test_runner_picks_ddtree_speculator_and_model_state(models, monkeypatch):
 
 
 def test_only_method_ddtree_is_ddtree(models, monkeypatch):
-    """Where vLLM takes method "ddtree", DDTree's reader (which the runner's
-    and the model state's hunks call) answers for that method alone: a DFlash
-    engine carrying the plugin's additional_config key stays DFlash, with
-    DFlash's speculator and the default model state."""
+    """Where vLLM takes method "ddtree", the model-state hunk keys on the
+    method and DDTree's reader answers for that method alone: a DFlash engine
+    carrying the plugin's additional_config key stays DFlash, with DFlash's
+    speculator and the default model state."""
     from vllm.v1.spec_decode import ddtree, ddtree_verify
     from vllm.v1.spec_decode.ddtree_config import DDTreeConfig, vllm_has_ddtree_method
     from vllm.v1.worker.gpu import model_states, spec_decode
