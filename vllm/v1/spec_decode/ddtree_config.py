@@ -317,10 +317,7 @@ def parse_tree_budget(
                 f"tree_budget={given!r} must equal the largest budget of "
                 f"tree_budget_per_batch_size ({budget}), or be left out"
             )
-    if limit is not None and budget > limit:
-        _raise_too_large_for_warmup(
-            budget, target_model_config, from_schedule=bool(ranges)
-        )
+    check_warmup_budget(budget, target_model_config, from_schedule=bool(ranges))
     if adaptive:
         ladder = adaptive_ladder(budget, ranges)
         if len(ladder) > MAX_LADDER:
@@ -355,26 +352,20 @@ def max_warmup_budget(target_model_config: Any) -> int | None:
     return min((max_model_len - 3) // 2, vocab_size - 2)
 
 
-def check_warmup_budget(tree_budget: int, target_model_config: Any) -> None:
-    """Raise if vLLM's start-up warm-up cannot run trees of ``tree_budget``
-    nodes on the target as it is now (:func:`max_warmup_budget`). The
-    parsers check it when the engine config is built; the model state checks
-    it again once the KV cache is sized, since ``--max-model-len -1`` fits
-    the length to GPU memory only then."""
-    limit = max_warmup_budget(target_model_config)
-    if limit is not None and tree_budget > limit:
-        _raise_too_large_for_warmup(tree_budget, target_model_config)
-
-
-def _raise_too_large_for_warmup(
-    budget: int, target_model_config: Any, from_schedule: bool = False
+def check_warmup_budget(
+    tree_budget: int, target_model_config: Any, from_schedule: bool = False
 ) -> None:
-    """The error for a budget past :func:`max_warmup_budget`, naming the
-    limit that binds and what to change."""
+    """Raise if vLLM's start-up warm-up cannot run trees of ``tree_budget``
+    nodes on the target as it is now (:func:`max_warmup_budget`), naming the
+    limit that binds and what to change. The parsers check it when the
+    engine config is built; the model state checks it again once the KV
+    cache is sized, since ``--max-model-len -1`` fits the length to GPU
+    memory only then."""
+    limit = max_warmup_budget(target_model_config)
+    if limit is None or tree_budget <= limit:
+        return
     model = target_model_config.model
     max_model_len = target_model_config.max_model_len
-    vocab_size = target_model_config.get_vocab_size()
-    limit = min((max_model_len - 3) // 2, vocab_size - 2)
     what = (
         "the largest budget of tree_budget_per_batch_size"
         if from_schedule
@@ -386,23 +377,24 @@ def _raise_too_large_for_warmup(
             "vLLM's start-up warm-up of the smallest tree (1 node) needs "
             "max_model_len >= 5 and a vocabulary of 3 tokens or more"
         )
-    if 2 * budget + 3 > max_model_len:
+    if 2 * tree_budget + 3 > max_model_len:
         fitted = (
             " (fitted to GPU memory for --max-model-len -1)"
             if getattr(target_model_config, "original_max_model_len", None) == -1
             else ""
         )
         raise ValueError(
-            f"DDTree: {what} {budget} needs --max-model-len >= "
-            f"{2 * budget + 3} (vLLM's start-up warm-up runs a {budget + 2}-token "
-            f"prompt, then a {budget + 1}-token tree step per request); "
-            f"{model!r} runs at max_model_len={max_model_len}{fitted}: raise it, "
-            f"or set {what} to at most {limit}"
+            f"DDTree: {what} {tree_budget} needs --max-model-len >= "
+            f"{2 * tree_budget + 3} (vLLM's start-up warm-up runs a "
+            f"{tree_budget + 2}-token prompt, then a {tree_budget + 1}-token tree "
+            f"step per request); {model!r} runs at max_model_len="
+            f"{max_model_len}{fitted}: raise it, or set {what} to at most {limit}"
         )
     raise ValueError(
-        f"DDTree: {what} {budget} is too large for {model!r}: vLLM's start-up "
-        f"warm-up feeds token ids up to {budget + 1}, and its vocabulary has "
-        f"{vocab_size} tokens; set {what} to at most {limit}"
+        f"DDTree: {what} {tree_budget} is too large for {model!r}: vLLM's "
+        f"start-up warm-up feeds token ids up to {tree_budget + 1}, and its "
+        f"vocabulary has {target_model_config.get_vocab_size()} tokens; set "
+        f"{what} to at most {limit}"
     )
 
 
