@@ -290,7 +290,7 @@ def main(config_path: str, out_path: str) -> None:
 
         register_tree_attn_backend()
     if config.get("verifier") == "biased":
-        from tests.e2e.biased_verifier import install_biased_verifier
+        from tests.v1.sample.biased_verifier import install_biased_verifier
 
         install_biased_verifier()
     llm = LLM(**config["llm"])

@@ -34,7 +34,7 @@ verifier and the profiled start, which need fixed budgets; with
   must equal seeded no speculation up to numerical ties
   (:func:`tests.e2e.compare.compare_seeded`);
 * ``dist`` (``ref``, ``ddtree_128`` and ``biased_128``, a deliberately biased
-  min(1, p/q) verifier, ``tests/e2e/biased_verifier.py``): the first 3 tokens of
+  min(1, p/q) verifier, ``tests/v1/sample/biased_verifier.py``): the first 3 tokens of
   2 one-token prompts, 3000 samples each (seeds differ between engines), at
   T=0.8, top-k 50, top-p 0.9, compared
   with a two-sample chi-square test;

@@ -837,12 +837,12 @@ def test_biased_verifier_is_detected():
 
 
 def test_e2e_biased_verifier_takes_the_samplers_arguments():
-    """tests/e2e/biased_verifier.py replaces tree_rejection_sample inside an
+    """tests/v1/sample/biased_verifier.py replaces tree_rejection_sample inside an
     engine (the serving module's distribution test); an argument added to the
     sampler and not to it fails that engine on the GPU only, so check here."""
     import inspect
 
-    from tests.e2e.biased_verifier import biased_tree_rejection_sample
+    from tests.v1.sample.biased_verifier import biased_tree_rejection_sample
     from vllm.v1.sample import tree_rejection_sampler as trs
 
     want = inspect.signature(trs.tree_rejection_sample).parameters

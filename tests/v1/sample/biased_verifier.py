@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A deliberately biased tree verifier, to show that the engine-level
-distribution test (tests/e2e/test_ddtree_serving.py) can fail.
+"""A deliberately biased tree verifier, to show that a distribution test of
+tree verification can fail.
 
 It is the textbook speculative-sampling test ``accept x with min(1, p(x) /
 q(x))`` applied to DDTree's trees, whose siblings are the drafter's
@@ -9,9 +9,8 @@ deterministic top tokens, so q is a point mass (q(x) = 1) at each child: walk
 from the root, try the current node's children in node order, accept child x
 with probability min(1, p(x)); when every child is rejected, emit a fresh sample
 of p as the bonus (instead of a sample of the residual). Tokens that are
-children get probability above p: biased. Test-only; installed in an engine
-process by ``tests.e2e.generate`` when a configuration asks for
-``"verifier": "biased"``.
+children get probability above p: biased. Test-only: an engine-level test
+installs it in the engine's process with ``install_biased_verifier``.
 """
 
 import torch
