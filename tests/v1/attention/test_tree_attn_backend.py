@@ -2,8 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """TREE_ATTN backend: its AttentionBackendEnum member, declared capabilities,
 metadata builder and impl forward through vLLM's own metadata objects (CPU:
-Triton interpreter). The DDTree plugin's registration in the CUSTOM slot (vLLM
-0.26 as released) is tested in tests/plugins/test_tree_attn_registration.py."""
+Triton interpreter)."""
 
 import json
 from types import SimpleNamespace

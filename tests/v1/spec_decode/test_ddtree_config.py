@@ -3,10 +3,8 @@
 """DDTree's speculative config (``vllm/v1/spec_decode/ddtree_config.py``):
 parsing, every error message, the engine checks, the batch limits and CUDA-graph
 sizes, the adaptive budget's caps and slots, and the config's round trip (CPU,
-no engine built). The mapping onto vLLM's DFlash config through ``EngineArgs``
-is tested where it is wired: the plugin's in
-tests/plugins/test_ddtree_engine_config.py, the series' edits in the overlay's
-tests/upstream/applied_wiring.py."""
+no engine built); ``SpeculativeConfig`` and ``EngineArgs``, which call these
+functions, are tested with the engine config."""
 
 import types
 
