@@ -3,8 +3,8 @@
 """DDTree's speculative config (``vllm/v1/spec_decode/ddtree_config.py``):
 parsing, every error message, the engine checks, the batch limits and CUDA-graph
 sizes, the adaptive budget's caps and slots, and the config's round trip (CPU,
-no engine built); ``SpeculativeConfig`` and ``EngineArgs``, which call these
-functions, are tested with the engine config."""
+no engine built); the ``SpeculativeConfig`` fields that call these functions
+are tested in test_ddtree_method_config.py."""
 
 import types
 
