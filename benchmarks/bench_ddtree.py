@@ -30,7 +30,7 @@ is appended at once to ``<out>/results.jsonl``; a rerun with the same ``--out`` 
 a long sweep splits into GPU commands that each fit a time limit
 (``--limit-seconds``). ``<out>/results.md`` holds the table with ratios to DFlash
 and to no speculation of the same batch and temperature, per-depth acceptance and
-issue 5's targets. See docs/bench_ddtree.md for the commands.
+the benchmark's targets. See docs/bench_ddtree.md for the commands.
 
 This file is the command line and the sweep over configurations; the jobs live
 beside it: ``bench_ddtree_config`` (run options, engine configurations, prompts,

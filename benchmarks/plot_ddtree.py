@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""PNG plots of ``benchmarks/bench_ddtree.py`` results (issue 5), drawn with Pillow
+"""PNG plots of ``benchmarks/bench_ddtree.py`` results, drawn with Pillow
 (no matplotlib).
 
     python benchmarks/plot_ddtree.py DIR [DIR ...] --out OUTDIR [--caption TEXT]

@@ -45,7 +45,7 @@ from benchmarks.bench_ddtree_report import (  # noqa: E402
 
 # Ringel & Romano, "Accelerating Speculative Decoding with Block Diffusion Draft
 # Trees" (2026), Qwen3-8B target, MATH-500, temperature 0, per-budget acceptance
-# lengths as issue 17 cites them. The paper's budgets are powers of two; budgets
+# lengths as the project cites them. The paper's budgets are powers of two; budgets
 # one below (15, 31: "auto") have no figure of their own here.
 PAPER = {
     "label": "paper (Qwen3-8B, MATH-500, T=0, per budget)",
