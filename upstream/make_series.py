@@ -459,15 +459,23 @@ functions that exist, not run.""",
         "0009-docs",
         "[Docs] DDTree speculative decoding",
         """\
-The user guide: what DDTree does, how to run it, budgets, supported
-settings and measured results (docs/ddtree.md in the overlay).""",
-        files=("docs/ddtree.md",),
+* docs/features/speculative_decoding/ddtree.md: DDTree's page beside the
+  other speculative decoding methods: what it does, how to run it online
+  and offline, every setting of its speculative config with its default,
+  the budgets, requirements and what is refused, how vLLM's spec-decode
+  metrics read for trees, and a short performance note.
+* docs/features/speculative_decoding/README.md: DDTree in the list of
+  methods.""",
+        files=("upstream/docs/ddtree.md",),
+        edits=True,
     ),
 )
 
 # Where a repository file lands upstream, when not at the same path.
 UPSTREAM_PATHS = {
-    "docs/ddtree.md": "docs/features/speculative_decoding/ddtree.md",
+    # The upstream-only page, written for vLLM's docs; the overlay's own user
+    # guide (docs/ddtree.md) covers the plugin and is not part of the series.
+    "upstream/docs/ddtree.md": "docs/features/speculative_decoding/ddtree.md",
 }
 
 

@@ -20,11 +20,15 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
+
+VLLM_VERSION = "0.26.0"
+SDIST = f"vllm-{VLLM_VERSION}.tar.gz"
 
 # The DDTree plugin's entry-point name is "ddtree"; vLLM loads only the general
 # plugins named in VLLM_PLUGINS.
@@ -86,16 +90,60 @@ def copy_installed_vllm(dest: Path) -> Path:
     return dest
 
 
+def sdist_cache() -> Path:
+    """Where the tests keep vLLM's release sdist (``tests/upstream/test_series.py``
+    downloads it there)."""
+    cache = os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree")
+    return Path(cache) / SDIST
+
+
+def edited_outside_package(series: Path) -> list[str]:
+    """Files the series edits (not adds) outside ``vllm/``: vLLM's docs,
+    which its wheel, and so the installed copy, does not ship."""
+    paths = set()
+    for patch in series_patches(series):
+        for line in patch.read_text().splitlines():
+            if line.startswith("--- a/") and not line.startswith("--- a/vllm/"):
+                paths.add(line.removeprefix("--- a/"))
+    return sorted(paths)
+
+
+def add_sdist_files(tree: Path, paths: list[str]) -> list[str]:
+    """Copy ``paths`` from the cached release sdist into ``tree``, so the
+    series' edits to them apply there too; returns those it could not add
+    (all of them without a cached sdist)."""
+    sdist = sdist_cache()
+    if not sdist.is_file():
+        return list(paths)
+    prefix = f"vllm-{VLLM_VERSION}/"
+    with tarfile.open(sdist) as tar:
+        names = set(tar.getnames())
+        for path in paths:
+            if prefix + path not in names:
+                continue
+            data = tar.extractfile(prefix + path)
+            assert data is not None, path
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            (tree / path).write_bytes(data.read())
+    return [path for path in paths if not (tree / path).is_file()]
+
+
 def apply_series(tree: Path, series: Path) -> list[str]:
     """Apply every patch of ``series`` in order (``git apply --check``
-    first); returns the applied names."""
+    first); returns the applied names. Edits to files ``tree`` lacks outside
+    ``vllm/`` (vLLM's docs, where :func:`add_sdist_files` found no sdist)
+    are left out, and said so: the rest of the series still applies."""
     applied = []
     # Inside a git work tree, ``git apply`` takes paths from that tree's root
     # and skips those outside the current folder without an error: stop its
     # repository search above ``tree``.
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.resolve().parent))
+    absent = [p for p in edited_outside_package(series) if not (tree / p).is_file()]
+    if absent:
+        print(f"not in {tree}, so the series' edits to them are left out: {absent}")
+    excludes = [f"--exclude={path}" for path in absent]
     for patch in series_patches(series):
-        for args in (["--check"], []):
+        for args in (["--check", *excludes], excludes):
             proc = subprocess.run(
                 ["git", "apply", *args, str(patch.resolve())],
                 cwd=tree,
@@ -180,6 +228,7 @@ def build_patched_vllm(dest: Path) -> list[str]:
     series = dest / "series"
     make_series.build(series)
     copy_installed_vllm(dest)
+    add_sdist_files(dest, edited_outside_package(series))
     applied = apply_series(dest, series)
     added = [
         make_series.upstream_path(path)

@@ -161,6 +161,8 @@ def test_check_tells_a_stale_series(series, tmp_path):
 @pytest.fixture(scope="session")
 def patched_tree(tmp_path_factory, series) -> Path:
     tree = pv.copy_installed_vllm(tmp_path_factory.mktemp("patched_vllm"))
+    # vLLM's docs the series edits, from the sdist when it is cached.
+    pv.add_sdist_files(tree, pv.edited_outside_package(series))
     applied = pv.apply_series(tree, series)
     assert applied == [p.name for p in pv.series_patches(series)]
     _add_checks(tree)
