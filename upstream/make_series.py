@@ -327,11 +327,19 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
 The tree is fed as B draft tokens, parents before children, so any prefix
 the scheduler keeps is still a tree; nothing else in the scheduler changes.
 
-Tests: the scheduler's lookahead, stats (a tree's accepted path counted per
-depth), structured-output requests and Prometheus series for a DDTree
-config are checked against the patched tree by the overlay's
-tests/upstream/applied_wiring.py; vLLM's own tests/v1/core/test_scheduler.py
+Tests: tests/v1/core/test_ddtree_scheduler.py builds a DDTree engine config
+through EngineArgs and vLLM's Scheduler over a stand-in KV cache (CPU): the
+lookahead is the drafter's block at budgets 4 and 64, the stats count two
+trees' accepted paths per depth, the Prometheus per-position series has one
+counter per depth, and the grammar bitmask one row per request.
+tests/models/tiny_models.py makes the tiny Qwen3 target and DFlash drafter
+it builds the config from, on the spot (random weights, a byte-level
+tokenizer; nothing downloaded). vLLM's own tests/v1/core/test_scheduler.py
 gives the same results with and without the series.""",
+        files=(
+            "tests/models/tiny_models.py",
+            "tests/v1/core/test_ddtree_scheduler.py",
+        ),
         edits=True,
     ),
     Patch(
@@ -382,11 +390,10 @@ walk with the KV compaction against its torch reference and the drafter's
 context, and request slots that are joined, finished and reused),
 test_ddtree_inputs.py (tree positions, masks and slots),
 test_ddtree_adaptive.py and test_ddtree_tp.py (kernels on sharded heads).
-tests/models/tiny_models.py, which test_ddtree.py imports, makes a tiny
-Qwen3 target and DFlash drafter on the spot (random weights, a byte-level
-tokenizer; nothing downloaded). The speculator's end-to-end tests (greedy output equal to no speculation on
-every serving path) need a GPU and the overlay's engine fixtures
-(tests/e2e), which are not in this patch.""",
+test_ddtree.py builds its tiny target and drafter with
+tests/models/tiny_models.py (patch 6). The speculator's end-to-end tests
+(greedy output equal to no speculation on every serving path) need a GPU
+and the overlay's engine fixtures, which are not in this patch.""",
         files=(
             "vllm/v1/spec_decode/ddtree_inputs.py",
             "vllm/v1/spec_decode/ddtree_adaptive.py",
@@ -396,7 +403,6 @@ every serving path) need a GPU and the overlay's engine fixtures
             "tests/v1/spec_decode/test_ddtree_inputs.py",
             "tests/v1/spec_decode/test_ddtree_adaptive.py",
             "tests/v1/spec_decode/test_ddtree_tp.py",
-            "tests/models/tiny_models.py",
         ),
         edits=True,
     ),
