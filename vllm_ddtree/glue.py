@@ -137,7 +137,7 @@ _stood_aside = False
 def _vllm_has_ddtree_method() -> bool:
     """``ddtree_config.vllm_has_ddtree_method``, read from vLLM's own config
     module: importing ddtree_config here would load DDTree's modules while the
-    plugin installs itself (tests/plugins/test_ddtree_plugin.py)."""
+    plugin installs itself, which must import none of them."""
     from vllm.config.speculative import SpeculativeMethod
 
     return "ddtree" in get_args(SpeculativeMethod)
@@ -425,9 +425,11 @@ def _check_cuda_platform() -> None:
 
     if current_platform.device_type != "cuda":
         raise ValueError(
-            "method 'ddtree' needs a CUDA GPU (tested on NVIDIA Hopper, H200); "
-            f"this machine has {current_platform.device_type or 'none'}. Its CPU "
-            "tests run without one: pip install '.[test]' && python -m pytest"
+            "method 'ddtree' needs a CUDA GPU (its kernels are Triton kernels "
+            "for NVIDIA GPUs, tested on Hopper), but vLLM's platform here is "
+            f"{current_platform.device_type or 'none'}. Run on a machine with an "
+            "NVIDIA GPU, or leave out speculative_config (or pick a method "
+            "this platform supports)."
         )
 
 
@@ -1004,9 +1006,8 @@ class _DFlashSteps:
     """The steps of DFlash's ``propose`` that ``DDTreeSpeculator`` runs, as the
     series' first patch (``upstream/edits/0001-dflash-propose-steps.diff``)
     writes them in ``DFlashSpeculator``; :func:`_patch_dflash` adds them to
-    vLLM 0.26's, whose ``propose`` is one body. A copy of the patch's methods,
-    held to them by ``tests/upstream/applied_wiring.py``, which checks that
-    each has the syntax tree of the patched vLLM's method of its name."""
+    vLLM 0.26's, whose ``propose`` is one body. A copy of the patch's methods:
+    each must keep the syntax tree of the patched vLLM's method of its name."""
 
     def _store_context_kv(
         self,
