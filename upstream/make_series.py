@@ -321,8 +321,9 @@ tests/upstream/applied_wiring.py in the overlay's repository.""",
 * Structured-output requests decode without drafts: vLLM validates drafts
   against the grammar as a chain, which a tree in node order is not. The
   scheduler records them in add_request and clears their spec_token_ids
-  before each step is sized; the grammar bitmask (host memory) is then
-  sized one row per request, not 1 + tree_budget.
+  before each step is sized (drop_grammar_drafts in ddtree_grammar.py,
+  added here); the grammar bitmask (host memory) is then sized one row per
+  request, not 1 + tree_budget.
 
 The tree is fed as B draft tokens, parents before children, so any prefix
 the scheduler keeps is still a tree; nothing else in the scheduler changes.
@@ -332,13 +333,17 @@ through EngineArgs and vLLM's Scheduler over a stand-in KV cache (CPU): the
 lookahead is the drafter's block at budgets 4 and 64, the stats count two
 trees' accepted paths per depth, the Prometheus per-position series has one
 counter per depth, and the grammar bitmask one row per request.
-tests/models/tiny_models.py makes the tiny Qwen3 target and DFlash drafter
-it builds the config from, on the spot (random weights, a byte-level
-tokenizer; nothing downloaded). vLLM's own tests/v1/core/test_scheduler.py
-gives the same results with and without the series.""",
+tests/v1/spec_decode/test_ddtree_grammar.py: drafts cleared, finished
+requests forgotten. tests/models/tiny_models.py makes the tiny Qwen3 target
+and DFlash drafter the scheduler test builds its config from, on the spot
+(random weights, a byte-level tokenizer; nothing downloaded). vLLM's own
+tests/v1/core/test_scheduler.py gives the same results with and without the
+series.""",
         files=(
+            "vllm/v1/spec_decode/ddtree_grammar.py",
             "tests/models/tiny_models.py",
             "tests/v1/core/test_ddtree_scheduler.py",
+            "tests/v1/spec_decode/test_ddtree_grammar.py",
         ),
         edits=True,
     ),
@@ -425,9 +430,10 @@ config's refusal of adaptive budgets (patch 5):
   (engine_tree_slots), lowered per batch size to a few times the budget the
   worker last reported (slot_ladder). When the async scheduler's slots drop,
   each running request's blocks past its computed tokens and the drafter's
-  lookahead go back to the pool (trim_tail_blocks; in this schedule and the
-  next, as the step in flight still uses the old tree's), and the blocks
-  kept go to the worker in SchedulerOutput.ddtree_kept_blocks.
+  lookahead go back to the pool (trim_dropped_slots, which schedule calls
+  first; in this schedule and the next, as the step in flight still uses
+  the old tree's), and the blocks kept go to the worker in
+  SchedulerOutput.ddtree_kept_blocks.
   update_from_output reads the worker's ModelRunnerOutput.ddtree_budget (a
   BudgetReport): the slots follow its next budget and the spec-decode
   counters count the step's nodes per request, not the slots
@@ -444,8 +450,8 @@ config's refusal of adaptive budgets (patch 5):
 
 Tests: tests/v1/spec_decode/test_ddtree_slots.py (slots per budget against
 brute force, TreeSlots following the reported budget per batch-size bucket,
-tail blocks freed past the computed tokens and lookahead, block-table rows
-cut), test_ddtree_metrics.py (the draft tokens counted for the step's
+tail blocks freed past the computed tokens and lookahead, in the schedule the
+slots drop and the next, block-table rows cut), test_ddtree_metrics.py (the draft tokens counted for the step's
 budget). The config, slots,
 advice and block freeing are checked on the CPU against the patched tree by
 the overlay's tests/upstream/applied_wiring.py (vLLM's async scheduler over

@@ -137,7 +137,7 @@ _stood_aside = False
 def _vllm_has_ddtree_method() -> bool:
     """``ddtree_config.vllm_has_ddtree_method``, read from vLLM's own config
     module: importing ddtree_config here would load DDTree's modules while the
-    plugin installs itself (tests/plugins/test_ddtree_plugin.py)."""
+    plugin installs itself, which must import none of them."""
     from vllm.config.speculative import SpeculativeMethod
 
     return "ddtree" in get_args(SpeculativeMethod)
@@ -425,9 +425,11 @@ def _check_cuda_platform() -> None:
 
     if current_platform.device_type != "cuda":
         raise ValueError(
-            "method 'ddtree' needs a CUDA GPU (tested on NVIDIA Hopper, H200); "
-            f"this machine has {current_platform.device_type or 'none'}. Its CPU "
-            "tests run without one: pip install '.[test]' && python -m pytest"
+            "method 'ddtree' needs a CUDA GPU (its kernels are Triton kernels "
+            "for NVIDIA GPUs, tested on Hopper), but vLLM's platform here is "
+            f"{current_platform.device_type or 'none'}. Run on a machine with an "
+            "NVIDIA GPU, or leave out speculative_config (or pick a method "
+            "this platform supports)."
         )
 
 
@@ -656,8 +658,10 @@ def _scheduler_init(original, self, *args, **kwargs):
             engine_tree_slots(cfg, self.vllm_config), slot_ladder(cfg)
         )
         # The slots the last schedule gave (async scheduling's placeholders),
+        # the schedules left that free blocks past each request's next tree,
         # and the budget of the step whose output is being processed.
         self._ddtree_slots_given: int | None = None
+        self._ddtree_trims_left = 0
         self._ddtree_step_budget: int | None = None
 
 
@@ -689,53 +693,20 @@ def _scheduler_add_request(original, self, request, *args, **kwargs):
 def _scheduler_schedule(original, self, *args, **kwargs):
     grammar = getattr(self, "_ddtree_grammar_reqs", None)
     if grammar:
-        # Before the step is sized: no draft slots (async scheduling's
-        # placeholders) or drafts (the worker's) for these requests, so each
-        # is scheduled as one token and its grammar masks one logit row.
-        for req_id in list(grammar):
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                grammar.discard(req_id)
-            elif request.spec_token_ids:
-                request.spec_token_ids = []
-    kept = _trim_dropped_slots(self)
+        from vllm.v1.spec_decode.ddtree_grammar import drop_grammar_drafts
+
+        # Before the step is sized.
+        drop_grammar_drafts(grammar, self.requests)
+    kept = None
+    if hasattr(self, "_ddtree_slots_given"):  # an adaptive budget
+        from vllm.v1.spec_decode import ddtree_slots
+
+        kept = ddtree_slots.trim_dropped_slots(self)
     out = original(self, *args, **kwargs)
     if kept:
         # The worker cuts the same rows before it appends this step's blocks.
         out.ddtree_kept_blocks = kept
     return out
-
-
-def _trim_dropped_slots(sched) -> dict[str, tuple[int, ...]] | None:
-    """Adaptive budgets with async scheduling: when the slots the running
-    requests get now (their placeholders) are fewer than the last schedule
-    gave, free each one's blocks past its computed tokens and the drafter's
-    lookahead before this schedule allocates, and again in the next one (the
-    step in flight verifies a tree of the old slots, whose blocks it still
-    uses until then). Returns the blocks kept per request cut."""
-    slots = getattr(sched, "_spec_token_placeholders", None)
-    if slots is None or not hasattr(sched, "_ddtree_slots_given"):
-        return None  # no adaptive budget, or a sync scheduler
-    given, sched._ddtree_slots_given = sched._ddtree_slots_given, len(slots)
-    if given is not None and len(slots) < given:
-        sched._ddtree_trims_left = 2
-    if not getattr(sched, "_ddtree_trims_left", 0) or sched.connector is not None:
-        return None
-    sched._ddtree_trims_left -= 1
-    from vllm.v1.spec_decode.ddtree_slots import trim_tail_blocks
-
-    kept = {}
-    for request in sched.running:
-        if request.num_computed_tokens > 0:
-            blocks = trim_tail_blocks(
-                sched.kv_cache_manager,
-                request,
-                sched.num_lookahead_tokens,
-                sched.max_model_len,
-            )
-            if blocks is not None:
-                kept[request.request_id] = blocks
-    return kept
 
 
 def _scheduler_update_from_output(original, self, scheduler_output, output, *a, **k):
@@ -1004,9 +975,8 @@ class _DFlashSteps:
     """The steps of DFlash's ``propose`` that ``DDTreeSpeculator`` runs, as the
     series' first patch (``upstream/edits/0001-dflash-propose-steps.diff``)
     writes them in ``DFlashSpeculator``; :func:`_patch_dflash` adds them to
-    vLLM 0.26's, whose ``propose`` is one body. A copy of the patch's methods,
-    held to them by ``tests/upstream/applied_wiring.py``, which checks that
-    each has the syntax tree of the patched vLLM's method of its name."""
+    vLLM 0.26's, whose ``propose`` is one body. A copy of the patch's methods:
+    each must keep the syntax tree of the patched vLLM's method of its name."""
 
     def _store_context_kv(
         self,

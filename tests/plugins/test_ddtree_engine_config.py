@@ -512,7 +512,9 @@ def test_no_cuda_gpu_fails_at_once_with_one_line(models, monkeypatch):
         speculative_config={"method": "ddtree", "model": drafter},
         max_model_len=2048,
     )
-    with pytest.raises(ValueError, match=r"needs a CUDA GPU .*H200.*python -m pytest"):
+    with pytest.raises(
+        ValueError, match=r"needs a CUDA GPU .*platform here is none\. Run on a"
+    ):
         args.create_engine_config()
 
 
@@ -1074,9 +1076,9 @@ def test_adaptive_slots_follow_the_budget_and_free_rejected_blocks(
     assert checked >= 4 * 15
     assert counted == verified > 0
     # The same reports without freeing: the cap's blocks stay held.
-    from vllm_ddtree import glue
+    from vllm.v1.spec_decode import ddtree_slots
 
-    monkeypatch.setattr(glue, "_trim_dropped_slots", lambda sched: None)
+    monkeypatch.setattr(ddtree_slots, "trim_dropped_slots", lambda sched: None)
     records, *_ = _adaptive_async_run(models, reports)
     assert any(
         h > cdiv(n, 16) for _, held, need, _ in records for h, n in zip(held, need)

@@ -707,7 +707,7 @@ def test_adaptive_slots_follow_the_budget_and_free_rejected_blocks(models, monke
     blocks its tokens need. The counters count the verified nodes, not the
     slots. Without the freeing, the larger trees' blocks stay held."""
     from vllm.utils.math_utils import cdiv
-    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.sched import scheduler as scheduler_module
 
     reports = [127] * 4 + [3] * 10
     records, counted, verified, num_cut = _adaptive_async_run(models, reports)
@@ -729,7 +729,7 @@ def test_adaptive_slots_follow_the_budget_and_free_rejected_blocks(models, monke
         f"{counted} of {verified} verified"
     )
     # The same reports without freeing: the cap's blocks stay held.
-    monkeypatch.setattr(Scheduler, "_trim_ddtree_dropped_slots", lambda self: None)
+    monkeypatch.setattr(scheduler_module, "trim_dropped_slots", lambda sched: None)
     records, *_ = _adaptive_async_run(models, reports)
     assert any(
         h > cdiv(n, 16) for _, held, need, _ in records for h, n in zip(held, need)
@@ -855,6 +855,7 @@ def _request(req_id, params, prompt=(1, 2, 3), block_hasher=None):
 
 def test_structured_output_requests_get_no_drafts(models):
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.spec_decode.ddtree_grammar import drop_grammar_drafts
 
     _, config = _engine_config(models, budget=8)
     sched = _scheduler(config)
@@ -870,7 +871,7 @@ def test_structured_output_requests_get_no_drafts(models):
     assert sched.ddtree_grammar_reqs == {"g"}
     grammar.spec_token_ids = [5, 6]
     plain.spec_token_ids = [5, 6]
-    sched._drop_ddtree_grammar_drafts()
+    drop_grammar_drafts(sched.ddtree_grammar_reqs, sched.requests)
     assert grammar.spec_token_ids == []
     assert plain.spec_token_ids == [5, 6]
 

@@ -19,6 +19,7 @@ from vllm.v1.spec_decode.ddtree_cost import request_bucket
 from vllm.v1.spec_decode.ddtree_slots import (
     TreeSlots,
     slots_for_budget,
+    trim_dropped_slots,
     trim_tail_blocks,
     truncate_block_tables,
 )
@@ -117,6 +118,49 @@ def test_trim_tail_blocks_frees_past_computed_and_lookahead():
     kv, single, pool = _manager(16, range(12))
     other = types.SimpleNamespace(request_id="x", num_computed_tokens=10)
     assert trim_tail_blocks(kv, other, 16, 2048) is None and not pool.freed
+
+
+def _scheduler(kv, num_computed, placeholders=(), connector=None):
+    # The async scheduler's state trim_dropped_slots reads; a sync scheduler
+    # has no _spec_token_placeholders.
+    return types.SimpleNamespace(
+        _spec_token_placeholders=list(placeholders),
+        _ddtree_slots_given=None,
+        _ddtree_trims_left=0,
+        connector=connector,
+        running=[_request(num_computed), _request(0)],
+        kv_cache_manager=kv,
+        num_lookahead_tokens=16,
+        max_model_len=2048,
+    )
+
+
+def test_trim_dropped_slots_frees_in_the_drop_and_the_next_schedule():
+    kv, single, pool = _manager(16, range(12))
+    sched = _scheduler(kv, 100, placeholders=[0] * 63)
+    # The first schedule and one at the same slots free nothing.
+    assert trim_dropped_slots(sched) is None
+    assert trim_dropped_slots(sched) is None and not pool.freed
+    assert sched._ddtree_slots_given == 63
+    # The slots drop: this schedule frees past 100 + 16 tokens (a request not
+    # computed yet is skipped), the next one past its new computed tokens.
+    sched._spec_token_placeholders = [0] * 15
+    assert trim_dropped_slots(sched) == {"r": (8,)}
+    assert pool.freed == [11, 10, 9, 8] and sched._ddtree_trims_left == 1
+    sched.running[0].num_computed_tokens = 50
+    assert trim_dropped_slots(sched) == {"r": (5,)}
+    assert sched._ddtree_trims_left == 0
+    sched.running[0].num_computed_tokens = 20
+    assert trim_dropped_slots(sched) is None and len(pool.freed) == 7
+    # A sync scheduler's slots never drop; with a KV connector nothing is
+    # freed.
+    del sched._spec_token_placeholders
+    assert trim_dropped_slots(sched) is None
+    kv, single, pool = _manager(16, range(12))
+    sched = _scheduler(kv, 100, placeholders=[0] * 63, connector=object())
+    trim_dropped_slots(sched)
+    sched._spec_token_placeholders = [0] * 15
+    assert trim_dropped_slots(sched) is None and not pool.freed
 
 
 class _Uva:

@@ -132,7 +132,7 @@ class AdaptiveTreeBudget:
         # started since (the same step on every rank).
         self._plans = 0
         self._host_plan = [0, 0]
-        # CPU runs (tests) copy synchronously and need no events.
+        # Without a GPU the copies are synchronous and need no events.
         self._host_ready = (
             [torch.cuda.Event(), torch.cuda.Event()] if on_gpu else [None, None]
         )

@@ -26,9 +26,8 @@ estimate is a calibration map learned from what the tree walk accepted:
   the best ``N`` for a few ``N`` at once, from a histogram of the values, for a
   host-side cost model that picks the next steps' ``N``.
 
-Slow references live in ``tests/v1/spec_decode/test_ddtree_budget.py``. No
-launch reads anything back to the host, and the state is allocated once, so all
-of it can run inside a CUDA graph. The kernels are compiled without FMA
+No launch reads anything back to the host, and the state is allocated once, so
+all of it can run inside a CUDA graph. The kernels are compiled without FMA
 contraction so that values and keys match a float32 reference bit for bit; rates
 agree with a float64 reference of the fit to the rounding of its sums.
 """

@@ -2,8 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Per-step inputs of a DDTree step on Model Runner V2, written on the GPU.
 
-Two writers, each a small Triton kernel (slow torch references in
-``tests/v1/ddtree_reference.py``):
+Two writers, each a small Triton kernel:
 
 * :func:`write_tree_verify_inputs` (target side). Model Runner V2 lays out a
   decoding request as ``[root, node_1..node_b]`` (root = last sampled token,

@@ -12,20 +12,25 @@ module keeps that bound near what the worker chooses:
   times the budget the worker last chose for a batch of that size (which the
   worker reports with every step's output), so that the batch-wide split of a
   step's nodes keeps room to move nodes between requests.
-- :func:`trim_tail_blocks` returns a request's blocks past its computed tokens
-  and the drafter's lookahead to the pool when the slots it gets drop: the
-  blocks that held only the rejected nodes of its larger trees. The worker
-  cuts its block table to the same length (:func:`truncate_block_tables`)
-  before it appends the blocks of the next step.
+- :func:`trim_dropped_slots` (through :func:`trim_tail_blocks`) returns a
+  request's blocks past its computed tokens and the drafter's lookahead to the
+  pool when the slots it gets drop: the blocks that held only the rejected
+  nodes of its larger trees. The worker cuts its block table to the same
+  length (:func:`truncate_block_tables`) before it appends the blocks of the
+  next step.
 
 Where the slots stay (they never drop) no block is freed: a step's rejected
 nodes sit in blocks its next tree writes.
 """
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.spec_decode.ddtree_cost import request_bucket
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler
 
 
 def slots_for_budget(slot_ladder: Sequence[int], budget: int) -> int:
@@ -105,6 +110,42 @@ def trim_tail_blocks(
             freed = True
         kept.append(len(blocks))
     return tuple(kept) if freed else None
+
+
+def trim_dropped_slots(scheduler: "Scheduler") -> dict[str, tuple[int, ...]] | None:
+    """An adaptive budget with async scheduling: when the slots the running
+    requests get now (their placeholders) are fewer than the last schedule
+    gave, free each one's blocks past its computed tokens and the drafter's
+    lookahead (:func:`trim_tail_blocks`) before this schedule allocates, and
+    again in the next one (the step in flight verifies a tree of the old
+    slots, whose blocks it uses until then). Returns the blocks kept per
+    request cut, which the worker cuts from its block table too.
+
+    Called by ``scheduler.schedule`` first thing; the scheduler's
+    ``_ddtree_slots_given`` (None before the first schedule) and
+    ``_ddtree_trims_left`` (0 at first) carry the slots and the trims left
+    from one schedule to the next."""
+    slots = getattr(scheduler, "_spec_token_placeholders", None)
+    if slots is None:
+        return None  # a sync scheduler: the slots never drop
+    given, scheduler._ddtree_slots_given = scheduler._ddtree_slots_given, len(slots)
+    if given is not None and len(slots) < given:
+        scheduler._ddtree_trims_left = 2
+    if not scheduler._ddtree_trims_left or scheduler.connector is not None:
+        return None
+    scheduler._ddtree_trims_left -= 1
+    kept = {}
+    for request in scheduler.running:
+        if request.num_computed_tokens > 0:
+            blocks = trim_tail_blocks(
+                scheduler.kv_cache_manager,
+                request,
+                scheduler.num_lookahead_tokens,
+                scheduler.max_model_len,
+            )
+            if blocks is not None:
+                kept[request.request_id] = blocks
+    return kept
 
 
 def truncate_block_tables(

@@ -47,7 +47,7 @@ class DDTree:
     # [num_reqs, budget] float32: each node's surrogate log-probability (the sum
     # of its path's per-position log-probs), non-increasing along the nodes; -inf
     # on padding nodes. The batch-wide budget ranks nodes by it. None on trees
-    # made by hand (tests).
+    # made by hand.
     log_probs: torch.Tensor | None = None
 
     @property
@@ -172,7 +172,8 @@ def build_ddtree(
         BLOCK_KEPT=block_kept,
         BLOCK_CAND=next_power_of_2(pairs.shape[1]),
         # Candidates a depth may bring before the kernel sorts them all; every
-        # one fits in the kept-key scratch (tests lower it to reach that path).
+        # one fits in the kept-key scratch. Apart from BLOCK_KEPT so that a
+        # lower cap can reach the sorting path with small trees.
         CAP=block_kept,
         NUM_WORDS=num_words,
         BLOCK_WORDS=block_words,
