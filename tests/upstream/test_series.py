@@ -94,6 +94,26 @@ OPT_125M = {
 }
 
 
+def _model_config(name: str) -> dict:
+    return json.loads(
+        (ROOT / "benchmarks" / "model_configs" / name / "config.json").read_text()
+    )
+
+
+# The models vLLM's tests name that the cache holds. tests/v1/spec_decode/
+# test_dflash_lookahead.py (the scheduler's lookahead for DFlash, which the
+# series edits) builds a Qwen3-8B target and its z-lab DFlash drafter: the
+# repository's Qwen3-8B config.json and its DFlash-8B-shaped drafter
+# (benchmarks/model_configs/) stand in. The other models vLLM's tests name
+# (llava-1.5, MiMo, the config tests' dozens) have no config.json here to
+# copy, so their tests still fail alike on both runs.
+OFFLINE_MODELS = {
+    "facebook/opt-125m": lambda: OPT_125M,
+    "Qwen/Qwen3-8B": lambda: _model_config("qwen3_8b"),
+    "z-lab/Qwen3-8B-DFlash-b16": lambda: _model_config("dflash_qwen3_8b"),
+}
+
+
 def _make_series():
     sys.path.insert(0, str(ROOT / "upstream"))
     try:
@@ -296,16 +316,21 @@ def vllm_sdist_tests(tmp_path_factory) -> Path:
 
 
 def _offline_hf_home(home: Path) -> Path:
+    """A Hugging Face cache (``HF_HOME``) laid out as the hub writes it, one
+    snapshot per model of OFFLINE_MODELS: its config.json and the byte-level
+    tokenizer (vLLM's config tests read a tokenizer's files, never its
+    vocabulary)."""
     from tests.models.tiny_models import make_tokenizer
 
-    repo = home / "hub" / "models--facebook--opt-125m"
     revision = "0" * 40
-    snapshot = repo / "snapshots" / revision
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(revision)
-    (snapshot / "config.json").write_text(json.dumps(OPT_125M))
-    make_tokenizer(snapshot)
+    for model, config in OFFLINE_MODELS.items():
+        repo = home / "hub" / ("models--" + model.replace("/", "--"))
+        snapshot = repo / "snapshots" / revision
+        snapshot.mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(revision)
+        (snapshot / "config.json").write_text(json.dumps(config()))
+        make_tokenizer(snapshot)
     return home
 
 
