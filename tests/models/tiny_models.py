@@ -10,7 +10,7 @@ the embedding when ``tree_budget + 1`` reaches the vocabulary size. Random model
 gap under 0.1 at about 12 % of positions), so engines with different attention
 kernels part ways at numerical ties; the checkpoints are float16, whose logits are
 8x finer than bfloat16's (exact top-2 ties at 0.25 % of positions instead of
-1.6 %), and tests/e2e/compare.py tells such ties from real differences.
+1.6 %), and tests comparing outputs must tell such ties from real differences.
 """
 
 import json

@@ -84,8 +84,8 @@ def vllm_config(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         # EngineArgs asks the platform for a device type; a CPU-only box has none.
         mp.setattr(type(current_platform), "device_type", "cuda", raising=False)
-        # "ddtree" is vLLM's own method with the series applied; on the overlay
-        # vLLM loads the DDTree plugin (its entry point) as EngineArgs is built.
+        # "ddtree" is one of vLLM's methods; where a plugin provides it instead,
+        # vLLM loads the plugin (its entry point) as EngineArgs is built.
         args = EngineArgs(
             model=str(target),
             speculative_config={

@@ -476,8 +476,8 @@ def test_profile_replays_the_drafter_over_its_own_shapes_metadata(monkeypatch):
     """Before the step-cost profile replays a drafter graph, the drafter's
     buffers hold a dummy batch of that graph's shape and its attention
     metadata is rebuilt from them (the order ``propose`` keeps). Without the
-    rebuild, on the H200 the graphs of 2 and 4 requests replayed for 2.4 s
-    and 7.1 s each (``benchmarks/results/serve_adaptive_rounds``)."""
+    rebuild, on an H200 the graphs of 2 and 4 requests replayed for 2.4 s
+    and 7.1 s each."""
     import types
 
     from vllm.v1.spec_decode import ddtree_adaptive

@@ -2,9 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """DDTree's structured-output requests lose their drafts before each step is
 sized (``vllm/v1/spec_decode/ddtree_grammar.py``), on stand-in requests; the
-scheduler's calls are checked in the overlay's tests/upstream/applied_wiring.py
-(the series' edits) and tests/plugins/test_ddtree_engine_config.py (the
-plugin's wrappers)."""
+scheduler's call is tested in tests/v1/core/test_ddtree_scheduler.py."""
 
 import types
 

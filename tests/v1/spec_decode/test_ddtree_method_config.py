@@ -5,8 +5,8 @@
 where ``SpeculativeConfig`` calls :func:`tree_budget_of`) and the plugin's
 ``additional_config["vllm_ddtree"]`` next to a DFlash config (stock vLLM).
 
-Stand-ins for the configs: the real ``SpeculativeConfig(method="ddtree")`` is
-checked against the patched tree by tests/upstream/applied_wiring.py."""
+Stand-ins for the configs here; the scheduler's tests
+(tests/v1/core/test_ddtree_scheduler.py) build the real engine config."""
 
 from types import SimpleNamespace
 

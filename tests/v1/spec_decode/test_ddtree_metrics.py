@@ -2,9 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The draft tokens an adaptive DDTree step counts
 (``vllm/v1/spec_decode/ddtree_metrics.py``, CPU). The per-position stats sized
-by ``SpeculativeConfig.num_draft_positions`` are vLLM's own code: checked in
-the patched tree by the overlay's tests/upstream/applied_wiring.py, and the
-plugin's counterpart on stock vLLM by tests/plugins/test_ddtree_spec_stats.py."""
+by ``SpeculativeConfig.num_draft_positions`` are vLLM's own code, tested with
+the scheduler (tests/v1/core/test_ddtree_scheduler.py)."""
 
 import pytest
 

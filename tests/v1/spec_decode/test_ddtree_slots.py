@@ -3,12 +3,7 @@
 """The scheduler's draft slots and KV blocks of an adaptive DDTree engine
 (``vllm/v1/spec_decode/ddtree_slots.py``) and the worker's block-table cut
 (CPU, on stand-ins); the spec-decode counters of a step's budget are in
-test_ddtree_metrics.py. vLLM's async
-scheduler run that checks blocks held against a worker's block table needs an
-engine config: it is in the overlay's tests/upstream/applied_wiring.py (the
-series' edits) and tests/plugins/test_ddtree_engine_config.py (the plugin's
-wrappers), as are the plugin's own hooks
-(tests/plugins/test_ddtree_plugin_hooks.py)."""
+test_ddtree_metrics.py."""
 
 import types
 

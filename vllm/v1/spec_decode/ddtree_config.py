@@ -30,8 +30,7 @@ builds trees of the largest budget; since nodes are in best-first order, the fir
 b nodes the scheduler keeps are the best tree of budget b.
 
 ``"tree_budget": "auto"``, the default, asks for
-:data:`AUTO_TREE_BUDGET_PER_BATCH_SIZE`, a schedule read off measured step times
-(docs/ddtree.md, "Budgets"; the measurements: benchmarks/README.md).
+:data:`AUTO_TREE_BUDGET_PER_BATCH_SIZE`, a schedule read off measured step times.
 
 Every check raises ``ValueError`` with the setting to change.
 """
@@ -57,7 +56,7 @@ AUTO_TREE_BUDGET = "auto"
 DEFAULT_TREE_BUDGET = AUTO_TREE_BUDGET
 # The schedule "tree_budget": "auto" stands for, read off step times measured
 # for a Qwen3-8B-shaped target and DFlash drafter (dummy weights) and the
-# trained pair's acceptance (benchmarks/README.md). Few requests: 31 nodes, as B
+# acceptance of a small trained target and drafter pair. Few requests: 31 nodes, as B
 # nodes verify B + 1 tokens and 32 fill the tree kernel's query tiles where 33
 # open another (plan_tree_attention). More: 15 nodes, the 16 tokens per request
 # a DFlash chain verifies, so a step costs about what DFlash's does.

@@ -320,8 +320,8 @@ def _ranked_top_tokens(
        ``16 * cap``, ..., ``spill`` that holds them all. More than
        ``cap`` reach it when a position's best tokens crowd into few chunks,
        as a trained model's do: a BPE vocabulary gives frequent tokens low
-       ids (the trained pair's drafter: 68 % of positions at 15 tokens, with
-       at most a few hundred candidates, ``benchmarks/top_token_crowding.py``).
+       ids (a small trained drafter: 68 % of positions at 15 tokens, with at
+       most a few hundred candidates).
        If even ``spill`` overflow (many tokens tied at the cut), the program
        finds the exact cut over the row instead: a radix select (four passes,
        one byte of the cut each), then one pass for the tokens above it and

@@ -413,7 +413,7 @@ def plan_tree_attention(
     if user_config is None and config.num_warps == 4 and config.block_m >= 64:
         # Half-size tiles get 4 warps so that two programs share an SM; when the
         # whole grid fits on the SMs one program each anyway, 8 warps are faster
-        # (benchmarks/bench_tree_attn.py --sweep; results in benchmarks/results/).
+        # (measured over tile and split configurations on Hopper).
         wide = TreeAttentionConfig(**{**config.__dict__, "num_warps": 8})
         wide_splits = chosen_splits or _plan_splits(
             num_sms,
