@@ -491,6 +491,18 @@ UPSTREAM_PATHS = {
 }
 
 
+# Paths that exist only in this repository: a file the series adds must not
+# point a vLLM reader at them.
+OVERLAY_ONLY = (
+    "tests/upstream",
+    "tests/plugins",
+    "tests/e2e",
+    "benchmarks/",
+    "docs/ddtree.md",
+    "docs/upstream.md",
+)
+
+
 def upstream_path(repo_path: str) -> str:
     return UPSTREAM_PATHS.get(repo_path, repo_path)
 
@@ -508,6 +520,14 @@ def check_coverage() -> None:
                 raise SystemExit(f"{patch.name} lists {path}, which does not exist")
         if patch.edits and not (EDITS / f"{patch.name}.diff").is_file():
             raise SystemExit(f"{patch.name}: upstream/edits/{patch.name}.diff missing")
+        for path in patch.files:
+            text = (ROOT / path).read_text()
+            for name in OVERLAY_ONLY:
+                if name in text:
+                    raise SystemExit(
+                        f"{path} ({patch.name}) names {name!r}, which vLLM's tree "
+                        "does not have: say it without the path"
+                    )
     modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "vllm").rglob("*.py"))
     missing = [m for m in modules if m not in listed]
     if missing:
