@@ -643,12 +643,17 @@ def _scheduler_init(original, self, *args, **kwargs):
         make_tree_spec_decoding_stats, self, _num_draft_positions(self.vllm_config, cfg)
     )
     # Structured-output requests decode without drafts (their grammar would
-    # have to follow every tree path): the ids of those not finished yet.
+    # have to follow every tree path): the ids of those not finished yet, and
+    # the drop schedule() calls (imported here, not at plugin load nor on
+    # every step).
+    from vllm.v1.spec_decode.ddtree_grammar import drop_grammar_drafts
+
     self._ddtree_grammar_reqs = set()
+    self._ddtree_drop_grammar_drafts = drop_grammar_drafts
     _size_grammar_bitmask(self.structured_output_manager, self.max_num_running_reqs)
     if cfg.adaptive:
         from vllm.v1.spec_decode.ddtree_config import engine_tree_slots, slot_ladder
-        from vllm.v1.spec_decode.ddtree_slots import TreeSlots
+        from vllm.v1.spec_decode.ddtree_slots import TreeSlots, trim_dropped_slots
 
         # Draft slots per request by batch size: a cap that keeps the step's
         # tokens and KV within the trees the budget can choose, lowered to
@@ -663,6 +668,9 @@ def _scheduler_init(original, self, *args, **kwargs):
         self._ddtree_slots_given: int | None = None
         self._ddtree_trims_left = 0
         self._ddtree_step_budget: int | None = None
+        # The trim schedule() runs on every step (kept here so that no import
+        # runs per step).
+        self._ddtree_trim_dropped_slots = trim_dropped_slots
 
 
 def _size_grammar_bitmask(manager, max_num_reqs: int) -> None:
@@ -693,15 +701,12 @@ def _scheduler_add_request(original, self, request, *args, **kwargs):
 def _scheduler_schedule(original, self, *args, **kwargs):
     grammar = getattr(self, "_ddtree_grammar_reqs", None)
     if grammar:
-        from vllm.v1.spec_decode.ddtree_grammar import drop_grammar_drafts
-
         # Before the step is sized.
-        drop_grammar_drafts(grammar, self.requests)
+        self._ddtree_drop_grammar_drafts(grammar, self.requests)
     kept = None
-    if hasattr(self, "_ddtree_slots_given"):  # an adaptive budget
-        from vllm.v1.spec_decode import ddtree_slots
-
-        kept = ddtree_slots.trim_dropped_slots(self)
+    trim = getattr(self, "_ddtree_trim_dropped_slots", None)
+    if trim is not None:  # an adaptive budget
+        kept = trim(self)
     out = original(self, *args, **kwargs)
     if kept:
         # The worker cuts the same rows before it appends this step's blocks.

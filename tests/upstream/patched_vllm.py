@@ -29,6 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 VLLM_VERSION = "0.26.0"
 SDIST = f"vllm-{VLLM_VERSION}.tar.gz"
+# Set to 1 (.ci/run does), the sdist must be had: the series applies whole
+# (its edits to vLLM's docs included) and vLLM's own tests are compared.
+REQUIRE_SDIST_ENV = "VLLM_DDTREE_REQUIRE_SDIST"
 
 # The DDTree plugin's entry-point name is "ddtree"; vLLM loads only the general
 # plugins named in VLLM_PLUGINS.
@@ -90,6 +93,10 @@ def copy_installed_vllm(dest: Path) -> Path:
     return dest
 
 
+def sdist_required() -> bool:
+    return os.environ.get(REQUIRE_SDIST_ENV) == "1"
+
+
 def sdist_cache() -> Path:
     """Where the tests keep vLLM's release sdist (``tests/upstream/test_series.py``
     downloads it there)."""
@@ -110,17 +117,19 @@ def edited_outside_package(series: Path) -> list[str]:
 
 def add_sdist_files(tree: Path, paths: list[str]) -> list[str]:
     """Copy ``paths`` from the cached release sdist into ``tree``, so the
-    series' edits to them apply there too; returns those it could not add
-    (all of them without a cached sdist)."""
+    series' edits to them apply there too; returns those it could not add:
+    all of them without a cached sdist, none with one (a path the sdist lacks
+    is an error: the series was made against its files)."""
     sdist = sdist_cache()
     if not sdist.is_file():
         return list(paths)
     prefix = f"vllm-{VLLM_VERSION}/"
     with tarfile.open(sdist) as tar:
         names = set(tar.getnames())
+        lacking = [path for path in paths if prefix + path not in names]
+        if lacking:
+            raise FileNotFoundError(f"not in {sdist}: {lacking}")
         for path in paths:
-            if prefix + path not in names:
-                continue
             data = tar.extractfile(prefix + path)
             assert data is not None, path
             (tree / path).parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +141,8 @@ def apply_series(tree: Path, series: Path) -> list[str]:
     """Apply every patch of ``series`` in order (``git apply --check``
     first); returns the applied names. Edits to files ``tree`` lacks outside
     ``vllm/`` (vLLM's docs, where :func:`add_sdist_files` found no sdist)
-    are left out, and said so: the rest of the series still applies."""
+    are left out, and said so, only for a developer offline: with the sdist
+    cached, or REQUIRE_SDIST_ENV set, a missing file is an error."""
     applied = []
     # Inside a git work tree, ``git apply`` takes paths from that tree's root
     # and skips those outside the current folder without an error: stop its
@@ -140,6 +150,11 @@ def apply_series(tree: Path, series: Path) -> list[str]:
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.resolve().parent))
     absent = [p for p in edited_outside_package(series) if not (tree / p).is_file()]
     if absent:
+        if sdist_cache().is_file() or sdist_required():
+            raise FileNotFoundError(
+                f"not in {tree}, so the series' edits to them would be left out "
+                f"({sdist_cache()} exists or {REQUIRE_SDIST_ENV}=1): {absent}"
+            )
         print(f"not in {tree}, so the series' edits to them are left out: {absent}")
     excludes = [f"--exclude={path}" for path in absent]
     for patch in series_patches(series):

@@ -2,8 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """vLLM's scheduler and metrics for a DDTree engine (CPU, no engine started):
 the lookahead slots are the drafter's block, the spec-decode stats and
-Prometheus series count a tree's accepted path per depth, and the grammar
-bitmask has one row per request. DDTree's drafter here has a block of 16
+Prometheus series count a tree's accepted path per depth, the grammar
+bitmask has one row per request, and schedule() gives structured-output
+requests no drafts. DDTree's drafter here has a block of 16
 (depth 15), so every expectation below differs from what the same sizes give
 a DFlash chain of tree_budget tokens."""
 
@@ -150,3 +151,120 @@ def test_grammar_bitmask_has_one_row_per_request(models):
     config = _engine_config(models, 64)
     sched = _scheduler(config)
     assert _grammar_bitmask_rows(sched) == config.scheduler_config.max_num_seqs
+
+
+def _stub_grammar():
+    """A grammar that accepts every token and every draft (vLLM's scheduler
+    checks the type), so only the scheduler's own drop removes drafts."""
+    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+    class StubGrammar(_StubGrammarMethods, StructuredOutputGrammar):
+        pass
+
+    return StubGrammar()
+
+
+class _StubGrammarMethods:
+    def accept_tokens(self, request_id, tokens):
+        return True
+
+    def validate_tokens(self, tokens):
+        return tokens
+
+    def is_terminated(self):
+        return False
+
+    def fill_bitmask(self, bitmask, idx):
+        bitmask[idx] = idx + 1
+
+    def rollback(self, num_tokens):
+        pass
+
+    def reset(self):
+        pass
+
+
+class _StubBackend:
+    def __init__(self, vocab_size):
+        self.words = -(-vocab_size // 32)
+
+    def allocate_token_bitmask(self, max_num_seqs):
+        return torch.zeros(max_num_seqs, self.words, dtype=torch.int32)
+
+
+def _request(req_id, prompt_token_ids, params):
+    """A scheduler request as the engine core makes one."""
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.request import Request
+
+    return Request.from_engine_core_request(
+        EngineCoreRequest(
+            request_id=req_id,
+            prompt_token_ids=prompt_token_ids,
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=0.0,
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        ),
+        block_hasher=None,
+    )
+
+
+def _sampled(scheduler_output, token=7):
+    """A model output that samples one token for every scheduled request."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[token] for _ in req_ids],
+    )
+
+
+def test_schedule_drops_structured_output_drafts(models):
+    """The worker drafts a tree for every request, and a grammar that accepts
+    any draft keeps them all; schedule() still gives the structured-output
+    requests no draft tokens (one token each), while the plain requests keep
+    theirs."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.outputs import DraftTokenIds
+
+    budget = 8
+    config = _engine_config(models, budget)
+    sched = _scheduler(config)
+    sched.structured_output_manager.backend = _StubBackend(
+        config.model_config.get_vocab_size()
+    )
+    kinds = {
+        "plain0": None,
+        "json": {"json": {}},
+        "plain1": None,
+        "choice": {"choice": ["a", "b"]},
+    }
+    for i, (req_id, so) in enumerate(kinds.items()):
+        params = SamplingParams(
+            max_tokens=20,
+            structured_outputs=None if so is None else StructuredOutputsParams(**so),
+        )
+        request = _request(req_id, [5 + i, 6, 7, 8], params)
+        if so is not None:
+            request.structured_output_request.grammar = _stub_grammar()
+        sched.add_request(request)
+    grammar = {"json", "choice"}
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == dict.fromkeys(kinds, 4)
+    sched.update_from_output(out, _sampled(out))
+    drafts = [[3] * budget for _ in kinds]
+    sched.update_draft_token_ids(DraftTokenIds(list(kinds), drafts))
+    for _ in range(3):
+        out = sched.schedule()
+        assert set(out.scheduled_spec_decode_tokens) == set(kinds) - grammar
+        for req_id in kinds:
+            want = 1 if req_id in grammar else 1 + budget
+            assert out.num_scheduled_tokens[req_id] == want, req_id
+        sched.update_from_output(out, _sampled(out))
+        sched.update_draft_token_ids(DraftTokenIds(list(kinds), drafts))

@@ -121,8 +121,9 @@ def trim_dropped_slots(scheduler: "Scheduler") -> dict[str, tuple[int, ...]] | N
     slots, whose blocks it uses until then). Returns the blocks kept per
     request cut, which the worker cuts from its block table too.
 
-    Called by ``scheduler.schedule`` first thing; the scheduler's
-    ``_ddtree_slots_given`` (None before the first schedule) and
+    Called by ``scheduler.schedule`` before it schedules or allocates
+    anything, after the structured-output requests' drafts are dropped; the
+    scheduler's ``_ddtree_slots_given`` (None before the first schedule) and
     ``_ddtree_trims_left`` (0 at first) carry the slots and the trims left
     from one schedule to the next."""
     slots = getattr(scheduler, "_spec_token_placeholders", None)
