@@ -215,6 +215,19 @@ def test_every_module_is_in_the_series(monkeypatch):
         make_series.check_coverage()
 
 
+def test_series_files_name_no_overlay_path(monkeypatch):
+    """A file the series adds may not point a vLLM reader at a path only this
+    repository has: the generator names the file and the path."""
+    make_series = _make_series()
+    make_series.check_coverage()
+    patch = next(patch for patch in make_series.PATCHES if patch.files)
+    first = patch.files[0]
+    # A string every file of the series carries stands in for such a path.
+    monkeypatch.setattr(make_series, "OVERLAY_ONLY", ("SPDX-License-Identifier",))
+    with pytest.raises(SystemExit, match=f"{first}.*SPDX-License-Identifier"):
+        make_series.check_coverage()
+
+
 def test_check_tells_a_stale_series(series, tmp_path):
     """``make_series.py --check`` passes on a fresh build and fails once a
     patch differs from what the package gives."""
