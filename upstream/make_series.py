@@ -332,8 +332,9 @@ Tests: tests/v1/core/test_ddtree_scheduler.py builds a DDTree engine config
 through EngineArgs and vLLM's Scheduler over a stand-in KV cache (CPU): the
 lookahead is the drafter's block at budgets 4 and 64, the stats count two
 trees' accepted paths per depth, the Prometheus per-position series has one
-counter per depth, and the grammar bitmask one row per request.
-tests/v1/spec_decode/test_ddtree_grammar.py: drafts cleared, finished
+counter per depth, the grammar bitmask one row per request, and schedule()
+schedules a structured-output request without drafts while a plain request
+keeps its own. tests/v1/spec_decode/test_ddtree_grammar.py: drafts cleared, finished
 requests forgotten. tests/models/tiny_models.py makes the tiny Qwen3 target
 and DFlash drafter the scheduler test builds its config from, on the spot
 (random weights, a byte-level tokenizer; nothing downloaded). vLLM's own
