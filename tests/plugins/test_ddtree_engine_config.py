@@ -16,6 +16,11 @@ from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from tests.log_records import log_records
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
+from tests.v1.core.test_ddtree_scheduler import (
+    _request,
+    _stub_grammar,
+    _StubBackend,
+)
 from tests.v1.spec_decode.test_ddtree_config import SCHEDULE, VLLM_LADDER
 from vllm.v1.spec_decode import ddtree_config as ddt
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig, engine_tree_slots
@@ -693,69 +698,6 @@ def _observe(sched, trees, invalid=None):
             request_id=str(i),
         )
     return stats
-
-
-def _stub_grammar():
-    """A grammar that accepts every token (vLLM's scheduler checks the type)."""
-    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
-
-    class StubGrammar(_StubGrammarMethods, StructuredOutputGrammar):
-        pass
-
-    return StubGrammar()
-
-
-class _StubGrammarMethods:
-    def accept_tokens(self, request_id, tokens):
-        return True
-
-    def validate_tokens(self, tokens):
-        return tokens
-
-    def is_terminated(self):
-        return False
-
-    def fill_bitmask(self, bitmask, idx):
-        bitmask[idx] = idx + 1
-
-    def rollback(self, num_tokens):
-        pass
-
-    def reset(self):
-        pass
-
-
-class _StubBackend:
-    def __init__(self, vocab_size):
-        self.words = -(-vocab_size // 32)
-        self.allocated = []
-
-    def allocate_token_bitmask(self, max_num_seqs):
-        import torch
-
-        self.allocated.append(max_num_seqs)
-        return torch.zeros(max_num_seqs, self.words, dtype=torch.int32)
-
-
-def _request(req_id, prompt_token_ids, params, block_hasher=None):
-    """A scheduler request as the engine core makes one."""
-    from vllm.v1.engine import EngineCoreRequest
-    from vllm.v1.request import Request
-
-    return Request.from_engine_core_request(
-        EngineCoreRequest(
-            request_id=req_id,
-            prompt_token_ids=prompt_token_ids,
-            mm_features=None,
-            sampling_params=params,
-            pooling_params=None,
-            arrival_time=0.0,
-            lora_request=None,
-            cache_salt=None,
-            data_parallel_rank=None,
-        ),
-        block_hasher=block_hasher,
-    )
 
 
 def _sampled(sched, scheduler_output, token=7):

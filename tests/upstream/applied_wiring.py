@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.models.tiny_models import make_tiny_dflash, make_tiny_qwen3
+from tests.v1.core.test_ddtree_scheduler import _grammar_bitmask_rows
 
 TREE_ATTN_PATH = "vllm.v1.attention.backends.tree_attn.TreeAttentionBackend"
 
@@ -874,29 +875,6 @@ def test_structured_output_requests_get_no_drafts(models):
     drop_grammar_drafts(sched.ddtree_grammar_reqs, sched.requests)
     assert grammar.spec_token_ids == []
     assert plain.spec_token_ids == [5, 6]
-
-
-class _Allocated(Exception):
-    pass
-
-
-def _grammar_bitmask_rows(sched) -> int:
-    """The rows the scheduler's structured-output manager allocates for its
-    grammar bitmask (the allocation is stopped there)."""
-    rows = []
-
-    def allocate_token_bitmask(n):
-        rows.append(n)
-        raise _Allocated
-
-    manager = sched.structured_output_manager
-    manager.backend = types.SimpleNamespace(
-        allocate_token_bitmask=allocate_token_bitmask
-    )
-    with pytest.raises(_Allocated):
-        manager.grammar_bitmask({}, ["g"], {})
-    (count,) = rows
-    return count
 
 
 def test_grammar_bitmask_has_one_row_per_request(models):

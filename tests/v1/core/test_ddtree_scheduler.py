@@ -187,12 +187,14 @@ class _StubGrammarMethods:
 class _StubBackend:
     def __init__(self, vocab_size):
         self.words = -(-vocab_size // 32)
+        self.allocated = []
 
     def allocate_token_bitmask(self, max_num_seqs):
+        self.allocated.append(max_num_seqs)
         return torch.zeros(max_num_seqs, self.words, dtype=torch.int32)
 
 
-def _request(req_id, prompt_token_ids, params):
+def _request(req_id, prompt_token_ids, params, block_hasher=None):
     """A scheduler request as the engine core makes one."""
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.request import Request
@@ -209,7 +211,7 @@ def _request(req_id, prompt_token_ids, params):
             cache_salt=None,
             data_parallel_rank=None,
         ),
-        block_hasher=None,
+        block_hasher=block_hasher,
     )
 
 
