@@ -181,11 +181,19 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
     p.add_argument(
         "--configs",
         default="none,dflash,ddtree",
-        help="comma list of none, dflash, ddtree (= every --budgets), "
+        help="comma list of none, dflash, dflash-schedule (--dflash-schedule), "
+        "ddtree (= every --budgets), "
         f'ddtree-<B>, {AUTO_CONFIG} (tree_budget "auto"), '
         f"{SCHEDULE_CONFIG} (needs --schedule); a DDTree config with "
         f"{ADAPTIVE_SUFFIX} runs with adaptive_budget true (e.g. "
         f"{AUTO_CONFIG}{ADAPTIVE_SUFFIX})",
+    )
+    p.add_argument(
+        "--dflash-schedule",
+        default=None,
+        help="dflash-schedule's num_speculative_tokens_per_batch_size: JSON "
+        "[[first, last, tokens], ...] (default: 15 up to 8 requests, 7 up to 32, "
+        "then 3)",
     )
     p.add_argument(
         "--budgets",

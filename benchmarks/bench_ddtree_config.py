@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from benchmarks.bench_ddtree_report import (
     ADAPTIVE_SUFFIX,
     AUTO_CONFIG,
+    DFLASH_SCHEDULE_CONFIG,
     SCHEDULE_CONFIG,
     base_config,
     budget_of,
@@ -38,6 +39,9 @@ DFLASH_TOKENS = 15  # DFlash's chain: a block of 16 minus the root
 # vLLM's default on smaller GPUs, is what the benchmark sets, and says so.
 DFLASH_SERVE_MAX_NUM_SEQS = 256
 DRAFT_LEN = DFLASH_TOKENS + 1
+# dflash-schedule's default draft lengths by running requests: the whole block
+# alone, shorter chains as the batch grows (--dflash-schedule overrides it).
+DFLASH_SCHEDULE = [[1, 8, 15], [9, 32, 7], [33, 1024, 3]]
 MAX_BUDGET = 1024
 ALL_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
 # Qwen3's vocabulary below its special tokens, for random prompts.
@@ -118,10 +122,10 @@ def parse_configs(text: str, budgets: list[int], schedule=None) -> list[str]:
     for raw in (t.strip() for t in text.split(",")):
         if is_adaptive(raw):
             base = parse_configs(base_config(raw), budgets, schedule)
-            if len(base) != 1 or base[0] in ("none", "dflash"):
+            if len(base) != 1 or not base[0].startswith("ddtree"):
                 raise ValueError(f"{raw}: only a DDTree config takes -adaptive")
             names.add(raw)
-        elif raw in ("none", "dflash", AUTO_CONFIG):
+        elif raw in ("none", "dflash", DFLASH_SCHEDULE_CONFIG, AUTO_CONFIG):
             names.add(raw)
         elif raw == SCHEDULE_CONFIG:
             if schedule is None:
@@ -135,8 +139,9 @@ def parse_configs(text: str, budgets: list[int], schedule=None) -> list[str]:
             names.add(raw)
         else:
             raise ValueError(
-                f"unknown config {raw!r}; use none, dflash, ddtree (every "
-                f"--budgets), ddtree-<budget>, {AUTO_CONFIG} or {SCHEDULE_CONFIG}, "
+                f"unknown config {raw!r}; use none, dflash, {DFLASH_SCHEDULE_CONFIG}, "
+                f"ddtree (every --budgets), ddtree-<budget>, {AUTO_CONFIG} or "
+                f"{SCHEDULE_CONFIG}, "
                 f"each DDTree one also with {ADAPTIVE_SUFFIX}"
             )
     return sorted(names, key=config_order)
@@ -146,6 +151,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     """Parse the list options in place; ``ValueError`` names the bad option."""
     budgets = parse_int_list(args.budgets, "--budgets", 1, MAX_BUDGET)
     args.schedule = parse_schedule(getattr(args, "schedule", None))
+    args.dflash_schedule = parse_dflash_schedule(getattr(args, "dflash_schedule", None))
     args.configs = parse_configs(args.configs, budgets, args.schedule)
     args.batches = parse_int_list(args.batches, "--batches", 1)
     args.temperatures = parse_float_list(args.temperatures, "--temperatures")
@@ -332,6 +338,8 @@ def _schedule_field(args, config: str) -> dict:
     """Rows of ddtree-schedule and ddtree-auto carry their schedule (resumed runs
     may differ; the auto table may change between commits)."""
     config = base_config(config)
+    if config == DFLASH_SCHEDULE_CONFIG:
+        return {"num_speculative_tokens_per_batch_size": args.dflash_schedule}
     if config == AUTO_CONFIG:
         return {"tree_budget_per_batch_size": auto_schedule()}
     if config != SCHEDULE_CONFIG:
@@ -349,6 +357,35 @@ def auto_schedule() -> list[list[int]]:
     from vllm.v1.spec_decode.ddtree_config import AUTO_TREE_BUDGET_PER_BATCH_SIZE
 
     return [list(entry) for entry in AUTO_TREE_BUDGET_PER_BATCH_SIZE]
+
+
+def parse_dflash_schedule(text: str | None) -> list[list[int]]:
+    """``--dflash-schedule``: JSON ``[[first, last, tokens], ...]`` (vLLM's
+    ``num_speculative_tokens_per_batch_size``), at most DFlash's 15 tokens."""
+    if text is None:
+        return DFLASH_SCHEDULE
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--dflash-schedule must be JSON like {DFLASH_SCHEDULE}: {e}")
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(e, list)
+            and len(e) == 3
+            and all(isinstance(v, int) for v in e)
+            and 1 <= e[0] <= e[1]
+            and 1 <= e[2] <= DFLASH_TOKENS
+            for e in value
+        )
+    )
+    if not ok:
+        raise ValueError(
+            f"--dflash-schedule: entries [first, last, tokens] with 1 <= first "
+            f"<= last and 1 <= tokens <= {DFLASH_TOKENS}, got {text}"
+        )
+    return value
 
 
 def parse_schedule(text: str | None) -> list[list[int]] | None:
@@ -381,12 +418,17 @@ def speculative_config(
     schedule=None,
     fixed: bool = False,
     adaptive: bool = False,
+    dflash_schedule=None,
 ) -> dict | None:
     """A config's speculative config; ``fixed``: every DDTree step verifies its
     budget (``adaptive_budget`` false), as the cost mode measures one tree size;
     ``adaptive``: each step's trees sized by DDTree's cost model, the config's
     budget a per-request cap (``--adaptive-budget``); else DDTree's default."""
     spec = _speculative_config(base_config(config), drafter, schedule)
+    if base_config(config) == DFLASH_SCHEDULE_CONFIG:
+        spec["num_speculative_tokens_per_batch_size"] = (
+            dflash_schedule or DFLASH_SCHEDULE
+        )
     if spec is not None and spec["method"] == "ddtree":
         # Said in every DDTree config, whatever the product's default.
         spec["adaptive_budget"] = not fixed and (adaptive or is_adaptive(config))
@@ -396,7 +438,7 @@ def speculative_config(
 def _speculative_config(config: str, drafter: Path, schedule=None) -> dict | None:
     if config == "none":
         return None
-    if config == "dflash":
+    if config in ("dflash", DFLASH_SCHEDULE_CONFIG):
         return {
             "method": "dflash",
             "model": str(drafter),
@@ -419,8 +461,8 @@ def step_tokens(config: str, batch: int, schedule=None) -> int:
     config = base_config(config)
     if config == "none":
         return batch
-    if config == "dflash":
-        return batch * DRAFT_LEN
+    if config in ("dflash", DFLASH_SCHEDULE_CONFIG):
+        return batch * DRAFT_LEN  # a schedule's longest chain: an upper bound
     if config == SCHEDULE_CONFIG:
         return batch * (schedule_budget(schedule, batch) + 1)
     if config == AUTO_CONFIG:
@@ -518,6 +560,7 @@ def engine_kwargs(args, config: str, max_batch: int) -> dict:
         args.schedule,
         fixed=args.mode == "cost",
         adaptive=getattr(args, "adaptive_budget", False),
+        dflash_schedule=getattr(args, "dflash_schedule", None),
     )
     if spec is not None:
         kwargs["speculative_config"] = spec

@@ -191,6 +191,9 @@ def _sort_key(key: tuple[str, int, float]):
 
 # DDTree with a tree_budget_per_batch_size schedule (bench_ddtree.py --schedule).
 SCHEDULE_CONFIG = "ddtree-schedule"
+# DFlash with vLLM's batch-size schedule of draft lengths
+# (num_speculative_tokens_per_batch_size, --dflash-schedule).
+DFLASH_SCHEDULE_CONFIG = "dflash-schedule"
 AUTO_CONFIG = "ddtree-auto"
 # A DDTree config with this suffix runs with adaptive_budget true, its budget
 # the per-request cap: e.g. ddtree-auto-adaptive next to ddtree-auto.
@@ -215,6 +218,8 @@ def config_order(config: str) -> tuple[int, int, int]:
         return (0, 0, 0)
     if config == "dflash":
         return (1, 0, 0)
+    if config == DFLASH_SCHEDULE_CONFIG:
+        return (1, 1, 0)
     if config == SCHEDULE_CONFIG:
         return (3, 0, adaptive)
     if config == AUTO_CONFIG:

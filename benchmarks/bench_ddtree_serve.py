@@ -114,6 +114,17 @@ def serve_row_labels(args, config, rid, batch, temperature) -> dict:
     )
 
 
+def record_start_up(out: Path, config: str, seconds: float) -> None:
+    """Seconds from ``vllm serve``'s start to its first healthy answer, per
+    config, in ``out/start_up.json`` (servers started at once share the host
+    while they start)."""
+    path = Path(out) / "start_up.json"
+    times = json.loads(path.read_text()) if path.is_file() else {}
+    times[config] = round(seconds, 1)
+    path.write_text(json.dumps(times, indent=1) + "\n")
+    print(f"    {config}: ready after {seconds:.0f} s", flush=True)
+
+
 def _wait_healthy(base: str, proc: subprocess.Popen, deadline: float) -> bool:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -500,18 +511,24 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
             config: stack.enter_context((logs / f"{config}.log").open("a"))
             for config, _ in configs
         }
+        started: dict[str, float] = {}
         for config, max_batch in configs if at_once else ():
             log = server_logs[config]
+            started[config] = time.monotonic()
             servers[config] = (*start_server(share, config, max_batch, log, env), None)
         for config, max_batch in configs:
             log = server_logs[config]
             if config not in servers:
+                started[config] = time.monotonic()
                 servers[config] = (
                     *start_server(share, config, max_batch, log, env),
                     None,
                 )
             server, base, _ = servers[config]
-            if not _wait_healthy(base, server, deadline):
+            healthy = _wait_healthy(base, server, deadline)
+            if healthy:
+                record_start_up(args.out, config, time.monotonic() - started[config])
+            if not healthy:
                 if time.monotonic() >= deadline:
                     print(f"    {config}: --limit-seconds ran out while it started")
                     return failed, [c for c, _ in configs if c not in failed]

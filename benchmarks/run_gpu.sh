@@ -7,7 +7,7 @@
 #   bash benchmarks/run_gpu.sh MODE [args]
 #
 # MODE: tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|
-#       serve|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
+#       serve|embed|embed-check|serve-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see benchmarks/README.md). OUT: where logs and results go (default
 # build/gpu_results); LIMIT: seconds a mode may run (default 3600).
@@ -175,6 +175,40 @@ tests/v1/test_sm90_compile.py"
       --temperatures 0,1 ${ROUNDS:+--rounds $ROUNDS} \
       ${INTERLEAVE:+--interleave $INTERLEAVE} ${PIN_CPUS:+--pin-cpus $PIN_CPUS}
     exit $? ;;
+  embed)
+    # The trained pair embedded in Qwen3-8B's shapes (about 16 GB in EMBED_DIR),
+    # unless it is there already; args: embed_pair.py's own (e.g. --vocab full).
+    EMBED_DIR=${EMBED_DIR:-build/pycode-8b}
+    if [ -f "$EMBED_DIR/embedding.json" ]; then
+      echo "embed: $EMBED_DIR is there"
+    else
+      timeout $LIMIT python3 benchmarks/embed_pair.py --out "$EMBED_DIR" "$@" 2>&1 \
+        | tee "$OUT/embed_pair.log" | tail -5
+      exit "${PIPESTATUS[0]}"
+    fi ;;
+  embed-check)
+    # The embedded pair against the pair under vLLM: greedy output and DFlash's
+    # acceptance (four offline engines side by side).
+    timeout $LIMIT python3 benchmarks/embed_pair_check.py \
+      --embedded "${EMBED_DIR:-build/pycode-8b}" --out "$OUT/embed_check" "$@" 2>&1 \
+      | tee "$OUT/embed_check.log" | grep -v -i warn | tail -8
+    exit "${PIPESTATUS[0]}" ;;
+  serve-8b)
+    # vllm serve + vllm bench serve on the embedded pair (Qwen3-8B shapes) under
+    # vLLM's defaults, the configs' servers side by side, each with a fixed KV
+    # cache (KV_GIB, default 6). Output in $OUT/${OUT_NAME:-serve_8b}.
+    P=${EMBED_DIR:-build/pycode-8b}
+    timeout $LIMIT python3 benchmarks/bench_ddtree.py serve --out "$OUT/${OUT_NAME:-serve_8b}" \
+      --target $P/target --drafter $P/drafter \
+      --prompts benchmarks/models/pycode/eval_prompts.json \
+      --configs "${1:-none,dflash,ddtree-auto-adaptive}" --batches "${BATCHES:-1,8,32,64}" \
+      --temperatures "${TEMPERATURES:-0,1}" --interleave "${INTERLEAVE:-2}" \
+      --num-prompts "${NUM_PROMPTS:-16}" --min-waves "${MIN_WAVES:-4}" \
+      --max-prompts "${MAX_PROMPTS:-256}" \
+      --engine-arg kv_cache_memory_bytes=$(( ${KV_GIB:-6} << 30 )) \
+      ${RESUME:+--resume-from "$RESUME"} --limit-seconds $((LIMIT - 30)) 2>&1 \
+      | tee -a "$OUT/${OUT_NAME:-serve_8b}.log" | grep -v -i warn | tail -40
+    exit "${PIPESTATUS[0]}" ;;
   profile-8b)
     # Qwen3-8B shapes (dummy weights), batch 1: the steps of budgets 127 and 255
     # against DFlash's, by kernel category.
@@ -197,6 +231,6 @@ tests/v1/test_sm90_compile.py"
     timeout $LIMIT bash benchmarks/train_pair/run_all.sh "${1:-$((LIMIT - 20))}" \
       2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac

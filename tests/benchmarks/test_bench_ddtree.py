@@ -2143,3 +2143,42 @@ def test_report_shows_interleaved_slices():
     assert "120.0, 80.0" in line and "1.200, 1.000" in line
     plain = [{k: v for k, v in r.items() if "slices" not in k} for r in rows]
     assert "Interleaved servers" not in rep.markdown_report(plain, "serve", None)
+
+
+def test_dflash_schedule_config():
+    drafter = Path("/d")
+    assert bdc.speculative_config("dflash-schedule", drafter) == {
+        "method": "dflash",
+        "model": "/d",
+        "num_speculative_tokens": 15,
+        "num_speculative_tokens_per_batch_size": [
+            [1, 8, 15],
+            [9, 32, 7],
+            [33, 1024, 3],
+        ],
+    }
+    mine = [[1, 4, 15], [5, 1024, 5]]
+    spec = bdc.speculative_config("dflash-schedule", drafter, dflash_schedule=mine)
+    assert spec["num_speculative_tokens_per_batch_size"] == mine
+    assert bdc.parse_configs("ddtree-16,dflash-schedule,none", [16]) == [
+        "none",
+        "dflash-schedule",
+        "ddtree-16",
+    ]
+    with pytest.raises(ValueError, match="unknown config 'dflash-schedule-adaptive'"):
+        bdc.parse_configs("dflash-schedule-adaptive", [16])
+    assert bdc.parse_dflash_schedule(json.dumps(mine)) == mine
+    for bad in ("[[1, 4, 16]]", "[[4, 1, 3]]", "[]", "{"):
+        with pytest.raises(ValueError, match="--dflash-schedule"):
+            bdc.parse_dflash_schedule(bad)
+
+
+def test_start_up_is_recorded_per_config(tmp_path, capsys):
+    from benchmarks.bench_ddtree_serve import record_start_up
+
+    record_start_up(tmp_path, "none", 44.96)
+    record_start_up(tmp_path, "ddtree-auto-adaptive", 231.04)
+    record_start_up(tmp_path, "none", 45.5)  # a later start of the same config
+    times = json.loads((tmp_path / "start_up.json").read_text())
+    assert times == {"none": 45.5, "ddtree-auto-adaptive": 231.0}
+    assert "ddtree-auto-adaptive: ready after 231 s" in capsys.readouterr().out
