@@ -54,6 +54,7 @@ from vllm.v1.spec_decode.ddtree_cost import (
     StepCostModel,
     TreeBudgetController,
 )
+from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
 from vllm.v1.worker.gpu.input_batch import (
     InputBatch,
     combine_sampled_and_draft_tokens,
@@ -172,10 +173,19 @@ class AdaptiveTreeBudget:
 
         def dummy_inputs(desc) -> None:
             # A graph reads what its capture left in the buffers: make them a
-            # batch of this graph's own shape (causal rows, padded slots).
-            InputBatch.make_dummy(desc.num_reqs, desc.num_tokens, runner.input_buffers)
-            runner.block_tables.get_dummy_slot_mappings(desc.num_tokens)
-            runner.model_state.tree_inputs.is_tree.zero_()
+            # batch of this graph's own shape (causal rows, padded slots), and
+            # its attention metadata as capture built it (a single-token graph
+            # runs FlashAttention, whose scheduler buffer holds the last
+            # batch's plan otherwise).
+            prepare_inputs_to_capture(
+                desc.num_reqs,
+                desc.num_tokens,
+                runner.model_state,
+                runner.input_buffers,
+                runner.block_tables,
+                runner.attn_groups,
+                runner.kv_cache_config,
+            )
 
         spec = runner.speculator
         start = time.perf_counter()
