@@ -334,7 +334,7 @@ class AdaptiveTreeBudget:
         if not spec:
             return scheduler_output
         num_tokens = scheduler_output.num_scheduled_tokens
-        slots = [len(v) for v in spec.values()]
+        slots = list(map(len, spec.values()))
         cap, most, num_slots = min(slots), max(slots), sum(slots)
         num_reqs = len(spec)
         pure = len(num_tokens) == num_reqs and (
@@ -354,10 +354,14 @@ class AdaptiveTreeBudget:
         if b == most:
             return scheduler_output
         trimmed = copy.copy(scheduler_output)
-        trimmed.num_scheduled_tokens = {
-            r: n - len(spec[r]) + min(b, len(spec[r])) if r in spec else n
-            for r, n in num_tokens.items()
-        }
+        if pure and cap == most:
+            # Every request decodes with as many slots: 1 + b tokens each.
+            trimmed.num_scheduled_tokens = dict.fromkeys(num_tokens, 1 + b)
+        else:
+            trimmed.num_scheduled_tokens = {
+                r: n - len(spec[r]) + min(b, len(spec[r])) if r in spec else n
+                for r, n in num_tokens.items()
+            }
         trimmed.scheduled_spec_decode_tokens = (
             {r: v[:b] for r, v in spec.items()} if b else {}
         )
