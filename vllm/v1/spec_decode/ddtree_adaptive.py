@@ -575,7 +575,7 @@ class AdaptiveTreeBudget:
         values = self._host[slot].tolist()
         num_reqs = self._host_reqs[slot]
         num_ladder = len(self.cfg.ladder)
-        controller.set_curve(
+        controller.update_curve(
             AcceptanceCurve(
                 num_reqs,
                 tuple(v / num_reqs for v in values[:num_ladder]),
