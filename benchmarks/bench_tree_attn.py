@@ -7,7 +7,9 @@ KV cache in vLLM 0.26's FLASH_ATTN layout. For every (batch, budget, context):
 
 * ours: ``tree_attention`` verifying a tree of ``budget`` nodes per request
   (q_len = budget + 1, per-request ancestor masks), or, for budget 15, a causal
-  chain of 16 tokens (what DFlash verifies), once per ``--configs`` entry
+  chain of 16 tokens (what DFlash verifies), or, for budget 0, one causal
+  token per request (a plain decode step: what the kernel would cost there,
+  where TREE_ATTN hands such a batch to FA3), once per ``--configs`` entry
   ("default" = the kernel's own choice, else a ``TreeAttentionConfig`` string
   such as ``m128n64w8s5``: block_m, block_n, num_warps, num_stages);
 * FA3: ``flash_attn_varlen_func(..., causal=True, fa_version=3)`` on the same
@@ -185,7 +187,7 @@ class Problem:
 
     def __init__(self, batch, budget, context, block_size, l2_bytes, gen):
         self.batch, self.budget, self.context = batch, budget, context
-        self.is_chain = budget == CHAIN_BUDGET
+        self.is_chain = budget in (0, CHAIN_BUDGET)
         self.q_len = budget + 1
         seq_len = context + self.q_len
         blocks_per_req = math.ceil(seq_len / block_size)

@@ -28,7 +28,10 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionMetadata,
+)
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.attention.backends.tree_attn import (
     TREE_ATTN_BACKEND_PATH,
@@ -36,6 +39,7 @@ from vllm.v1.attention.backends.tree_attn import (
     TreeAttentionBackend,
     TreeAttentionImpl,
     TreeAttentionInputs,
+    TreeAttentionMetadata,
     TreeAttentionMetadataBuilder,
     kv_cache_as_kv_first,
     split_kv_cache,
@@ -515,3 +519,129 @@ def test_mixed_batch_with_flash_attn_prefills(vllm_config):
     torch.testing.assert_close(
         out.float(), step.reference(visibility), **TOLERANCE[DTYPE]
     )
+
+
+# ----------------------------------------------------------------- plain steps
+
+
+class FlashBuilderStub:
+    """FLASH_ATTN's builder where a GPU has one: records the batches it builds."""
+
+    def __init__(self):
+        self.built = []
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        self.built.append(common_attn_metadata)
+        cm = common_attn_metadata
+        return FlashAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            max_query_len=cm.max_query_len,
+            query_start_loc=cm.query_start_loc,
+            max_seq_len=cm.max_seq_len,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            use_cascade=False,
+            common_prefix_len=0,
+            cu_prefix_query_lens=None,
+            prefix_kv_lens=None,
+            suffix_kv_lens=None,
+        )
+
+
+def flash_builder(vllm_config, monkeypatch, cudagraph_mode=None):
+    """A builder as on a Hopper GPU (FlashAttention 3 available), tree inputs
+    bound, FLASH_ATTN's builder stubbed."""
+    builder = make_builder(vllm_config)
+    inputs = TreeAttentionInputs.allocate(
+        vllm_config.scheduler_config.max_num_seqs, 15, torch.device(DEVICE)
+    )
+    builder.set_tree_inputs(inputs)
+    monkeypatch.setattr(builder, "_fa_version", 3)
+    monkeypatch.setattr(builder, "_flash", FlashBuilderStub())
+    if cudagraph_mode is not None:
+        monkeypatch.setattr(
+            vllm_config.compilation_config, "cudagraph_mode", cudagraph_mode
+        )
+    return builder, inputs
+
+
+@pytest.mark.parametrize(
+    "cudagraph_mode",
+    [None, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY],
+)
+def test_single_token_batches_go_whole_to_flash_attn(
+    vllm_config, monkeypatch, cudagraph_mode
+):
+    """A plain decode step (every query one token) holds no tree row: its
+    metadata and kernel are FLASH_ATTN's, as without speculation, even where
+    the speculator left trees in the buffers (a single-token decode graph is
+    only ever replayed by single-token batches)."""
+    builder, inputs = flash_builder(vllm_config, monkeypatch, cudagraph_mode)
+    inputs.is_tree.fill_(1)
+    step = Step([100, 33, 7, 2000], [1, 1, 1, 1])
+    md = builder.build(0, step.metadata)
+    assert isinstance(md, FlashAttentionMetadata)
+    assert builder._flash.built == [step.metadata]
+    # Tree-sized rows stay in the kernel while the step may hold trees.
+    md = builder.build(0, Step([100, 33], [16, 1]).metadata)
+    assert isinstance(md, TreeAttentionMetadata) and len(builder._flash.built) == 1
+
+
+def test_draft_free_steps_go_whole_to_flash_attn(vllm_config, monkeypatch):
+    """A step the speculator marks draft-free (prompts next to plain decodes)
+    is one FlashAttention call, prompts included."""
+    builder, inputs = flash_builder(vllm_config, monkeypatch)
+    step = Step([10, 10, 10], [1, 16, 300])
+    assert isinstance(builder.build(0, step.metadata), TreeAttentionMetadata)
+    inputs.has_tree_rows = False
+    md = builder.build(0, step.metadata)
+    assert isinstance(md, FlashAttentionMetadata) and md.max_query_len == 300
+
+
+def test_full_cudagraph_mixed_batches_never_go_to_flash_attn(vllm_config, monkeypatch):
+    """Where mixed batches are captured in full graphs, a single-token batch
+    and a tree batch of as many tokens replay the same graph: the kernel serves
+    every batch there."""
+    builder, inputs = flash_builder(vllm_config, monkeypatch, CUDAGraphMode.FULL)
+    inputs.has_tree_rows = False
+    for q_lens in ([1, 1, 1], [1, 16]):
+        md = builder.build(0, Step([10] * len(q_lens), q_lens).metadata)
+        assert isinstance(md, TreeAttentionMetadata)
+    assert builder._flash.built == []
+
+
+def test_without_flash_attn_the_kernel_serves_plain_steps(vllm_config):
+    # CPU (and GPUs without FlashAttention): no FLASH_ATTN builder at all.
+    builder = make_builder(vllm_config)
+    assert builder._flash is None
+    q_lens, ctx_lens = [1, 1, 1], [100, 33, 7]
+    step = Step(ctx_lens, q_lens)
+    attn_metadata, out = step.forward(builder, make_impl())
+    assert isinstance(attn_metadata, TreeAttentionMetadata)
+    ref = step.reference([causal_visibility(q) for q in q_lens])
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[DTYPE])
+
+
+def test_impl_runs_flash_attn_metadata_through_flash_attn(vllm_config, monkeypatch):
+    """FLASH_ATTN's metadata goes to FLASH_ATTN's impl, and no tree kernel
+    is launched for it."""
+    from vllm.v1.attention.backends import tree_attn
+
+    builder, _ = flash_builder(vllm_config, monkeypatch)
+    impl = make_impl()
+    calls = []
+
+    class FlashImplStub:
+        def forward(self, layer, q, k, v, kv_cache, attn_metadata, output):
+            calls.append(attn_metadata)
+            return output.fill_(2.0)
+
+    def no_tree_kernel(*args, **kwargs):
+        raise AssertionError("tree kernel launched for a plain step")
+
+    monkeypatch.setattr(impl, "_flash", FlashImplStub())
+    monkeypatch.setattr(tree_attn, "tree_attention", no_tree_kernel)
+    step = Step([100, 33], [1, 1])
+    md, out = step.forward(builder, impl)
+    assert calls == [md] and bool((out == 2.0).all())

@@ -845,6 +845,55 @@ def test_capture_and_draft_free_batches_are_causal(vllm_config):
     assert torch.equal(batch.positions.cpu(), _flat_positions())
 
 
+def test_plain_steps_tell_tree_attn_they_hold_no_tree(vllm_config):
+    """A step verifying no drafts marks the tree inputs draft-free (TREE_ATTN
+    may then hand the batch to FlashAttention), except under a full CUDA graph
+    or a capture, which run the path they were captured with; ``is_tree`` is
+    cleared once after a tree step, not again in every plain step after it."""
+    from vllm.v1.spec_decode.ddtree import DraftTrees
+
+    gen = torch.Generator().manual_seed(1)
+    state_ms = _model_state(vllm_config)
+    trees = DraftTrees(NUM_STATES, BUDGET, torch.device(DEVICE))
+    _store(trees, _trees(gen))
+    state_ms.set_draft_trees(trees, set())
+    inputs = state_ms.tree_inputs
+    block_table = _block_table(gen).to(DEVICE)
+    slot_mapping = _slot_mapping(block_table.cpu(), _flat_positions())[None]
+
+    def step(num_draft_tokens, mode=CUDAGraphMode.NONE, for_capture=False):
+        batch = _input_batch(_flat_positions())
+        if not num_draft_tokens:
+            batch.num_draft_tokens = 0
+        state_ms.prepare_attn(
+            batch,
+            mode,
+            (block_table,),
+            slot_mapping.to(DEVICE),
+            _attn_groups(vllm_config),
+            KV_CACHE_CONFIG,
+            for_capture=for_capture,
+        )
+
+    step(num_draft_tokens=True)
+    assert inputs.has_tree_rows and inputs.is_tree.any()
+    step(num_draft_tokens=False)
+    assert not inputs.has_tree_rows and not inputs.is_tree.any()
+    # A later plain step launches no clearing: a marker left in the buffer
+    # stays (nothing but prepare_attn writes it in a real step).
+    inputs.is_tree[-1] = 5
+    step(num_draft_tokens=False)
+    assert inputs.is_tree[-1].item() == 5 and not inputs.has_tree_rows
+    step(num_draft_tokens=False, mode=CUDAGraphMode.FULL)
+    assert inputs.has_tree_rows
+    step(num_draft_tokens=False, for_capture=True)
+    assert inputs.has_tree_rows
+    inputs.is_tree[-1] = 0
+    step(num_draft_tokens=True)
+    step(num_draft_tokens=False, for_capture=True)
+    assert not inputs.is_tree.any()
+
+
 def test_context_features_either_way(vllm_config, monkeypatch):
     """The drafter's context features are the same whether the aux layers are
     concatenated over every row first (small steps: fewer launches) or gathered

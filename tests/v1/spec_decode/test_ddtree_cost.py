@@ -376,3 +376,61 @@ def test_no_probe_where_the_scheduler_gives_no_slots():
         budget_ladder(15), 15, StepCostModel({1: 1.0}, {1: 10.0}), probe_interval=2
     )
     assert not any(controller.should_draft(600, 0) for _ in range(6))
+
+
+def test_drafted_trees_are_weighed_without_their_drafter():
+    """A step's trees cost their drafter's forward whatever it verifies: they
+    are verified where that pays for the target's extra work, even where
+    drafting for the next step does not pay (it would throw away the forward
+    paid for them)."""
+    # A 4 ms target step at 8 requests for any size below 64 tokens, a 3 ms
+    # drafter: verifying 3 nodes costs the target 1 ms more.
+    cost = StepCostModel({8: 4e-3, 32: 5e-3, 64: 6e-3}, {1: 3e-3, 8: 3e-3})
+    controller = TreeBudgetController(budget_ladder(7), 7, cost)
+    controller.set_curve(AcceptanceCurve(8, (0.0, 0.2, 0.5, 0.6)))
+    # Steady: 1.5 tokens per 8 ms against 1 per 4 ms: do not draft.
+    assert controller.best_budget(8, 7) == 0
+    assert not controller.should_draft(8, 7)
+    # Trees drafted already: 1.5 tokens per 5 ms against 1 per 4 ms.
+    assert controller.best_budget(8, 7, drafted=True) == 3
+    assert controller.choose(8, 7, has_trees=True, timed=True) == 3
+    # Verification alone must pay: not where the trees accept too little.
+    controller.set_curve(AcceptanceCurve(8, (0.0, 0.05, 0.1, 0.2)))
+    assert controller.choose(8, 7, has_trees=True, timed=True) == 0
+
+
+def test_estimates_are_averaged_over_batches():
+    """Each estimate is one batch's and arrives late: the controller weighs a
+    running average, so one batch's swing near break-even does not flip it."""
+    controller = TreeBudgetController(
+        budget_ladder(3), 3, StepCostModel({1: 1.0}, {1: 0.1})
+    )
+    controller.update_curve(AcceptanceCurve(4, (0.0, 1.0, 2.0), (1.0, 2.0, 3.0, 4.0)))
+    assert controller.expected_accepted(3) == pytest.approx(2.0)
+    controller.update_curve(AcceptanceCurve(6, (0.0, 3.0, 6.0), (5.0, 6.0, 7.0, 8.0)))
+    assert controller.expected_accepted(1) == pytest.approx(1.5)
+    assert controller.expected_accepted(3) == pytest.approx(3.0)
+    # The calibration totals (for the log) are the newest, not averaged.
+    assert controller._curve.calibration == (5.0, 6.0, 7.0, 8.0)
+    for _ in range(30):
+        controller.update_curve(AcceptanceCurve(6, (0.0, 3.0, 6.0)))
+    assert controller.expected_accepted(3) == pytest.approx(6.0, rel=1e-3)
+
+
+def test_periods_follow_the_batch_size_within_a_bucket():
+    """A bucket spans batch sizes (49 to 64 requests) whose tree steps differ
+    more than their plain steps: a shape's periods are scaled by its GPU time
+    at the batch size asked for, so that a tree step of 49 requests is not
+    charged what one of 64 costs."""
+    assert request_bucket(49) == request_bucket(64)
+    cost = StepCostModel({64: 5e-3, 1024: 15e-3}, {1: 1e-3, 64: 1e-3})
+    for _ in range(5):
+        assert cost.observe(64, 3, True, 1.2 * cost.prior(64, 3, True))
+        assert cost.observe(64, 0, False, 1.2 * cost.prior(64, 0, False))
+    assert cost.predict(64, 3, True) == pytest.approx(1.2 * cost.prior(64, 3, True))
+    assert cost.predict(49, 3, True) == pytest.approx(1.2 * cost.prior(49, 3, True))
+    assert cost.predict(49, 3, True) < 0.95 * cost.predict(64, 3, True)
+    # The GPU time of a plain step barely moves between them; nor does its
+    # prediction.
+    assert cost.predict(49, 0, False) == pytest.approx(cost.predict(64, 0, False))
+    assert cost.learned(49) == "b=0 6.00 ms (5), b=3+ 9.60 ms (5)"

@@ -54,6 +54,7 @@ from vllm.v1.spec_decode.ddtree_cost import (
     StepCostModel,
     TreeBudgetController,
 )
+from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
 from vllm.v1.worker.gpu.input_batch import (
     InputBatch,
     combine_sampled_and_draft_tokens,
@@ -172,10 +173,19 @@ class AdaptiveTreeBudget:
 
         def dummy_inputs(desc) -> None:
             # A graph reads what its capture left in the buffers: make them a
-            # batch of this graph's own shape (causal rows, padded slots).
-            InputBatch.make_dummy(desc.num_reqs, desc.num_tokens, runner.input_buffers)
-            runner.block_tables.get_dummy_slot_mappings(desc.num_tokens)
-            runner.model_state.tree_inputs.is_tree.zero_()
+            # batch of this graph's own shape (causal rows, padded slots), and
+            # its attention metadata as capture built it (a single-token graph
+            # runs FlashAttention, whose scheduler buffer holds the last
+            # batch's plan otherwise).
+            prepare_inputs_to_capture(
+                desc.num_reqs,
+                desc.num_tokens,
+                runner.model_state,
+                runner.input_buffers,
+                runner.block_tables,
+                runner.attn_groups,
+                runner.kv_cache_config,
+            )
 
         spec = runner.speculator
         start = time.perf_counter()
@@ -324,7 +334,7 @@ class AdaptiveTreeBudget:
         if not spec:
             return scheduler_output
         num_tokens = scheduler_output.num_scheduled_tokens
-        slots = [len(v) for v in spec.values()]
+        slots = list(map(len, spec.values()))
         cap, most, num_slots = min(slots), max(slots), sum(slots)
         num_reqs = len(spec)
         pure = len(num_tokens) == num_reqs and (
@@ -344,10 +354,14 @@ class AdaptiveTreeBudget:
         if b == most:
             return scheduler_output
         trimmed = copy.copy(scheduler_output)
-        trimmed.num_scheduled_tokens = {
-            r: n - len(spec[r]) + min(b, len(spec[r])) if r in spec else n
-            for r, n in num_tokens.items()
-        }
+        if pure and cap == most:
+            # Every request decodes with as many slots: 1 + b tokens each.
+            trimmed.num_scheduled_tokens = dict.fromkeys(num_tokens, 1 + b)
+        else:
+            trimmed.num_scheduled_tokens = {
+                r: n - len(spec[r]) + min(b, len(spec[r])) if r in spec else n
+                for r, n in num_tokens.items()
+            }
         trimmed.scheduled_spec_decode_tokens = (
             {r: v[:b] for r, v in spec.items()} if b else {}
         )
@@ -561,7 +575,7 @@ class AdaptiveTreeBudget:
         values = self._host[slot].tolist()
         num_reqs = self._host_reqs[slot]
         num_ladder = len(self.cfg.ladder)
-        controller.set_curve(
+        controller.update_curve(
             AcceptanceCurve(
                 num_reqs,
                 tuple(v / num_reqs for v in values[:num_ladder]),

@@ -24,6 +24,14 @@ are lower bounds of a step's period, and learns the real periods from timed
 steps. Shapes it has not timed are predicted optimistically, so that any that
 could pay gets tried and corrected; none is ruled out by a pessimistic guess.
 
+A step that has trees weighs its budgets without the drafter's forward that
+built them (paid whatever it verifies); whether the drafter runs again is
+weighed with it (:meth:`TreeBudgetController.should_draft`). The acceptance
+estimates are averaged over the last few drafted batches: each arrives a step
+or two late and is one batch's, and a choice flipping on one batch's estimate
+near break-even alternates plain steps with trees, which serves less than
+either.
+
 Everything here is host arithmetic on a few dozen numbers per step: no tensor,
 no device sync, no loop over requests.
 """
@@ -56,6 +64,9 @@ _IDLE_SECONDS = 0.5
 # Steps without drafting before one drafted step re-measures what the drafter
 # would gain (the acceptance estimate does not move while nothing is drafted).
 _PROBE_INTERVAL = 32
+# Weight of a newly read acceptance estimate in the running one
+# (update_curve): about the last four drafted batches count.
+_CURVE_WEIGHT = 0.25
 
 
 def budget_ladder(cap: int) -> tuple[int, ...]:
@@ -96,6 +107,15 @@ class _Median:
         self.value = statistics.median(self._recent)
 
 
+class _Shape:
+    """One step shape's recent periods, and each one over the GPU time (the
+    prior) of the batch size it was timed at."""
+
+    def __init__(self) -> None:
+        self.periods = _Median()
+        self.ratios = _Median()
+
+
 class StepCostModel:
     """Step periods by shape: a start-up lower bound corrected by timed steps.
 
@@ -106,9 +126,13 @@ class StepCostModel:
     past the last one. Their sum is a shape's GPU time with short contexts: a
     lower bound of its period, which adds host work (launches, scheduling,
     sampling) and longer contexts. A shape seen a few times is predicted by
-    the median of its recent periods; an unseen one by the largest of its GPU
-    time and the periods of the seen shapes of the same kind with fewer nodes
-    (a larger tree never runs faster), but never above the period of a seen
+    its GPU time at the batch size asked for times the median of its recent
+    periods over the GPU time at theirs: a request bucket spans batch sizes
+    whose tree steps differ more than their plain steps do, and its periods'
+    plain median would charge a tree step of the bucket's fewest requests
+    what one of its most cost. An unseen shape is predicted by the largest of
+    its GPU time and the periods of the seen shapes of the same kind with fewer
+    nodes (a larger tree never runs faster), but never above the period of a seen
     shape of the same kind with as many nodes per request or more and as many
     requests or more (a start-up time that is not a step's cost, such as a
     replay slowed by whatever its buffers held, would otherwise keep a shape
@@ -127,30 +151,35 @@ class StepCostModel:
         self._target = sorted(target_seconds.items())
         self._drafter = sorted(drafter_seconds.items())
         # (bucket, drafted) -> {budget: recent periods}
-        self._shapes: dict[tuple[int, bool], dict[int, _Median]] = {}
+        self._shapes: dict[tuple[int, bool], dict[int, _Shape]] = {}
         # The shapes with an estimate of their own, (bucket, drafted, budget,
         # periods): what bounds an unseen shape from above.
-        self._estimated: list[tuple[int, bool, int, _Median]] = []
+        self._estimated: list[tuple[int, bool, int, _Shape]] = []
 
     def prior(self, num_reqs: int, budget: int, drafted: bool) -> float:
         seconds = _interpolate(self._target, num_reqs * (1 + budget))
         if drafted:
-            seconds += _interpolate(self._drafter, num_reqs)
+            seconds += self.drafter_prior(num_reqs)
         return seconds
+
+    def drafter_prior(self, num_reqs: int) -> float:
+        """The drafter's start-up GPU time for ``num_reqs`` requests: a lower
+        bound of what its forward adds to a step."""
+        return _interpolate(self._drafter, num_reqs)
 
     def predict(self, num_reqs: int, budget: int, drafted: bool) -> float:
         bucket = request_bucket(num_reqs)
         seen = self._shapes.get((bucket, drafted), {})
         own = seen.get(budget)
-        if own is not None and own.n >= _MIN_OBSERVATIONS:
-            return own.value
+        if own is not None and own.periods.n >= _MIN_OBSERVATIONS:
+            return own.ratios.value * self.prior(num_reqs, budget, drafted)
         bound = self.prior(num_reqs, budget, drafted)
-        for b, avg in seen.items():
-            if b < budget and avg.n >= _MIN_OBSERVATIONS:
-                bound = max(bound, avg.value)
-        for other, other_drafted, b, avg in self._estimated:
+        for b, shape in seen.items():
+            if b < budget and shape.periods.n >= _MIN_OBSERVATIONS:
+                bound = max(bound, shape.periods.value)
+        for other, other_drafted, b, shape in self._estimated:
             if other_drafted == drafted and other >= bucket and b >= budget:
-                bound = min(bound, avg.value)
+                bound = min(bound, shape.periods.value)
         return max(bound, 1e-9)
 
     def observe(
@@ -162,14 +191,16 @@ class StepCostModel:
             return False
         bucket = request_bucket(num_reqs)
         seen = self._shapes.setdefault((bucket, drafted), {})
-        avg = seen.setdefault(budget, _Median())
+        shape = seen.setdefault(budget, _Shape())
+        periods = shape.periods
         if seconds > _IDLE_SECONDS or (
-            avg.n >= _MIN_OBSERVATIONS and seconds > _OUTLIER * avg.value
+            periods.n >= _MIN_OBSERVATIONS and seconds > _OUTLIER * periods.value
         ):
             return False
-        avg.add(seconds)
-        if avg.n == _MIN_OBSERVATIONS:
-            self._estimated.append((bucket, drafted, budget, avg))
+        periods.add(seconds)
+        shape.ratios.add(seconds / self.prior(num_reqs, budget, drafted))
+        if periods.n == _MIN_OBSERVATIONS:
+            self._estimated.append((bucket, drafted, budget, shape))
         return True
 
     def learned(self, num_reqs: int) -> str:
@@ -180,7 +211,8 @@ class StepCostModel:
         parts = []
         for drafted in (False, True):
             seen = self._shapes.get((bucket, drafted), {})
-            for b, avg in sorted(seen.items()):
+            for b, shape in sorted(seen.items()):
+                avg = shape.periods
                 if avg.n >= _MIN_OBSERVATIONS:
                     mark = "+" if drafted else ""
                     parts.append(f"b={b}{mark} {1e3 * avg.value:.2f} ms ({avg.n})")
@@ -188,8 +220,8 @@ class StepCostModel:
 
     def num_observed(self, num_reqs: int, budget: int, drafted: bool) -> int:
         seen = self._shapes.get((request_bucket(num_reqs), drafted), {})
-        avg = seen.get(budget)
-        return 0 if avg is None else avg.n
+        shape = seen.get(budget)
+        return 0 if shape is None else shape.periods.n
 
 
 def _interpolate(points: Sequence[tuple[int, float]], x: int) -> float:
@@ -303,6 +335,18 @@ class TreeBudgetController:
             )
         self._curve = curve
 
+    def update_curve(self, curve: AcceptanceCurve) -> None:
+        """A newly read estimate, blended into the running one (its weight
+        ``_CURVE_WEIGHT``); the calibration totals are the newest."""
+        old = self._curve
+        if old is not None and len(old.per_request) == len(curve.per_request):
+            blended = tuple(
+                a + _CURVE_WEIGHT * (b - a)
+                for a, b in zip(old.per_request, curve.per_request)
+            )
+            curve = AcceptanceCurve(curve.num_reqs, blended, curve.calibration)
+        self.set_curve(curve)
+
     def expected_accepted(self, budget: int) -> float:
         """Accepted nodes per request at ``budget`` (a ladder value)."""
         if budget == 0:
@@ -313,16 +357,23 @@ class TreeBudgetController:
 
     # -- decisions ------------------------------------------------------------
 
-    def best_budget(self, num_reqs: int, max_budget: int) -> int:
+    def best_budget(self, num_reqs: int, max_budget: int, drafted: bool = False) -> int:
         """The ladder budget <= ``max_budget`` with the most expected tokens per
-        second for ``num_reqs`` requests (ties: the smaller budget)."""
-        best, best_rate = 0, 1.0 / self.cost.predict(num_reqs, 0, False)
+        second for ``num_reqs`` requests (ties: the smaller budget).
+
+        ``drafted``: the trees exist already, so the drafter's forward that
+        built them is paid whichever budget is verified; it is left out of
+        every tree step's cost (at most its start-up time, so that a tree step
+        is charged at least its own verification). Otherwise a tree step costs
+        its drafter too: the steady choice between speculating and not."""
+        plain = self.cost.predict(num_reqs, 0, False)
+        paid = self.cost.drafter_prior(num_reqs) if drafted else 0.0
+        best, best_rate = 0, 1.0 / plain
         for b in self.ladder[1:]:
             if b > max_budget:
                 break
-            rate = (1.0 + self.expected_accepted(b)) / self.cost.predict(
-                num_reqs, b, True
-            )
+            seconds = max(plain, self.cost.predict(num_reqs, b, True) - paid)
+            rate = (1.0 + self.expected_accepted(b)) / seconds
             if rate > best_rate:
                 best, best_rate = b, rate
         return best
@@ -331,8 +382,11 @@ class TreeBudgetController:
         self, num_reqs: int, max_budget: int, has_trees: bool, timed: bool
     ) -> int:
         """This step's per-request budget (0 without trees to verify).
-        ``timed``: a pure decode step, whose period may teach the cost model."""
-        b = self.best_budget(num_reqs, max_budget) if has_trees else 0
+        ``timed``: a pure decode step, whose period may teach the cost model.
+        The trees' drafter is paid: verifying them pays unless the target's
+        extra work outweighs what they are expected to accept (a tree thrown
+        away here wasted the drafter's forward)."""
+        b = self.best_budget(num_reqs, max_budget, drafted=True) if has_trees else 0
         self._step = _Step(num_reqs, b, timed)
         log = self._log
         log.steps += 1

@@ -84,6 +84,9 @@ class DDTreeModelState(DefaultModelState):
             self.max_num_reqs, cfg.tree_budget, device
         )
         self._tree_groups: list[AttentionGroup] | None = None
+        # Whether is_tree is known to be all zero (only prepare_attn writes it
+        # in a step; unknown at first).
+        self._is_tree_clear = False
         # The speculator's trees and its drafter's attention layers
         # (set_draft_trees), and the model runner's attention groups without
         # the drafter's, built once.
@@ -119,16 +122,15 @@ class DDTreeModelState(DefaultModelState):
     ) -> dict[str, Any]:
         self._bind_tree_inputs(attn_groups)
         attn_groups = self._without_draft_groups(attn_groups)
-        if for_capture or input_batch.num_draft_tokens == 0:
-            # No tree rows: every row is causal.
-            self.tree_inputs.is_tree.zero_()
-        else:
+        inputs = self.tree_inputs
+        has_trees = not for_capture and input_batch.num_draft_tokens > 0
+        if has_trees:
             trees = self._trees
             assert trees is not None, "the speculator's set_attn hands the trees"
             write_tree_verify_inputs(
                 input_batch.positions,
-                self.tree_inputs.attn_mask,
-                self.tree_inputs.is_tree,
+                inputs.attn_mask,
+                inputs.is_tree,
                 trees.token_ids,
                 trees.depths,
                 trees.attn_mask,
@@ -137,6 +139,18 @@ class DDTreeModelState(DefaultModelState):
                 input_batch.cu_num_logits,
                 input_batch.num_reqs_after_padding,
             )
+            self._is_tree_clear = False
+        elif not self._is_tree_clear:
+            # No tree rows: every row is causal. Cleared once after a tree
+            # step, not in every plain step of a run.
+            inputs.is_tree.zero_()
+            self._is_tree_clear = True
+        # A capture or a full-graph replay keeps the tree path whatever this
+        # step holds; an eager or piecewise step without drafts may run
+        # FlashAttention over the whole batch (TREE_ATTN's builder decides).
+        inputs.has_tree_rows = (
+            has_trees or for_capture or cudagraph_mode == CUDAGraphMode.FULL
+        )
         return super().prepare_attn(
             input_batch,
             cudagraph_mode,

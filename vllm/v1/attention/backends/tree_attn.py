@@ -15,10 +15,13 @@ such a target:
   tree inputs the backend is a plain causal backend and matches FLASH_ATTN.
 
 Rows run the Triton kernel of ``vllm/v1/attention/ops/triton_tree_attention.py``.
-Long causal rows at the end of a mixed batch (prefills) go to vLLM's
-FlashAttention when it is available and mixed batches are not captured in full
-CUDA graphs. The KV cache has FLASH_ATTN's layout, so both paths (and the KV
-compaction of the tree sampler) read the same pages.
+Where vLLM's FlashAttention is available and mixed batches are not captured in
+full CUDA graphs, a batch without tree rows (every query a single token, or a
+step the speculator marked draft-free) is handed whole to FLASH_ATTN's own
+metadata builder and impl, so that a step verifying no tree costs what a step
+without speculation does; and long causal rows at the end of a mixed batch
+(prefills) go to FlashAttention too. The KV cache has FLASH_ATTN's layout, so
+every path (and the KV compaction of the tree sampler) reads the same pages.
 
 The backend is causal-only: ``supports_non_causal()`` is false and ``build``
 rejects non-causal metadata, so it can never serve the DFlash drafter, whose
@@ -52,7 +55,12 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
+)
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.attention.ops.tree_mask import num_mask_words
@@ -102,6 +110,11 @@ class TreeAttentionInputs:
     # [max_num_reqs] int32: 0 for a causal request, 1 + s where the request's
     # tree root is its query row s (rows before it are causal prompt rows).
     is_tree: torch.Tensor
+    # Host side, written with the buffers: False when the step verifies no
+    # drafts, so that every row is causal and the builder may hand the batch to
+    # FlashAttention. Never False for a batch replayed from a full CUDA graph
+    # (the graph runs the path it was captured with).
+    has_tree_rows: bool = True
 
     def __post_init__(self) -> None:
         mask, is_tree = self.attn_mask, self.is_tree
@@ -288,6 +301,14 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         self._init_reorder_batch_threshold(1 + (num_spec or 0))
         self._tree_inputs: TreeAttentionInputs | None = None
         self._fa_version = _flash_attn_version(kv_cache_spec.head_size)
+        # FLASH_ATTN's builder for batches without tree rows: its metadata (and
+        # under full CUDA graphs its persistent scheduler buffer) as a target
+        # without speculation builds them.
+        self._flash: FlashAttentionMetadataBuilder | None = None
+        if self._fa_version is not None:
+            self._flash = FlashAttentionMetadataBuilder(
+                kv_cache_spec, layer_names, vllm_config, device
+            )
 
     def set_tree_inputs(self, inputs: TreeAttentionInputs) -> None:
         """Give the builder the speculator's persistent tree buffers (once)."""
@@ -316,13 +337,15 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         common_prefix_len: int,
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
-    ) -> TreeAttentionMetadata:
+    ) -> "TreeAttentionMetadata | FlashAttentionMetadata":
         cm = common_attn_metadata
         if cm.causal is not True:
             raise ValueError(
                 "TREE_ATTN is causal-only; non-causal attention (e.g. the DFlash "
                 "drafter) needs another backend"
             )
+        if self._flash is not None and self._without_tree_rows(cm):
+            return self._flash.build(common_prefix_len, cm, fast_build)
         num_decodes, num_decode_tokens = self._split_point(cm)
         if num_decodes == cm.num_reqs:
             kernel_rows = self._kernel_rows(cm, cm.num_reqs, cm.num_actual_tokens)
@@ -364,6 +387,20 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
             block_table=cm.block_table_tensor[:num_reqs],
             tree_mask=tree_mask,
             is_tree=is_tree,
+        )
+
+    def _without_tree_rows(self, cm: CommonAttentionMetadata) -> bool:
+        """Whether the whole batch goes to FlashAttention: no row can be a tree
+        row. A batch of single-token queries never holds one (a tree has its
+        root and at least one node), and under full CUDA graphs is replayed
+        from a graph captured with single-token queries only; any other batch
+        needs the speculator's word (``has_tree_rows``), and runs eagerly or
+        piecewise (_flash_prefills_allowed)."""
+        if not self._flash_prefills_allowed():
+            return False
+        inputs = self._tree_inputs
+        return cm.max_query_len == 1 or (
+            inputs is not None and not inputs.has_tree_rows
         )
 
     def _split_point(self, cm: CommonAttentionMetadata) -> tuple[int, int]:
@@ -428,6 +465,8 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
         self._fa_version = _flash_attn_version(head_size)
+        # FLASH_ATTN's impl, for batches the builder handed to its metadata.
+        self._flash: FlashAttentionImpl | None = None
         if self._fa_version is not None:
             from vllm.v1.attention.backends.fa_utils import (
                 flash_attn_varlen_func,
@@ -436,6 +475,19 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
 
             self._flash_attn_varlen_func = flash_attn_varlen_func
             self._write_kv = reshape_and_cache_flash
+            self._flash = FlashAttentionImpl(
+                num_heads,
+                head_size,
+                scale,
+                num_kv_heads,
+                alibi_slopes,
+                sliding_window,
+                kv_cache_dtype,
+                logits_soft_cap,
+                attn_type,
+                kv_sharing_target_layer_name,
+                sinks,
+            )
         else:
             self._write_kv = _reshape_and_cache_torch
 
@@ -446,7 +498,7 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: TreeAttentionMetadata,
+        attn_metadata: "TreeAttentionMetadata | FlashAttentionMetadata",
         output: torch.Tensor,
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
@@ -458,6 +510,12 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
             raise NotImplementedError("TREE_ATTN does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
+        if isinstance(attn_metadata, FlashAttentionMetadata):
+            # No tree rows (the builder's choice): FLASH_ATTN's own forward.
+            assert self._flash is not None
+            return self._flash.forward(
+                layer, query, key, value, kv_cache, attn_metadata, output
+            )
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         rows = attn_metadata.kernel_rows
         if rows.num_tokens > 0:

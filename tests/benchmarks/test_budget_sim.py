@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""benchmarks/budget_sim.py: the adaptive budget's controller on a real-size
+step-cost table (Qwen3-8B shapes, one H100, about 50 requests). Near break-even
+it holds a steady small tree where that serves more than plain steps (the
+controller of 8c473bf alternated, about half of the steps plain), and plain
+steps where those serve more."""
+
+import pytest
+
+from benchmarks import budget_sim
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_steady_small_tree_where_it_serves_more(seed):
+    strength = 0.33  # a 3-node tree accepts 0.53 nodes per request
+    steady = {b: budget_sim.steady_rate(strength, b) for b in (0, 1, 3, 7)}
+    assert max(steady, key=steady.get) == 3 and steady[3] > 1.05 * steady[0]
+    shares, discarded, rate = budget_sim.simulate(strength, seed=seed)
+    print(f"budgets {shares}, {rate:.2f} tokens/ms, steady {steady}")
+    assert shares.get(3, 0.0) >= 0.9
+    assert discarded == 0.0
+    assert rate >= 0.97 * steady[3]
+
+
+@pytest.mark.parametrize("strength, best", [(1.0, (3, 7)), (0.2, (0,))])
+def test_the_better_steady_choice_elsewhere(strength, best):
+    steady = {b: budget_sim.steady_rate(strength, b) for b in (0, 1, 3, 7)}
+    assert max(steady, key=steady.get) in best
+    shares, _, rate = budget_sim.simulate(strength, seed=0)
+    assert sum(shares.get(b, 0.0) for b in best) >= 0.9
+    assert rate >= 0.97 * max(steady.values())
