@@ -528,9 +528,9 @@ def test_profile_replays_the_drafter_over_its_own_shapes_metadata(monkeypatch):
 def test_warm_up_compiles_the_split_for_every_cap_block(monkeypatch):
     """A step's cap is the fewest slots a request got (the scheduler trims a
     request near max_model_len to any count), and the split's kernel is
-    compiled per power-of-two block of it: the warm-up launches one cap of
-    every block up to the largest slot count. The kernels are stubbed; the
-    calls are what is checked."""
+    compiled per block of it (``cap_block``: powers of 4): the warm-up
+    launches one cap of every block up to the largest slot count. The kernels
+    are stubbed; the calls are what is checked."""
     from vllm.v1.spec_decode import ddtree_adaptive
 
     from vllm.v1.spec_decode.ddtree_cost import budget_ladder
@@ -576,9 +576,11 @@ def test_warm_up_compiles_the_split_for_every_cap_block(monkeypatch):
         ),
     )
     budget.warm_up(runner)
-    blocks = {1 << (c - 1).bit_length() for c in caps}
-    needed = {1 << (c - 1).bit_length() for c in range(1, 129)}
-    assert blocks == needed and len(caps) == len(needed) == 8
+    from vllm.v1.spec_decode.ddtree_budget import cap_block
+
+    blocks = {cap_block(c) for c in caps}
+    needed = {cap_block(c) for c in range(1, 129)}
+    assert blocks == needed == {4, 16, 64, 256} and len(caps) == len(needed)
     assert max(caps) == 128 and sorted(set(widths)) == sorted(
         {max(1, k) for k in budget.slots[1:]}
     )

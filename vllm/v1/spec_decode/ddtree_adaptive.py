@@ -45,6 +45,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.spec_decode.ddtree_budget import (
     TreeAcceptanceCalibration,
     assign_tree_nodes,
+    cap_block,
     expected_accepted_nodes,
 )
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig, engine_tree_slots
@@ -278,10 +279,10 @@ class AdaptiveTreeBudget:
             launches += 3
         # The step's cap is the fewest slots a request got, which the
         # scheduler trims near max_model_len: any value up to the largest, so
-        # every power-of-two block of the split's kernel up to it.
+        # one cap of every block of the split's kernel up to it.
         most = max(self.slots[1:], default=0)
-        caps = {min(1 << k, most) for k in range(most.bit_length() + 1)}
-        for cap in sorted(c for c in caps if c > 0):
+        caps = {min(cap_block(c), most) for c in range(1, most + 1)}
+        for cap in sorted(caps):
             assign_tree_nodes(
                 trees_state.log_probs,
                 idx,
