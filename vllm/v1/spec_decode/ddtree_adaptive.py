@@ -167,9 +167,9 @@ class AdaptiveTreeBudget:
 
     @torch.inference_mode()
     def profile(self, runner) -> None:
-        """Seed the cost model with GPU times of every captured step shape:
-        the target's uniform decode graphs and the drafter's graphs, replayed
-        a few times each once the engine has captured them."""
+        """Seed the cost model with GPU times of the captured step shapes:
+        a target graph of every token count and the drafter's graphs,
+        replayed a few times each once the engine has captured them."""
 
         def dummy_inputs(desc) -> None:
             # A graph reads what its capture left in the buffers: make them a
@@ -593,22 +593,36 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _time_graphs(manager, prepare=None, keep=None) -> tuple[dict[int, float], float]:
-    """Seconds per replay of every FULL graph of a MRv2 graph manager, by
-    token count: the fastest replay of the fastest graph of each count (a
-    lower bound of a step's cost, whatever else the GPU did meanwhile), and
-    the GPU seconds of all replays. ``prepare(desc)`` fills the graph's input
-    buffers first; ``keep(num_tokens)``, if given, picks the graphs timed.
-    The replays are queued with an event pair each and read after one sync at
-    the end."""
-    if manager is None:
-        return {}, 0.0
-    timed = []
-    for desc in list(manager.graphs):
+def _profiled_graphs(manager, keep=None) -> list:
+    """The FULL graphs of a MRv2 graph manager that the profile times: one
+    per token count (``keep(num_tokens)``, if given, picks the counts), the
+    one of fewest requests. The cost model keys times by token count, and a
+    count's graphs differ only in how its tokens split into requests (an
+    adaptive engine captures a uniform decode graph per ladder budget that
+    divides the count: about five per count, each a full forward)."""
+    chosen = {}
+    for desc in manager.graphs:
         if desc.cg_mode != CUDAGraphMode.FULL:
             continue
         if keep is not None and not keep(desc.num_tokens):
             continue
+        best = chosen.get(desc.num_tokens)
+        if best is None or (desc.num_reqs or 0) < (best.num_reqs or 0):
+            chosen[desc.num_tokens] = desc
+    return list(chosen.values())
+
+
+def _time_graphs(manager, prepare=None, keep=None) -> tuple[dict[int, float], float]:
+    """Seconds per replay of a MRv2 graph manager's FULL graphs, by token
+    count (:func:`_profiled_graphs`): the fastest replay of each count's
+    graph (a lower bound of a step's cost, whatever else the GPU did
+    meanwhile), and the GPU seconds of all replays. ``prepare(desc)`` fills
+    the graph's input buffers first. The replays are queued with an event
+    pair each and read after one sync at the end."""
+    if manager is None:
+        return {}, 0.0
+    timed = []
+    for desc in _profiled_graphs(manager, keep):
         if prepare is not None:
             prepare(desc)
         # The first replay warms up; it is timed only for the GPU total.
