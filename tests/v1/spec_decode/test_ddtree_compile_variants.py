@@ -130,3 +130,84 @@ def test_a_default_servers_start_up_variants(counts):
     assert pair["widths"] == [1, 3, 15, 63, 128]
     assert pair["variants"]["_sort_top_kernel"] == 1
     assert sum(pair["variants"].values()) == 25
+
+
+PARALLEL = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from benchmarks import start_up_variants as suv
+    suv.use_sm90_compiler()
+    import torch
+    from triton import knobs
+    from vllm.triton_utils.parallel_compile import compile_in_parallel
+    from vllm.v1.spec_decode import ddtree_budget as db
+
+    calib = db.TreeAcceptanceCalibration(torch.device("cpu"))
+    lp = torch.zeros(4, 1024)
+    i32 = lambda n: torch.zeros(n, dtype=torch.int32)
+    kernels = (db._assign_tree_nodes_kernel, db._expected_accepted_nodes_kernel)
+    met = []
+
+    def recorder(*, key, fn, **kwargs):  # a hook already installed
+        met.append(fn.name)
+
+    knobs.runtime.jit_cache_hook = recorder
+    passes = []
+
+    def warm_up():
+        passes.append(1)
+        if len(passes) == 2:
+            # The real pass: every variant is compiled (on a GPU the launches
+            # would run now; this fake sm90 driver cannot launch).
+            return {k.fn.__name__: len(k.device_caches[0][0]) for k in kernels}
+        # The compile-only pass: a launch here would fail on this driver.
+        for cap in (3, 15, 63, 40):  # blocks 4, 16, 64, 64
+            db.assign_tree_nodes(lp, i32(2), torch.zeros(4), calib, cap, 2,
+                                 i32(4), i32(5), i32(5))
+        db.expected_accepted_nodes(lp, torch.zeros(4), i32(2), calib, 8, i32(9),
+                                   torch.zeros(16))
+
+    compiled = compile_in_parallel(warm_up, max_workers=2)
+    restored = knobs.runtime.jit_cache_hook is recorder
+
+    def failing():
+        passes.append(1)
+        if len(passes) == 3:
+            raise RuntimeError("the first pass fails")
+        return "second pass"
+
+    print(json.dumps({
+        "compiled": compiled, "met": sorted(met), "restored": restored,
+        "after_failure": compile_in_parallel(failing, max_workers=2),
+        "passes": len(passes),
+        "hook_after_failure": knobs.runtime.jit_cache_hook is recorder,
+    }))
+""")
+
+
+def test_compile_in_parallel_compiles_first_then_launches():
+    """The compile-only pass compiles each new variant (for sm90, on two
+    threads) without launching it, passes each to a hook already installed,
+    and restores it; the real pass then finds every variant compiled. A
+    failing first pass leaves the second to run as usual."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", PARALLEL, str(ROOT)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["compiled"] == {
+        "_assign_tree_nodes_kernel": 3,
+        "_expected_accepted_nodes_kernel": 1,
+    }
+    assert out["met"] == ["_assign_tree_nodes_kernel"] * 3 + [
+        "_expected_accepted_nodes_kernel"
+    ]
+    assert out["restored"] and out["hook_after_failure"]
+    assert out["after_failure"] == "second pass" and out["passes"] == 4
+    assert "the parallel compile failed" in result.stdout + result.stderr

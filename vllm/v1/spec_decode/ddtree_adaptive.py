@@ -41,6 +41,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
+from vllm.triton_utils.parallel_compile import compile_in_parallel
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.spec_decode.ddtree_budget import (
     TreeAcceptanceCalibration,
@@ -242,8 +243,20 @@ class AdaptiveTreeBudget:
         engine's own buffers: a variant first met by a user's request would
         compile inside that step. The variants follow the tree widths the
         drafter builds (the scheduler's slots by batch size, also where the
-        drafter runs without a graph) and the step caps; returns the launches.
+        drafter runs without a graph) and the step caps; they compile on a
+        thread pool first (:func:`compile_in_parallel`). Returns the launches.
         """
+        start = time.perf_counter()
+        widths, launches = compile_in_parallel(lambda: self._warm_up_launches(runner))
+        logger.info(
+            "DDTree: adaptive budget kernels warmed up for tree widths %s in %.1f s",
+            widths,
+            time.perf_counter() - start,
+        )
+        return launches
+
+    def _warm_up_launches(self, runner) -> tuple[list[int], int]:
+        """:meth:`warm_up`'s launches: (the tree widths, the launches)."""
         spec = runner.speculator
         trees_state = spec.trees
         temperature = runner.sampler.sampling_states.temperature.gpu
@@ -256,7 +269,6 @@ class AdaptiveTreeBudget:
             self.cfg.draft_depth, spec.hidden_size, dtype=spec.dtype, device=device
         )
         launches = 0
-        start = time.perf_counter()
         widths = sorted({max(1, k) for k in self.slots[1:]})
         for width in widths:
             # The drafter's logits as _generate_draft computes them (layout
@@ -303,12 +315,7 @@ class AdaptiveTreeBudget:
         )
         # Slot 0's tree is not a request's: a request added there is reset.
         trees_state.reset_(0)
-        logger.info(
-            "DDTree: adaptive budget kernels warmed up for tree widths %s in %.1f s",
-            widths,
-            time.perf_counter() - start,
-        )
-        return launches + 2
+        return widths, launches + 2
 
     # -- before the step ------------------------------------------------------
 
