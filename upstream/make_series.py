@@ -380,6 +380,10 @@ series.""",
 * ddtree_adaptive.py: the adaptive budget's planner. DDTreeSpeculator
   builds it; the scheduler and model-runner hooks that drive it are patch 8
   (the config refuses adaptive budgets until then, so it stays idle).
+* triton_utils/parallel_compile.py: both start-up warm-ups (TREE_ATTN's
+  variants, the adaptive budget's kernels) run once with each new Triton
+  variant compiled on a thread pool instead of launched (Triton's
+  AsyncCompileMode), then as they are, every variant compiled.
 * init_speculator picks DDTreeSpeculator for method "ddtree", and
   init_model_state DDTreeModelState for it too; once the KV caches
   exist, the model runner compiles every TREE_ATTN variant a step can pick
@@ -405,6 +409,7 @@ and the overlay's engine fixtures, which are not in this patch.""",
             "vllm/v1/spec_decode/ddtree_adaptive.py",
             "vllm/v1/spec_decode/ddtree.py",
             "vllm/v1/spec_decode/ddtree_verify.py",
+            "vllm/triton_utils/parallel_compile.py",
             "tests/v1/spec_decode/test_ddtree.py",
             "tests/v1/spec_decode/test_ddtree_inputs.py",
             "tests/v1/spec_decode/test_ddtree_adaptive.py",

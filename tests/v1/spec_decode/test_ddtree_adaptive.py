@@ -444,8 +444,11 @@ def test_graph_timing_keeps_the_fastest_timed_replay(monkeypatch):
     class Desc:  # MRv2's BatchExecutionDescriptor keys the graphs
         num_tokens: int
         cg_mode: CUDAGraphMode = CUDAGraphMode.FULL
+        num_reqs: int | None = None
 
     graphs = [Desc(16), Desc(32), Desc(48), Desc(64), Desc(16, CUDAGraphMode.NONE)]
+    # Another graph of 64 tokens, in more requests: not timed.
+    graphs.append(Desc(64, num_reqs=4))
     # Seconds of each replay of each graph, the warm one first.
     replays = {16: [5.0, 3e-4, 2e-4, 4e-4], 32: [2.0, 6e-4, 5e-4, 7e-4]}
     replays[64] = [1.0, 9e-4, 8e-4, 9e-4]
@@ -470,6 +473,78 @@ def test_graph_timing_keeps_the_fastest_timed_replay(monkeypatch):
     assert ddtree_adaptive._time_graphs(None) == ({}, 0.0)
     powers = [n for n in range(1, 40) if ddtree_adaptive._is_power_of_two(n)]
     assert powers == [1, 2, 4, 8, 16, 32]
+
+
+def test_profile_times_one_target_graph_per_token_count(monkeypatch):
+    """The graphs vLLM 0.26's graph manager plans for the default adaptive
+    server (``vllm serve`` on an H100: 1024 sequences and 8192 batched
+    tokens, which DDTree fits to 512 sequences; tree_budget 1024): a uniform
+    decode graph per capture size and ladder budget that divides it. The
+    profile times one graph per token count, the one of fewest requests,
+    with 1 + _PROFILE_REPLAYS replays each."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm.v1.spec_decode import ddtree_adaptive
+    from vllm.v1.spec_decode.ddtree_config import (
+        adaptive_ladder,
+        batch_limits,
+        cudagraph_capture_sizes,
+        tree_budget_of,
+    )
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    tree = tree_budget_of(1024, None, True)
+    cfg = DDTreeConfig(1024, 15, adaptive_ladder(1024)[1:-1], adaptive=True)
+    seqs, tokens = batch_limits(cfg, 1024, 8192, False, False)
+    sizes = cudagraph_capture_sizes(cfg, seqs, tokens)
+    vllm_config = types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(max_num_seqs=seqs),
+        compilation_config=types.SimpleNamespace(
+            cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=sizes[-1]
+        ),
+        parallel_config=types.SimpleNamespace(
+            data_parallel_size=1, tensor_parallel_size=1
+        ),
+        speculative_config=types.SimpleNamespace(
+            uses_dynamic_speculative_decoding=lambda: True,
+            num_speculative_tokens_per_batch_size=(
+                tree.num_speculative_tokens_per_batch_size
+            ),
+        ),
+        num_speculative_tokens=1024,
+    )
+    monkeypatch.setattr(
+        cudagraph_utils,
+        "get_pp_group",
+        lambda: types.SimpleNamespace(is_first_rank=True, is_last_rank=True),
+    )
+    monkeypatch.setattr(
+        cudagraph_utils.current_platform,
+        "get_global_graph_pool",
+        lambda: None,
+        raising=False,
+    )
+    manager = cudagraph_utils.CudaGraphManager(
+        vllm_config, torch.device("cpu"), CUDAGraphMode.FULL_AND_PIECEWISE, 1025
+    )
+    full = [d for d in manager._capture_descs[CUDAGraphMode.FULL]]
+    manager.graphs = {
+        d: None for descs in manager._capture_descs.values() for d in descs
+    }
+    timed = ddtree_adaptive._profiled_graphs(manager)
+    per_graph = 1 + ddtree_adaptive._PROFILE_REPLAYS
+    counts = sorted({d.num_tokens for d in full})
+    before, after = per_graph * len(full), per_graph * len(timed)
+    print(
+        f"target graphs {len(full)} over {len(counts)} token counts: "
+        f"{before} replays before, {after} now"
+    )
+    assert sorted(d.num_tokens for d in timed) == counts
+    for d in timed:
+        assert d.num_reqs == min(
+            e.num_reqs for e in full if e.num_tokens == d.num_tokens
+        )
+    assert (len(full), len(counts)) == (261, 51) and (before, after) == (1044, 204)
 
 
 def test_profile_replays_the_drafter_over_its_own_shapes_metadata(monkeypatch):
@@ -528,9 +603,9 @@ def test_profile_replays_the_drafter_over_its_own_shapes_metadata(monkeypatch):
 def test_warm_up_compiles_the_split_for_every_cap_block(monkeypatch):
     """A step's cap is the fewest slots a request got (the scheduler trims a
     request near max_model_len to any count), and the split's kernel is
-    compiled per power-of-two block of it: the warm-up launches one cap of
-    every block up to the largest slot count. The kernels are stubbed; the
-    calls are what is checked."""
+    compiled per block of it (``cap_block``: powers of 4): the warm-up
+    launches one cap of every block up to the largest slot count. The kernels
+    are stubbed; the calls are what is checked."""
     from vllm.v1.spec_decode import ddtree_adaptive
 
     from vllm.v1.spec_decode.ddtree_cost import budget_ladder
@@ -576,9 +651,11 @@ def test_warm_up_compiles_the_split_for_every_cap_block(monkeypatch):
         ),
     )
     budget.warm_up(runner)
-    blocks = {1 << (c - 1).bit_length() for c in caps}
-    needed = {1 << (c - 1).bit_length() for c in range(1, 129)}
-    assert blocks == needed and len(caps) == len(needed) == 8
+    from vllm.v1.spec_decode.ddtree_budget import cap_block
+
+    blocks = {cap_block(c) for c in caps}
+    needed = {cap_block(c) for c in range(1, 129)}
+    assert blocks == needed == {4, 16, 64, 256} and len(caps) == len(needed)
     assert max(caps) == 128 and sorted(set(widths)) == sorted(
         {max(1, k) for k in budget.slots[1:]}
     )

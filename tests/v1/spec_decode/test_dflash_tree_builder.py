@@ -109,18 +109,21 @@ def test_matches_heap_reference(num_reqs, depth, vocab, budget):
         _run_case(num_reqs, depth, vocab, budget, seed)
 
 
+@pytest.mark.parametrize("sort_all", [True, False])
 @pytest.mark.parametrize("cap", [1, 4])
-def test_sort_all_fallback_matches_reference(monkeypatch, cap):
-    """Force the path that sorts every candidate of a depth (too many enter)."""
-    lower_survivor_cap(monkeypatch, cap)
+def test_sort_all_fallback_matches_reference(monkeypatch, cap, sort_all):
+    """Force the path that keeps the best of a depth's candidates (too many
+    enter), by a sort of them all and by a radix select."""
+    lower_survivor_cap(monkeypatch, cap, sort_all)
     for num_reqs, depth, vocab, budget in [(2, 15, 50, 16), (1, 4, 1000, 12)]:
         _run_case(num_reqs, depth, vocab, budget, seed=9)
 
 
 @requires_gpu
+@pytest.mark.parametrize("sort_all", [True, False])
 @pytest.mark.parametrize("budget", [16, 128, 512])
-def test_sort_all_fallback_full_size(monkeypatch, budget):
-    lower_survivor_cap(monkeypatch, 1)
+def test_sort_all_fallback_full_size(monkeypatch, budget, sort_all):
+    lower_survivor_cap(monkeypatch, 1, sort_all)
     _run_case(4, 15, 151936, budget, seed=4)
 
 

@@ -40,15 +40,18 @@ def lower_top_search(monkeypatch, cap: int | None = None, spill: int | None = No
     )
 
 
-def lower_survivor_cap(monkeypatch, cap: int) -> None:
-    """Make the tree selection sort every candidate of a depth once more than
-    ``cap`` of them enter (the builder passes its kept-key capacity)."""
+def lower_survivor_cap(monkeypatch, cap: int, sort_all: bool | None = None) -> None:
+    """Make the tree selection keep only the best of a depth's candidates once
+    more than ``cap`` of them enter (the builder passes its kept-key
+    capacity), by sorting them all (``sort_all``) or by a radix select (None:
+    the builder's choice for the budget)."""
     kernel = builder._ddtree_select_kernel
+    force = {"CAP": cap} if sort_all is None else {"CAP": cap, "SORT_ALL": sort_all}
 
     class Launch:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                return kernel[grid](*args, **{**kwargs, "CAP": cap})
+                return kernel[grid](*args, **{**kwargs, **force})
 
             return launch
 

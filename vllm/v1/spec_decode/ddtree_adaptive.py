@@ -41,10 +41,12 @@ import torch
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
+from vllm.triton_utils.parallel_compile import compile_in_parallel
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.spec_decode.ddtree_budget import (
     TreeAcceptanceCalibration,
     assign_tree_nodes,
+    cap_block,
     expected_accepted_nodes,
 )
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig, engine_tree_slots
@@ -167,9 +169,9 @@ class AdaptiveTreeBudget:
 
     @torch.inference_mode()
     def profile(self, runner) -> None:
-        """Seed the cost model with GPU times of every captured step shape:
-        the target's uniform decode graphs and the drafter's graphs, replayed
-        a few times each once the engine has captured them."""
+        """Seed the cost model with GPU times of the captured step shapes:
+        a target graph of every token count and the drafter's graphs,
+        replayed a few times each once the engine has captured them."""
 
         def dummy_inputs(desc) -> None:
             # A graph reads what its capture left in the buffers: make them a
@@ -251,8 +253,20 @@ class AdaptiveTreeBudget:
         engine's own buffers: a variant first met by a user's request would
         compile inside that step. The variants follow the tree widths the
         drafter builds (the scheduler's slots by batch size, also where the
-        drafter runs without a graph) and the step caps; returns the launches.
+        drafter runs without a graph) and the step caps; they compile on a
+        thread pool first (:func:`compile_in_parallel`). Returns the launches.
         """
+        start = time.perf_counter()
+        widths, launches = compile_in_parallel(lambda: self._warm_up_launches(runner))
+        logger.info(
+            "DDTree: adaptive budget kernels warmed up for tree widths %s in %.1f s",
+            widths,
+            time.perf_counter() - start,
+        )
+        return launches
+
+    def _warm_up_launches(self, runner) -> tuple[list[int], int]:
+        """:meth:`warm_up`'s launches: (the tree widths, the launches)."""
         spec = runner.speculator
         trees_state = spec.trees
         temperature = runner.sampler.sampling_states.temperature.gpu
@@ -265,7 +279,6 @@ class AdaptiveTreeBudget:
             self.cfg.draft_depth, spec.hidden_size, dtype=spec.dtype, device=device
         )
         launches = 0
-        start = time.perf_counter()
         widths = sorted({max(1, k) for k in self.slots[1:]})
         for width in widths:
             # The drafter's logits as _generate_draft computes them (layout
@@ -288,10 +301,10 @@ class AdaptiveTreeBudget:
             launches += 3
         # The step's cap is the fewest slots a request got, which the
         # scheduler trims near max_model_len: any value up to the largest, so
-        # every power-of-two block of the split's kernel up to it.
+        # one cap of every block of the split's kernel up to it.
         most = max(self.slots[1:], default=0)
-        caps = {min(1 << k, most) for k in range(most.bit_length() + 1)}
-        for cap in sorted(c for c in caps if c > 0):
+        caps = {min(cap_block(c), most) for c in range(1, most + 1)}
+        for cap in sorted(caps):
             assign_tree_nodes(
                 trees_state.log_probs,
                 idx,
@@ -312,12 +325,7 @@ class AdaptiveTreeBudget:
         )
         # Slot 0's tree is not a request's: a request added there is reset.
         trees_state.reset_(0)
-        logger.info(
-            "DDTree: adaptive budget kernels warmed up for tree widths %s in %.1f s",
-            widths,
-            time.perf_counter() - start,
-        )
-        return launches + 2
+        return widths, launches + 2
 
     # -- before the step ------------------------------------------------------
 
@@ -606,22 +614,36 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _time_graphs(manager, prepare=None, keep=None) -> tuple[dict[int, float], float]:
-    """Seconds per replay of every FULL graph of a MRv2 graph manager, by
-    token count: the fastest replay of the fastest graph of each count (a
-    lower bound of a step's cost, whatever else the GPU did meanwhile), and
-    the GPU seconds of all replays. ``prepare(desc)`` fills the graph's input
-    buffers first; ``keep(num_tokens)``, if given, picks the graphs timed.
-    The replays are queued with an event pair each and read after one sync at
-    the end."""
-    if manager is None:
-        return {}, 0.0
-    timed = []
-    for desc in list(manager.graphs):
+def _profiled_graphs(manager, keep=None) -> list:
+    """The FULL graphs of a MRv2 graph manager that the profile times: one
+    per token count (``keep(num_tokens)``, if given, picks the counts), the
+    one of fewest requests. The cost model keys times by token count, and a
+    count's graphs differ only in how its tokens split into requests (an
+    adaptive engine captures a uniform decode graph per ladder budget that
+    divides the count: about five per count, each a full forward)."""
+    chosen = {}
+    for desc in manager.graphs:
         if desc.cg_mode != CUDAGraphMode.FULL:
             continue
         if keep is not None and not keep(desc.num_tokens):
             continue
+        best = chosen.get(desc.num_tokens)
+        if best is None or (desc.num_reqs or 0) < (best.num_reqs or 0):
+            chosen[desc.num_tokens] = desc
+    return list(chosen.values())
+
+
+def _time_graphs(manager, prepare=None, keep=None) -> tuple[dict[int, float], float]:
+    """Seconds per replay of a MRv2 graph manager's FULL graphs, by token
+    count (:func:`_profiled_graphs`): the fastest replay of each count's
+    graph (a lower bound of a step's cost, whatever else the GPU did
+    meanwhile), and the GPU seconds of all replays. ``prepare(desc)`` fills
+    the graph's input buffers first. The replays are queued with an event
+    pair each and read after one sync at the end."""
+    if manager is None:
+        return {}, 0.0
+    timed = []
+    for desc in _profiled_graphs(manager, keep):
         if prepare is not None:
             prepare(desc)
         # The first replay warms up; it is timed only for the GPU total.

@@ -213,8 +213,9 @@ def assign_tree_nodes(
     candidates, a byte of the ``num_nodes``-th key each, keys as the bits of
     non-negative float32) finds the cut, and a fifth pass counts each
     request's nodes above it and hands out the ties at it in batch order.
-    ``num_reqs``, ``cap`` and ``num_nodes`` are not specialised on; ``cap`` is
-    rounded up to a power of 2 for the block size. Example::
+    ``num_reqs``, ``cap`` and ``num_nodes`` are not specialised on; the block
+    size is :func:`cap_block`, so the caps of a block share one compile.
+    Example::
 
         assign_tree_nodes(log_probs, idx_mapping, temperature, calib, cap=64,
                           num_nodes=256, counts=counts, query_start_loc=qsl,
@@ -237,7 +238,7 @@ def assign_tree_nodes(
                 f"{name} must be int32 with >= {size} entries, got "
                 f"{t.dtype} {tuple(t.shape)}"
             )
-    cap_block = next_power_of_2(cap)
+    block = cap_block(cap)
     _assign_tree_nodes_kernel[(1,)](
         log_probs,
         log_probs.stride(0),
@@ -250,8 +251,8 @@ def assign_tree_nodes(
         num_reqs,
         cap,
         num_nodes,
-        REQ_BLOCK=max(1, _TILE // cap_block),
-        CAP_BLOCK=cap_block,
+        REQ_BLOCK=max(1, _TILE // block),
+        CAP_BLOCK=block,
         NUM_BINS=NUM_BINS,
         LOGQ_MIN=LOGQ_MIN,
         BIN_SCALE=_BIN_SCALE,
@@ -259,6 +260,19 @@ def assign_tree_nodes(
         num_warps=8,
         **_NO_FMA,
     )
+
+
+def cap_block(cap: int) -> int:
+    """The node block :func:`assign_tree_nodes` tiles a cap of ``cap`` nodes
+    with: the smallest power of 4 that holds it, at least 4. The scheduler's
+    slot counts are ``4**k - 1`` (``ddtree_config.slot_ladder``), whose block
+    is their own power of 2; other caps (a request trimmed near
+    ``max_model_len``, a user's cap) take up to 4x the lanes they need in a
+    kernel of at most a few tiles, and every block is one compile."""
+    block = 4
+    while block < cap:
+        block *= 4
+    return block
 
 
 def expected_accepted_nodes(
@@ -712,7 +726,9 @@ def _assign_tree_nodes_kernel(
         tokens_before += tl.sum(tokens, axis=0)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "cap", "num_budgets"])
+# The rows' stride is a tree width: not specialised either, so that trees of
+# every width share one compile.
+@triton.jit(do_not_specialize=["log_probs_stride", "num_reqs", "cap", "num_budgets"])
 def _expected_accepted_nodes_kernel(
     # [num_reqs, >= cap], batch order
     log_probs_ptr,

@@ -23,6 +23,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
+from vllm.triton_utils.parallel_compile import compile_in_parallel
 from vllm.v1.attention.backends.tree_attn import (
     TREE_ATTN_NAME,
     TreeAttentionBackend,
@@ -175,14 +176,28 @@ class DDTreeModelState(DefaultModelState):
         tile shape and split count from its own sizes, and a variant met there
         first would compile inside a user's step. Called once the KV caches
         exist (the model runner's ``initialize_kv_cache``, in every CUDA-graph
-        mode), with the real KV caches and tree buffers; returns the kernel
-        launches."""
+        mode), with the real KV caches and tree buffers; the variants compile
+        on a thread pool first (:func:`compile_in_parallel`). Returns the
+        kernel launches."""
         # vLLM's own warm-up runs next; with --max-model-len -1 the length it
         # runs under was fitted to GPU memory after the budget was checked.
         check_warmup_budget(self.tree_budget, self.vllm_config.model_config)
         self._bind_tree_inputs(attn_groups)
         assert self._tree_groups is not None
         start = time.perf_counter()
+        launches = compile_in_parallel(
+            lambda: self._warm_up_tree_attention(block_tables)
+        )
+        logger.info(
+            "DDTree: TREE_ATTN warmed up over %d kernel variants in %.1f s",
+            launches,
+            time.perf_counter() - start,
+        )
+        return launches
+
+    def _warm_up_tree_attention(self, block_tables: BlockTables) -> int:
+        """:meth:`warm_up_tree_attention`'s launches; returns their count."""
+        assert self._tree_groups is not None
         layers = self.vllm_config.compilation_config.static_forward_context
         sched = self.vllm_config.scheduler_config
         launches, seen = 0, set()
@@ -229,11 +244,6 @@ class DDTreeModelState(DefaultModelState):
                     self.tree_inputs.is_tree,
                     impl.scale,
                 )
-        logger.info(
-            "DDTree: TREE_ATTN warmed up over %d kernel variants in %.1f s",
-            launches,
-            time.perf_counter() - start,
-        )
         return launches
 
     def _bind_tree_inputs(self, attn_groups: list[list[AttentionGroup]]) -> None:

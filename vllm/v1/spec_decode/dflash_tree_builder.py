@@ -89,6 +89,16 @@ _TOP_MAX_PER_CHUNK = 64
 # hundred: at most 362 on the trained pair's drafter (vocabulary 4096, budgets
 # 15-127) and 558 on bench_tree_ops' crowded rows (151936 ids, 128 tokens).
 _TOP_MIN_SPILL = 2048
+# The candidate sort's classes, each one compile for every num_top in it: 4
+# warps and sorts from 16 keys while ``cap`` is at most _TOP_NARROW_CAP
+# (num_top <= 128); above, 8 warps and sorts from a quarter of ``spill`` keys
+# (512 for num_top <= 512, 1024 above), never more than ``cap``.
+_TOP_NARROW_CAP = 256
+_TOP_NARROW_BLOCK = 16
+# Widest candidate block the tree selection sorts whole when more candidates
+# enter a depth than it keeps; wider blocks (budgets above 256) find the kept
+# ones by a radix select, as a sort that wide takes most of a minute to compile.
+_SELECT_SORT_MAX_CAND = 2048
 _INT32_MIN = -(2**31)
 # Bits of a candidate's tie-break field: depth (5) | parent rank (10) | token rank (10).
 _RANK_BITS = 10
@@ -129,6 +139,11 @@ def build_ddtree(
 
     tok_lp, tok_id, _ = _ranked_top_tokens(draft_logits, num_top)
     pairs = _candidate_pairs(budget, device)
+    # The selection's blocks are those of the widest budget of its bucket,
+    # which are this budget's own but for the candidate block; the budget and
+    # its sizes are runtime arguments, so a bucket's budgets share one compile.
+    top = select_bucket(budget)
+    block_cand = next_power_of_2(_num_candidate_pairs(top))
 
     num_words = num_mask_words(budget)
     if out is None:
@@ -136,7 +151,7 @@ def build_ddtree(
     else:
         _check_out(out, num_reqs, budget)
         tree = out
-    block_kept = next_power_of_2(budget)
+    block_kept = next_power_of_2(top)
     # Per-request scratch, private to the kernel: the kept keys followed by a
     # depth's surviving candidates; the kept nodes of the last depth by rank;
     # node index by (depth, rank); the ancestor jump pointers of the mask.
@@ -147,8 +162,8 @@ def build_ddtree(
     )
     jump = torch.empty(num_reqs, budget + 1, dtype=torch.int32, device=device)
 
-    block_words = next_power_of_2(num_words)
-    block_rows = min(next_power_of_2(budget + 1), max(4096 // block_words, 16))
+    block_words = next_power_of_2(num_mask_words(top))
+    block_rows = min(next_power_of_2(top + 1), max(4096 // block_words, 16))
     _ddtree_select_kernel[(num_reqs,)](
         tok_lp,
         tok_id,
@@ -166,16 +181,18 @@ def build_ddtree(
         tree.log_probs,
         depth,
         num_top,
+        budget,
+        num_words,
         RANK_BITS=_RANK_BITS,
         INVALID=_INVALID_KEY,
-        BUDGET=budget,
         BLOCK_KEPT=block_kept,
-        BLOCK_CAND=next_power_of_2(pairs.shape[1]),
-        # Candidates a depth may bring before the kernel sorts them all; every
-        # one fits in the kept-key scratch. Apart from BLOCK_KEPT so that a
-        # lower cap can reach the sorting path with small trees.
+        BLOCK_CAND=block_cand,
+        # Candidates a depth may bring before the kernel keeps only the best
+        # BLOCK_KEPT of them; every one fits in the kept-key scratch. Apart
+        # from BLOCK_KEPT so that a lower cap can reach that path with small
+        # trees.
         CAP=block_kept,
-        NUM_WORDS=num_words,
+        SORT_ALL=block_cand <= _SELECT_SORT_MAX_CAND,
         BLOCK_WORDS=block_words,
         BLOCK_ROWS=block_rows,
         JUMP_STEPS=depth.bit_length(),  # 2**steps >= depth + 1 tree tokens
@@ -244,6 +261,23 @@ def _candidate_pairs(budget: int, device: torch.device) -> torch.Tensor:
         (i, j) for i in range(budget) for j in range(budget // (i + 1) - 1)
     ]
     return torch.tensor(pairs, dtype=torch.int32).T.contiguous().to(device)
+
+
+def _num_candidate_pairs(budget: int) -> int:
+    """``_candidate_pairs(budget).shape[1]``, without the table."""
+    return 1 + sum(budget // (i + 1) - 1 for i in range(budget // 2))
+
+
+def select_bucket(budget: int) -> int:
+    """The widest budget whose tree selection compiles to the same kernel as
+    ``budget``'s: budgets ``2**(k-1) + 1 .. 2**k - 1`` share one, each power of
+    2 has its own (its mask rows take one more word, and its mask pass one
+    more row). Within a bucket the candidate block is the widest budget's, at
+    most twice a smaller budget's own; at the ``4**k - 1`` widths the
+    scheduler's slots take, it is theirs."""
+    if budget & (budget - 1) == 0:
+        return budget
+    return next_power_of_2(budget) - 1
 
 
 @triton.jit
@@ -315,9 +349,9 @@ def _ranked_top_tokens(
        the exact cut;
     3. per vocab chunk: tokens at or above the threshold are appended (atomic
        counter) to a buffer of ``spill`` keys per position;
-    4. per position: the buffered keys are sorted, ``cap`` of them when at
-       most ``cap`` reached the threshold, else the smallest of ``4 * cap``,
-       ``16 * cap``, ..., ``spill`` that holds them all. More than
+    4. per position: the buffered keys are sorted, in the smallest power of 2
+       that holds them all, from 16 (``spill / 4`` past ``num_top`` 128, at
+       most ``cap``) up to ``spill``. Usually about ``num_top`` reach the threshold; more than
        ``cap`` reach it when a position's best tokens crowd into few chunks,
        as a trained model's do: a BPE vocabulary gives frequent tokens low
        ids (a small trained drafter: 68 % of positions at 15 tokens, with at
@@ -402,6 +436,8 @@ def _ranked_top_tokens(
         CHUNK=chunk,
         INT32_MIN=_INT32_MIN,
     )
+    narrow = cap <= _TOP_NARROW_CAP
+    min_block = min(spill, _TOP_NARROW_BLOCK if narrow else spill // 4)
     _sort_top_kernel[(rows,)](
         logits,
         logits.stride(0),
@@ -412,26 +448,20 @@ def _ranked_top_tokens(
         tok_id,
         vocab,
         num_top,
-        CAP=cap,
+        MIN_BLOCK=min_block,
         SPILL=spill,
-        NUM_MID_BLOCKS=_num_mid_blocks(cap, spill),
+        NUM_MID_BLOCKS=(spill // min_block).bit_length() - 2
+        if spill > min_block
+        else 0,
         CHUNK=chunk,
         INVALID=_INVALID_KEY,
         INT32_MIN=_INT32_MIN,
-        num_warps=4 if cap <= 256 else 8,
+        num_warps=4 if narrow else 8,
     )
     return tok_lp, tok_id, lse
 
 
-def _num_mid_blocks(cap: int, spill: int) -> int:
-    """How many sort sizes cap * 4**t (t >= 1) lie below spill."""
-    n = 0
-    while cap << (2 * n + 2) < spill:
-        n += 1
-    return n
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["num_top"])
 def _rank_row_kernel(
     logits_ptr,  # [num_rows, vocab]
     logits_stride,
@@ -510,7 +540,7 @@ def _chunk_stats_kernel(
         vals = tl.where(vals == m, INT32_MIN, vals)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_top"])
 def _top_threshold_kernel(
     chunk_max_ptr,  # [num_rows, num_chunks]
     chunk_sum_ptr,  # [num_rows, num_chunks]
@@ -584,7 +614,7 @@ def _gather_top_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_top"])
 def _sort_top_kernel(
     logits_ptr,  # [num_rows, vocab]
     logits_stride,
@@ -594,15 +624,15 @@ def _sort_top_kernel(
     tok_lp_ptr,  # [num_rows, num_top] out
     tok_id_ptr,  # [num_rows, num_top] out
     vocab,
-    num_top,
-    CAP: tl.constexpr,
+    num_top,  # <= SPILL
+    MIN_BLOCK: tl.constexpr,
     SPILL: tl.constexpr,
-    NUM_MID_BLOCKS: tl.constexpr,  # sizes CAP * 4**t, 0 < t <= this, below SPILL
+    NUM_MID_BLOCKS: tl.constexpr,  # sizes MIN_BLOCK * 2**t, 0 < t <= this, below SPILL
     CHUNK: tl.constexpr,
     INVALID: tl.constexpr,
     INT32_MIN: tl.constexpr,
 ):
-    tl.static_assert(SPILL >= CAP << (2 * NUM_MID_BLOCKS))
+    tl.static_assert(SPILL >= MIN_BLOCK << NUM_MID_BLOCKS)
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * logits_stride
     cand_ptr += row * SPILL
@@ -650,20 +680,32 @@ def _sort_top_kernel(
             pos = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
             # Exactly num_top are taken; the bound only guards the buffer.
             tl.store(
-                cand_ptr + pos, _sort_key(x, offs.to(tl.int64)), mask=take & (pos < CAP)
+                cand_ptr + pos,
+                _sort_key(x, offs.to(tl.int64)),
+                mask=take & (pos < SPILL),
             )
             seen_ties += tl.sum(tie.to(tl.int32), axis=0)
             taken += tl.sum(take.to(tl.int32), axis=0)
         num_cand = taken
     tl.debug_barrier()
-    # Sort the smallest block that holds every candidate: CAP, CAP * 4, CAP * 16,
-    # ... below SPILL, then SPILL (a sort's cost grows as n log^2 n).
-    if num_cand <= CAP:
+    # Sort the smallest block that holds every candidate: MIN_BLOCK, twice that,
+    # ... below SPILL, then SPILL (a sort's cost grows as n log^2 n). The block
+    # follows the candidates found, not num_top, so every num_top of a warp
+    # class runs this one kernel.
+    if num_cand <= MIN_BLOCK:
         _store_ranked_buffer(
-            cand_ptr, num_cand, lse, tok_lp_ptr, tok_id_ptr, row, num_top, CAP, INVALID
+            cand_ptr,
+            num_cand,
+            lse,
+            tok_lp_ptr,
+            tok_id_ptr,
+            row,
+            num_top,
+            MIN_BLOCK,
+            INVALID,
         )
     for t in tl.static_range(NUM_MID_BLOCKS):
-        if (num_cand > (CAP << (2 * t))) & (num_cand <= (CAP << (2 * t + 2))):
+        if (num_cand > (MIN_BLOCK << t)) & (num_cand <= (MIN_BLOCK << (t + 1))):
             _store_ranked_buffer(
                 cand_ptr,
                 num_cand,
@@ -672,10 +714,10 @@ def _sort_top_kernel(
                 tok_id_ptr,
                 row,
                 num_top,
-                CAP << (2 * t + 2),
+                MIN_BLOCK << (t + 1),
                 INVALID,
             )
-    if num_cand > (CAP << (2 * NUM_MID_BLOCKS)):
+    if num_cand > (MIN_BLOCK << NUM_MID_BLOCKS):
         _store_ranked_buffer(
             cand_ptr,
             num_cand,
@@ -715,6 +757,32 @@ def _score(key):
 
 
 @triton.jit
+def _kth_largest(key, valid, k, SIGN: tl.constexpr):
+    """The ``k``-th largest of the distinct int64 ``key`` lanes where ``valid``
+    (``1 <= k <=`` their count), by a radix select: eight passes, each fixing
+    one byte of it (in unsigned order: the keys with their ``SIGN`` bit
+    flipped) from a 256-bin histogram of the lanes matching the bytes fixed so
+    far."""
+    u = key ^ SIGN
+    bins = tl.arange(0, 256)
+    need = k  # the answer's rank among the matching lanes
+    prefix = (k * 0).to(tl.int64)  # the answer's bytes fixed so far
+    for p in range(8):
+        shift = 56 - 8 * p
+        # Shifts stay below 64: the first pass matches every valid lane.
+        high = tl.minimum(shift + 8, 63)
+        match = valid & ((p == 0) | ((u >> high) == (prefix >> high)))
+        digit = ((u >> shift) & 0xFF).to(tl.int32)
+        hist = tl.histogram(digit, 256, mask=match)
+        # The byte b with count(> b) < need <= count(>= b) among the matches.
+        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)
+        pick = (above < need) & (above + hist >= need)
+        prefix |= tl.sum(tl.where(pick, bins, 0), axis=0).to(tl.int64) << shift
+        need -= tl.sum(tl.where(pick, above, 0), axis=0)
+    return prefix ^ SIGN
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_top", "budget", "num_words"])
 def _ddtree_select_kernel(
     # [num_reqs, depth, num_top] each depth's ranked token log-probs and ids
     tok_lp_ptr,
@@ -723,9 +791,9 @@ def _ddtree_select_kernel(
     pairs_ptr,
     num_pairs,
     # Scratch: [num_reqs, 2 * BLOCK_KEPT] kept keys, then a depth's survivors;
-    # [num_reqs, BUDGET] scores of the last depth's kept nodes by rank;
-    # [num_reqs, depth, BUDGET] node index of each (depth, rank);
-    # [num_reqs, BUDGET + 1] ancestor jump pointers.
+    # [num_reqs, budget] scores of the last depth's kept nodes by rank;
+    # [num_reqs, depth, budget] node index of each (depth, rank);
+    # [num_reqs, budget + 1] ancestor jump pointers.
     keys_ptr,
     par_score_ptr,
     node_of_rank_ptr,
@@ -739,32 +807,34 @@ def _ddtree_select_kernel(
     log_probs_ptr,
     depth,
     num_top,
+    budget,  # <= BLOCK_KEPT
+    num_words,  # mask words per row, <= BLOCK_WORDS
     RANK_BITS: tl.constexpr,
     INVALID: tl.constexpr,
-    BUDGET: tl.constexpr,
     BLOCK_KEPT: tl.constexpr,
     BLOCK_CAND: tl.constexpr,
     CAP: tl.constexpr,
-    NUM_WORDS: tl.constexpr,
+    SORT_ALL: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     JUMP_STEPS: tl.constexpr,
 ):
-    tl.static_assert(BUDGET <= (1 << RANK_BITS))
+    tl.static_assert(BLOCK_KEPT <= (1 << RANK_BITS))
     tl.static_assert(CAP <= BLOCK_KEPT)
     req = tl.program_id(0).to(tl.int64)
     keys_ptr += req * 2 * BLOCK_KEPT
-    par_score_ptr += req * BUDGET
+    par_score_ptr += req * budget
     tok_lp_ptr += req * depth * num_top
     tok_id_ptr += req * depth * num_top
-    node_of_rank_ptr += req * depth * BUDGET
+    node_of_rank_ptr += req * depth * budget
 
-    # 1. Depth by depth, keep the best BUDGET prefixes of all depths so far. The
+    # 1. Depth by depth, keep the best budget prefixes of all depths so far. The
     # candidates of depth d extend the kept depth d-1 nodes (by rank) with the
     # depth's ranked tokens; keys order them best first, then by (depth, parent
     # rank, token rank), which also puts parents before children. Only
-    # candidates that beat the current BUDGET-th key can enter; when at most CAP
-    # do, they alone are merged with the kept keys, else all are sorted first.
+    # candidates that beat the current budget-th key can enter; when at most CAP
+    # do, they alone are merged with the kept keys, else the best BLOCK_KEPT of
+    # them. Keys are distinct, so the nodes kept do not depend on how.
     kept_offs = tl.arange(0, BLOCK_KEPT)
     tl.store(keys_ptr + kept_offs, tl.full([BLOCK_KEPT], INVALID, tl.int64))
     tl.store(par_score_ptr, 0.0)  # the root
@@ -794,11 +864,19 @@ def _ddtree_select_kernel(
             num_parents = num_parents * 0
         else:
             if num_enter > CAP:
-                # Rare: sort them all and merge the best BLOCK_KEPT (>= BUDGET).
-                key = tl.sort(key, descending=True)
-                enters = cand < BLOCK_KEPT
-                slot = cand
+                # The best BLOCK_KEPT (>= budget) are merged: a depth whose
+                # parents were kept well above the cut brings more (seen at
+                # one depth in 5 to 10 on random drafter rows).
                 num_enter = tl.minimum(num_enter, BLOCK_KEPT)
+                if SORT_ALL:
+                    key = tl.sort(key, descending=True)
+                    enters = cand < num_enter
+                    slot = cand
+                else:
+                    enters = enters & (
+                        key >= _kth_largest(key, enters, num_enter, INVALID)
+                    )
+                    slot = tl.cumsum(enters.to(tl.int32), axis=0) - 1
             else:
                 slot = tl.cumsum(enters.to(tl.int32), axis=0) - 1
             tl.store(keys_ptr + BLOCK_KEPT + slot, key, mask=enters)
@@ -810,19 +888,19 @@ def _ddtree_select_kernel(
             )
             merged = tl.sort(merged, descending=True)
             tl.debug_barrier()
-            tl.store(keys_ptr + merge_offs, merged, mask=merge_offs < BUDGET)
+            tl.store(keys_ptr + merge_offs, merged, mask=merge_offs < budget)
             tl.debug_barrier()
 
             # The kept nodes of depth d, in rank order, are the next depth's parents.
             kept = tl.load(keys_ptr + kept_offs)
-            cutoff = tl.sum(tl.where(kept_offs == BUDGET - 1, kept, 0), axis=0)
+            cutoff = tl.sum(tl.where(kept_offs == budget - 1, kept, 0), axis=0)
             at_d = (kept != INVALID) & ((_key_tie(kept) >> (2 * RANK_BITS)) == d)
             rank = tl.cumsum(at_d.to(tl.int32), axis=0) - 1
             tl.store(par_score_ptr + rank, _score(kept), mask=at_d)
             num_parents = tl.sum(at_d.to(tl.int32), axis=0)
 
     # 2. Decode the kept keys into nodes; node n is kept entry n-1.
-    in_budget = kept_offs < BUDGET
+    in_budget = kept_offs < budget
     kept = tl.load(keys_ptr + kept_offs)
     real = kept != INVALID
     node_tie = _key_tie(kept)
@@ -832,17 +910,17 @@ def _ddtree_select_kernel(
     for d in range(1, depth + 1):
         at_d = real & (node_depth == d)
         rank = tl.cumsum(at_d.to(tl.int32), axis=0) - 1
-        tl.store(node_of_rank_ptr + (d - 1) * BUDGET + rank, kept_offs + 1, mask=at_d)
+        tl.store(node_of_rank_ptr + (d - 1) * budget + rank, kept_offs + 1, mask=at_d)
     tl.debug_barrier()
     parent = tl.load(
-        node_of_rank_ptr + (node_depth - 2) * BUDGET + parent_rank,
+        node_of_rank_ptr + (node_depth - 2) * budget + parent_rank,
         mask=real & (node_depth > 1),
         other=0,
     )
     token = tl.load(
         tok_id_ptr + (node_depth - 1) * num_top + tok_rank, mask=real, other=-1
     )
-    out = req * BUDGET + kept_offs
+    out = req * budget + kept_offs
     tl.store(token_ids_ptr + out, token, mask=in_budget)
     tl.store(parent_ids_ptr + out, parent, mask=in_budget)
     tl.store(depths_ptr + out, node_depth, mask=in_budget)
@@ -853,48 +931,48 @@ def _ddtree_select_kernel(
     )
     tl.store(num_nodes_ptr + req, tl.sum(real.to(tl.int32), axis=0))
     # Node n's first jump is its parent; the root jumps to itself.
-    tl.store(jump_ptr + req * (BUDGET + 1) + kept_offs + 1, parent, mask=in_budget)
-    tl.store(jump_ptr + req * (BUDGET + 1), 0)
+    tl.store(jump_ptr + req * (budget + 1) + kept_offs + 1, parent, mask=in_budget)
+    tl.store(jump_ptr + req * (budget + 1), 0)
 
     # 3. Ancestor-or-self mask rows by pointer doubling: a row covers its
     # ancestors nearer than its jump target; each step ORs in the target's row and
     # doubles the jump. Rows are updated in place, block by block; reading a row
     # already updated in this step only covers more of the same ancestors.
     words = tl.arange(0, BLOCK_WORDS)
-    word_ok = words < NUM_WORDS
-    row_base = mask_ptr + req * (BUDGET + 1) * NUM_WORDS
-    for row_start in range(0, BUDGET + 1, BLOCK_ROWS):
+    word_ok = words < num_words
+    row_base = mask_ptr + req * (budget + 1) * num_words
+    for row_start in range(0, budget + 1, BLOCK_ROWS):
         rows = row_start + tl.arange(0, BLOCK_ROWS)
         bit = tl.where(
             words[None, :] == (rows >> 5)[:, None], (1 << (rows & 31))[:, None], 0
         )
         tl.store(
-            row_base + rows[:, None] * NUM_WORDS + words[None, :],
+            row_base + rows[:, None] * num_words + words[None, :],
             bit.to(tl.int32),
-            mask=(rows <= BUDGET)[:, None] & word_ok[None, :],
+            mask=(rows <= budget)[:, None] & word_ok[None, :],
         )
     for _ in range(JUMP_STEPS):
-        for row_start in range(0, BUDGET + 1, BLOCK_ROWS):
+        for row_start in range(0, budget + 1, BLOCK_ROWS):
             tl.debug_barrier()
             rows = row_start + tl.arange(0, BLOCK_ROWS)
-            in_rows = rows <= BUDGET
+            in_rows = rows <= budget
             tile = in_rows[:, None] & word_ok[None, :]
             target = tl.load(
-                jump_ptr + req * (BUDGET + 1) + rows, mask=in_rows, other=0
+                jump_ptr + req * (budget + 1) + rows, mask=in_rows, other=0
             )
             row_bits = tl.load(
-                row_base + rows[:, None] * NUM_WORDS + words[None, :], mask=tile
+                row_base + rows[:, None] * num_words + words[None, :], mask=tile
             )
             target_bits = tl.load(
-                row_base + target[:, None] * NUM_WORDS + words[None, :], mask=tile
+                row_base + target[:, None] * num_words + words[None, :], mask=tile
             )
             next_target = tl.load(
-                jump_ptr + req * (BUDGET + 1) + target, mask=in_rows, other=0
+                jump_ptr + req * (budget + 1) + target, mask=in_rows, other=0
             )
             tl.debug_barrier()
             tl.store(
-                row_base + rows[:, None] * NUM_WORDS + words[None, :],
+                row_base + rows[:, None] * num_words + words[None, :],
                 row_bits | target_bits,
                 mask=tile,
             )
-            tl.store(jump_ptr + req * (BUDGET + 1) + rows, next_target, mask=in_rows)
+            tl.store(jump_ptr + req * (budget + 1) + rows, next_target, mask=in_rows)
