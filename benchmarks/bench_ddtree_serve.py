@@ -525,10 +525,9 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
                     None,
                 )
             server, base, _ = servers[config]
-            healthy = _wait_healthy(base, server, deadline)
-            if healthy:
+            if _wait_healthy(base, server, deadline):
                 record_start_up(args.out, config, time.monotonic() - started[config])
-            if not healthy:
+            else:
                 if time.monotonic() >= deadline:
                     print(f"    {config}: --limit-seconds ran out while it started")
                     return failed, [c for c, _ in configs if c not in failed]

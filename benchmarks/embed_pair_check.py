@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     failed = [name for name, proc in procs.items() if proc.wait() != 0]
     if failed:
         print(
-            f"embed_pair_check: {', '.join(failed)} failed (see their logs in {args.out})"
+            f"embed_pair_check: {', '.join(failed)} failed "
+            f"(see their logs in {args.out})"
         )
         return 1
     results = {

@@ -176,16 +176,12 @@ tests/v1/test_sm90_compile.py"
       ${INTERLEAVE:+--interleave $INTERLEAVE} ${PIN_CPUS:+--pin-cpus $PIN_CPUS}
     exit $? ;;
   embed)
-    # The trained pair embedded in Qwen3-8B's shapes (about 16 GB in EMBED_DIR),
-    # unless it is there already; args: embed_pair.py's own (e.g. --vocab full).
-    EMBED_DIR=${EMBED_DIR:-build/pycode-8b}
-    if [ -f "$EMBED_DIR/embedding.json" ]; then
-      echo "embed: $EMBED_DIR is there"
-    else
-      timeout $LIMIT python3 benchmarks/embed_pair.py --out "$EMBED_DIR" "$@" 2>&1 \
-        | tee "$OUT/embed_pair.log" | tail -5
-      exit "${PIPESTATUS[0]}"
-    fi ;;
+    # The trained pair embedded in Qwen3-8B's shapes (about 16 GB in EMBED_DIR;
+    # kept if made from the same pair, configs and options); args:
+    # embed_pair.py's own (e.g. --vocab full).
+    timeout $LIMIT python3 benchmarks/embed_pair.py --out "${EMBED_DIR:-build/pycode-8b}" \
+      "$@" 2>&1 | tee "$OUT/embed_pair.log" | tail -5
+    exit "${PIPESTATUS[0]}" ;;
   embed-check)
     # The embedded pair against the pair under vLLM: greedy output and DFlash's
     # acceptance (four offline engines side by side).
@@ -198,6 +194,11 @@ tests/v1/test_sm90_compile.py"
     # vLLM's defaults, the configs' servers side by side, each with a fixed KV
     # cache (KV_GIB, default 6). Output in $OUT/${OUT_NAME:-serve_8b}.
     P=${EMBED_DIR:-build/pycode-8b}
+    if grep -q '"vocab_mode": "full"' "$P/embedding.json" 2>/dev/null \
+        && [ "${TEMPERATURES:-0,1}" != 0 ]; then
+      echo "serve-8b: $P has the full vocabulary, exact at T=0 only: set TEMPERATURES=0" >&2
+      exit 2
+    fi
     timeout $LIMIT python3 benchmarks/bench_ddtree.py serve --out "$OUT/${OUT_NAME:-serve_8b}" \
       --target $P/target --drafter $P/drafter \
       --prompts benchmarks/models/pycode/eval_prompts.json \

@@ -16,6 +16,7 @@ Example::
 """
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -27,21 +28,26 @@ logger = init_logger(__name__)
 
 T = TypeVar("T")
 
+# Each compile holds MLIR and a ptxas process; every tensor-parallel rank of a
+# large host compiles at once, so the pool stays small.
+_MAX_WORKERS = 8
+
 
 def compile_in_parallel(warm_up: Callable[[], T], max_workers: int | None = None) -> T:
     """``warm_up()`` after a compile-only pass over it; returns what the real
     pass returns.
 
     In the compile-only pass, kernel variants new to this process compile on
-    ``max_workers`` threads (default: the CPUs this process may run on) and
-    are not launched, so their outputs keep what the buffers held: the warm-up
-    must not read results back to the host or index by them outside Triton
-    kernels. Variants compiled before launch as usual. No other thread may
-    launch a Triton kernel meanwhile (its new variants would be skipped too).
+    ``max_workers`` threads (default: the CPUs this process may run on, at
+    most ``_MAX_WORKERS``) and are not launched, so their outputs keep what
+    the buffers held: the warm-up must not read results back to the host or
+    index by them outside Triton kernels, nor run an autotuned kernel (it would
+    time skipped launches). Variants compiled before launch as usual. Launches
+    from other threads meanwhile compile and run as always.
     Where the pass cannot run (no Triton, Triton's interpreter, one CPU) or
     fails, the real pass compiles as it would have.
     """
-    workers = max_workers or len(os.sched_getaffinity(0))
+    workers = max_workers or min(len(os.sched_getaffinity(0)), _MAX_WORKERS)
     if (
         triton_utils.HAS_TRITON
         and workers > 1
@@ -65,8 +71,18 @@ def _compile_only(warm_up: Callable[[], object], workers: int) -> None:
     submitted: set[tuple[int, object]] = set()
     preloading = False
 
+    owner = threading.get_ident()
+
     def submit(*, key, fn, compile, **kwargs):
         nonlocal preloading
+        if threading.get_ident() != owner:
+            # Another thread's launch (an in-process engine's host program):
+            # compiled and launched as always.
+            return (
+                previous(key=key, fn=fn, compile=compile, **kwargs)
+                if previous
+                else None
+            )
         if preloading:
             return None  # preload's own compile: let it be submitted
         jit_fn = fn.jit_function

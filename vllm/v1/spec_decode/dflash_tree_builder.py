@@ -97,7 +97,7 @@ _TOP_NARROW_CAP = 256
 _TOP_NARROW_BLOCK = 16
 # Widest candidate block the tree selection sorts whole when more candidates
 # enter a depth than it keeps; wider blocks (budgets above 256) find the kept
-# ones by a radix select, as a sort that wide takes most of a minute to compile.
+# ones by a radix select, as a sort that wide is slow to compile.
 _SELECT_SORT_MAX_CAND = 2048
 _INT32_MIN = -(2**31)
 # Bits of a candidate's tie-break field: depth (5) | parent rank (10) | token rank (10).
@@ -351,7 +351,8 @@ def _ranked_top_tokens(
        counter) to a buffer of ``spill`` keys per position;
     4. per position: the buffered keys are sorted, in the smallest power of 2
        that holds them all, from 16 (``spill / 4`` past ``num_top`` 128, at
-       most ``cap``) up to ``spill``. Usually about ``num_top`` reach the threshold; more than
+       most ``cap``) up to ``spill``. Usually about ``num_top`` reach the
+       threshold; more than
        ``cap`` reach it when a position's best tokens crowd into few chunks,
        as a trained model's do: a BPE vocabulary gives frequent tokens low
        ids (a small trained drafter: 68 % of positions at 15 tokens, with at
@@ -865,8 +866,8 @@ def _ddtree_select_kernel(
         else:
             if num_enter > CAP:
                 # The best BLOCK_KEPT (>= budget) are merged: a depth whose
-                # parents were kept well above the cut brings more (seen at
-                # one depth in 5 to 10 on random drafter rows).
+                # parents were kept well above the cut brings more (not rare
+                # on flat drafter rows).
                 num_enter = tl.minimum(num_enter, BLOCK_KEPT)
                 if SORT_ALL:
                     key = tl.sort(key, descending=True)
