@@ -69,11 +69,11 @@ PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def counts():
+def _run_compiled(script: str) -> subprocess.CompletedProcess:
+    """``script`` in a child process compiling for sm90 (no interpreter)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     result = subprocess.run(
-        [sys.executable, "-c", PROBE, str(ROOT)],
+        [sys.executable, "-c", script, str(ROOT)],
         capture_output=True,
         text=True,
         env=env,
@@ -81,7 +81,12 @@ def counts():
         check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return json.loads(_run_compiled(PROBE).stdout.strip().splitlines()[-1])
 
 
 def test_budgets_of_a_bucket_share_the_tree_selection(counts):
@@ -190,16 +195,7 @@ def test_compile_in_parallel_compiles_first_then_launches():
     threads) without launching it, passes each to a hook already installed,
     and restores it; the real pass then finds every variant compiled. A
     failing first pass leaves the second to run as usual."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    result = subprocess.run(
-        [sys.executable, "-c", PARALLEL, str(ROOT)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = _run_compiled(PARALLEL)
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["compiled"] == {
         "_assign_tree_nodes_kernel": 3,
