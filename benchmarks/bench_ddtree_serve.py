@@ -247,6 +247,8 @@ def bench_command(
         str(temperature),
         "--disable-tqdm",
         "--save-result",
+        # generated_texts: a T=0 cell compares its configs' outputs.
+        "--save-detailed",
         "--result-dir",
         str(result.parent),
         "--result-filename",
@@ -600,6 +602,43 @@ def run_serve_interleaved(args, todo, prompts, rid, clock) -> tuple[list, list]:
     return failed, []
 
 
+def greedy_agreement(results: dict[str, list[dict]]) -> dict[str, dict]:
+    """At T=0, each config's generated texts against a reference config's over
+    the same slices (the same prompts in the same order): no speculation where
+    it ran, else the first config. A speculative config is lossless if it
+    agrees as often as another does (fp16 logit ties break with the batch's
+    shape, so two configs may part at a tie). Configs whose results hold no
+    texts are left out."""
+    texts = {
+        c: [t for r in rs for t in (r.get("generated_texts") or [])]
+        for c, rs in results.items()
+    }
+    texts = {c: t for c, t in texts.items() if t}
+    if len(texts) < 2:
+        return {}
+    ref = "none" if "none" in texts else next(iter(texts))
+    out = {}
+    for config, got in texts.items():
+        if config == ref:
+            continue
+        pairs = list(zip(got, texts[ref]))
+        parted = [
+            next(
+                (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
+            )
+            for a, b in pairs
+            if a != b
+        ]
+        out[config] = {
+            "against": ref,
+            "compared": len(pairs),
+            "identical": len(pairs) - len(parted),
+            "chars_compared": sum(min(len(a), len(b)) for a, b in pairs),
+            "first_difference_chars": sorted(parted),
+        }
+    return out
+
+
 def _measure_interleaved_cell(
     args, servers, who, prompts, rid, k, batch, temperature, deadline
 ) -> tuple[list[dict], str | None]:
@@ -636,6 +675,7 @@ def _measure_interleaved_cell(
                 return [], config
             results[config].append(result)
             usages[config].append(client.last_usage)
+    same = greedy_agreement(results) if float(temperature) == 0.0 else {}
     rows = []
     for config in who:
         result = plans[config][0]
@@ -650,5 +690,7 @@ def _measure_interleaved_cell(
             host_usage=combine_usage(usages[config]),
             kv_usage=kv[config].summary(),
         )
+        if config in same:
+            row["greedy_agreement"] = same[config]
         rows.append(row)
     return rows, None

@@ -1433,6 +1433,43 @@ def test_serve_row_and_commands(tmp_path):
     assert bench[bench.index("--sharegpt-output-len") + 1] == str(args.max_tokens)
 
 
+def test_greedy_agreement_against_no_speculation():
+    # Two slices per config; texts are in the order of the slice's prompts.
+    results = {
+        "dflash": [
+            {"generated_texts": ["abcd", "xyz"]},
+            {"generated_texts": ["same"]},
+        ],
+        "none": [
+            {"generated_texts": ["abcd", "xyQ"]},
+            {"generated_texts": ["same"]},
+        ],
+        "ddtree-128": [
+            {"generated_texts": ["abXd", "xyz"]},
+            {"generated_texts": ["sam"]},
+        ],
+        "no-texts": [{"output_throughput": 1.0}],
+    }
+    got = bds.greedy_agreement(results)
+    assert set(got) == {"dflash", "ddtree-128"}
+    assert got["dflash"] == {
+        "against": "none",
+        "compared": 3,
+        "identical": 2,
+        "chars_compared": 4 + 3 + 4,
+        "first_difference_chars": [2],
+    }
+    tree = got["ddtree-128"]
+    # "sam" is a prefix of "same": it parts where the shorter text ends.
+    assert (tree["identical"], tree["first_difference_chars"]) == (0, [2, 2, 3])
+    assert tree["chars_compared"] == 4 + 3 + 3
+    # Without no speculation, the first config is the reference.
+    first = bds.greedy_agreement({k: results[k] for k in ("dflash", "ddtree-128")})
+    assert first["ddtree-128"]["against"] == "dflash"
+    assert first["ddtree-128"]["first_difference_chars"] == [2, 3]
+    assert bds.greedy_agreement({"none": results["none"]}) == {}
+
+
 def test_engine_env(monkeypatch):
     """Offline workers keep the engine in their process; vllm serve keeps
     vLLM's default (the first serve run inherited the offline setting)."""
