@@ -592,6 +592,35 @@ def kv_table(rows: Sequence[Mapping]) -> str | None:
     return markdown_table(header, body)
 
 
+def agreement_table(rows: Sequence[Mapping]) -> str | None:
+    """T=0 serve rows' generated texts against the reference config's
+    (``greedy_agreement``; None without any)."""
+    measured = [r for r in rows if r.get("greedy_agreement")]
+    if not measured:
+        return None
+    header = [
+        "batch",
+        "config",
+        "against",
+        "identical / compared",
+        "characters compared",
+        "first differences at character",
+    ]
+    body = [
+        [
+            r["batch"],
+            r["config"],
+            g["against"],
+            f"{g['identical']} / {g['compared']}",
+            g["chars_compared"],
+            ", ".join(str(c) for c in g["first_difference_chars"]) or "-",
+        ]
+        for r in measured
+        for g in [r["greedy_agreement"]]
+    ]
+    return markdown_table(header, body)
+
+
 RATIO_NOTE = (
     "Ratios compare rows of the same batch and temperature; `*` marks a row "
     "whose DFlash or no-spec baseline was measured by another GPU command."
@@ -657,6 +686,16 @@ def markdown_report(rows: Sequence[Mapping], mode: str, setup: Mapping | None) -
             "count once):",
             "",
             kv,
+            "",
+        ]
+    agreement = agreement_table(rows)
+    if agreement:
+        parts += [
+            "Greedy outputs (T=0): each config's generated texts against the "
+            "reference config's, the same prompts in the same order (fp16 logit "
+            "ties may break differently with the batch's shape):",
+            "",
+            agreement,
             "",
         ]
     if any(r.get("per_depth") for r in rows):

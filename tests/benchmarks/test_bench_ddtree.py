@@ -1339,6 +1339,16 @@ def test_markdown_report_serve_latency():
     assert "| 8 | 0.0 | dflash | 4.00 | 13.00 | 1.50 | 27.00 | 1.000 |" in text
     # a baseline from another command is marked, as in the main table
     assert "| 8 | 0.0 | ddtree-auto * | 5.00 | 18.00 | 1.60 | 32.00 | 1.250 |" in text
+    assert "Greedy outputs" not in text
+    rows[1]["greedy_agreement"] = {
+        "against": "dflash",
+        "compared": 16,
+        "identical": 15,
+        "chars_compared": 9000,
+        "first_difference_chars": [412],
+    }
+    text = rep.markdown_report(rows, "serve", {"mode": "serve"})
+    assert "| 8 | ddtree-auto | dflash | 15 / 16 | 9000 | 412 |" in text
 
 
 # ---------------------------------------------------------------------------
