@@ -7,7 +7,7 @@
 #   bash benchmarks/run_gpu.sh MODE [args]
 #
 # MODE: tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|
-#       serve|embed|embed-check|serve-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
+#       serve|embed|embed-check|serve-8b|record-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see benchmarks/README.md). OUT: where logs and results go (default
 # build/gpu_results); LIMIT: seconds a mode may run (default 3600).
@@ -210,6 +210,25 @@ tests/v1/test_sm90_compile.py"
       ${RESUME:+--resume-from "$RESUME"} --limit-seconds $((LIMIT - 30)) 2>&1 \
       | tee -a "$OUT/${OUT_NAME:-serve_8b}.log" | grep -v -i warn | tail -40
     exit "${PIPESTATUS[0]}" ;;
+  record-8b)
+    # The real-size record: the embedded pair (written unless EMBED_DIR holds
+    # it), then serve-8b's groups one after another, DFlash in each (ratios
+    # across groups go through it). Three 8B servers fit 80 GB, four 139 GB.
+    # Each group may run LIMIT seconds; output in $OUT/record_<group>.
+    P=${EMBED_DIR:-build/pycode-8b}
+    bash "$0" embed || exit $?
+    mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    if [ "${mem:-0}" -ge 120000 ]; then
+      groups=("none,dflash,dflash-schedule,ddtree-auto-adaptive" "dflash,ddtree-128-adaptive")
+    else
+      groups=("none,dflash,ddtree-auto-adaptive" "dflash,dflash-schedule,ddtree-128-adaptive")
+    fi
+    rc=0
+    for i in "${!groups[@]}"; do
+      OUT_NAME=record_$((i + 1)) NUM_PROMPTS=${NUM_PROMPTS:-32} EMBED_DIR=$P \
+        bash "$0" serve-8b "${groups[$i]}" || rc=1
+    done
+    exit $rc ;;
   profile-8b)
     # Qwen3-8B shapes (dummy weights), batch 1: the steps of budgets 127 and 255
     # against DFlash's, by kernel category.
@@ -232,6 +251,6 @@ tests/v1/test_sm90_compile.py"
     timeout $LIMIT bash benchmarks/train_pair/run_all.sh "${1:-$((LIMIT - 20))}" \
       2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac
