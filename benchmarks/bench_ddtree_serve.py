@@ -247,13 +247,14 @@ def bench_command(
         str(temperature),
         "--disable-tqdm",
         "--save-result",
-        # generated_texts: a T=0 cell compares its configs' outputs.
-        "--save-detailed",
         "--result-dir",
         str(result.parent),
         "--result-filename",
         result.name,
     ]
+    if float(temperature) == 0.0:
+        # generated_texts: a greedy cell compares its configs' outputs.
+        cmd.append("--save-detailed")
     return cmd + (["--ignore-eos"] if args.ignore_eos else [])
 
 
@@ -675,7 +676,8 @@ def _measure_interleaved_cell(
                 return [], config
             results[config].append(result)
             usages[config].append(client.last_usage)
-    same = greedy_agreement(results) if float(temperature) == 0.0 else {}
+    # Only greedy cells keep their texts (bench_command).
+    same = greedy_agreement(results)
     rows = []
     for config in who:
         result = plans[config][0]
