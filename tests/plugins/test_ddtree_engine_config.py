@@ -408,8 +408,8 @@ def test_budget_schedule_without_async_scheduling_warns(
         "adaptive budget's draft slots per batch size take effect with async "
         "scheduling only"
         in w
-        # "auto"'s cap at max_model_len 2048 (ddtree_config.max_warmup_budget).
-        and "tree_budget=1022 slots" in w
+        # "auto"'s cap (ddtree_config.AUTO_TREE_BUDGET_CAP).
+        and "tree_budget=128 slots" in w
         for w in warnings
     ), warnings
     warnings.clear()
@@ -523,44 +523,55 @@ def test_no_cuda_gpu_fails_at_once_with_one_line(models, monkeypatch):
         args.create_engine_config()
 
 
-def test_auto_is_adaptive_up_to_the_largest_tree(models, cuda_platform):
+def test_auto_is_adaptive_up_to_128_nodes(models, cuda_platform):
     from vllm.config import SchedulerConfig
     from vllm.engine.arg_utils import EngineArgs
 
     target, drafter = models
-    # 4096 fits the start-up warm-up of a 1024-node tree (2051 tokens).
-    config = EngineArgs(
-        model=target,
-        speculative_config={"method": "ddtree", "model": drafter, **ADAPTIVE},
-        max_model_len=4096,
-    ).create_engine_config()
+
+    def build(**spec):
+        # 4096 fits the start-up warm-up of a 1024-node tree (2051 tokens).
+        return EngineArgs(
+            model=target,
+            speculative_config={"method": "ddtree", "model": drafter, **spec},
+            max_model_len=4096,
+        ).create_engine_config()
+
+    config = build(**ADAPTIVE)
     cfg = DDTreeConfig.from_vllm_config(config)
-    assert cfg.adaptive and cfg.tree_budget == 1024
-    assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 127, 255, 511, 1023, 1024)
+    assert cfg.adaptive and cfg.tree_budget == 128
+    assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 127, 128)
     sched = config.scheduler_config
     assert sched.max_num_seqs == min(
         SchedulerConfig.DEFAULT_MAX_NUM_SEQS, sched.max_num_batched_tokens // 16
     )
+    # The builder's largest tree is a setting away.
+    cfg = DDTreeConfig.from_vllm_config(build(tree_budget=1024, **ADAPTIVE))
+    assert cfg.adaptive and cfg.tree_budget == 1024
+    assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 127, 255, 511, 1023, 1024)
 
 
 def test_tree_budget_fits_the_start_up_warm_up(models, cuda_platform):
     """vLLM's warm-up prefills B + 2 prompt tokens, then decodes a B + 1 token
-    step per request: at max_model_len 2048 "auto" caps trees at 1022 nodes
-    and a budget of 1024 is refused before the engine starts, naming the
+    step per request: at max_model_len 200 "auto" caps trees at 98 nodes, and
+    at 2048 a budget of 1024 is refused before the engine starts, naming the
     length it needs (without the bound the warm-up wrote past a block-table
     row)."""
     from vllm.engine.arg_utils import EngineArgs
 
     target, drafter = models
 
-    def build(**spec):
+    def build(max_model_len, **spec):
         return EngineArgs(
             model=target,
             speculative_config={"method": "ddtree", "model": drafter, **spec},
-            max_model_len=2048,
+            max_model_len=max_model_len,
         ).create_engine_config()
 
-    cfg = DDTreeConfig.from_vllm_config(build(**ADAPTIVE))
+    cfg = DDTreeConfig.from_vllm_config(build(200, **ADAPTIVE))
+    assert cfg.adaptive and cfg.tree_budget == 98
+    assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 98)
+    cfg = DDTreeConfig.from_vllm_config(build(2048, tree_budget=1022, **ADAPTIVE))
     assert cfg.adaptive and cfg.tree_budget == 1022
     assert cfg.ladder == (0, 1, 3, 7, 15, 31, 63, 127, 255, 511, 1022)
     with pytest.raises(
@@ -568,7 +579,7 @@ def test_tree_budget_fits_the_start_up_warm_up(models, cuda_platform):
         match=r"tree_budget 1024 needs --max-model-len >= 2051 .*max_model_len=2048: "
         r"raise it, or set tree_budget to at most 1022$",
     ):
-        build(tree_budget=1024, adaptive_budget=False)
+        build(2048, tree_budget=1024, adaptive_budget=False)
 
 
 def test_engine_start_names_ddtree_in_vllms_log(models, cuda_platform):

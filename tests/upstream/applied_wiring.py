@@ -316,7 +316,7 @@ def _speculative_config(models, max_model_len=4096, **fields):
     return SpeculativeConfig(
         method="ddtree",
         # 4096 fits the warm-up of the largest tree (ddtree_config.
-        # max_warmup_budget): the defaults below are the builder's largest.
+        # max_warmup_budget): no default below is cut by it.
         target_model_config=EngineArgs(
             model=target, max_model_len=max_model_len
         ).create_model_config(),
@@ -328,17 +328,17 @@ def _speculative_config(models, max_model_len=4096, **fields):
 def test_speculative_config_fits_the_start_up_warm_up(models):
     """SpeculativeConfig(method="ddtree") bounds the tree budget by its target:
     vLLM's warm-up runs a B + 2 token prompt, then a B + 1 token step, so at
-    max_model_len 2048 "auto" caps trees at 1022 nodes (and every process
-    reading the config back gets 1022) and an explicit 1024 is refused,
-    naming the length it needs."""
+    max_model_len 200 "auto" caps trees at 98 nodes (and every process
+    reading the config back gets 98), and at 2048 an explicit 1024 is
+    refused, naming the length it needs."""
     from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 
-    spec = _speculative_config(models, max_model_len=2048)
-    assert (spec.tree_budget, spec.num_speculative_tokens) == (1022, 1022)
+    spec = _speculative_config(models, max_model_len=200)
+    assert (spec.tree_budget, spec.num_speculative_tokens) == (98, 98)
     listed = [b for *_, b in spec.num_speculative_tokens_per_batch_size]
-    assert listed == [1022, 511, 255, 127, 63, 31, 15, 7, 3, 1, 0]
-    assert DDTreeConfig.from_speculative_config(spec).tree_budget == 1022
-    assert _speculative_config(models, max_model_len=2050).tree_budget == 1023
+    assert listed == [98, 63, 31, 15, 7, 3, 1, 0]
+    assert DDTreeConfig.from_speculative_config(spec).tree_budget == 98
+    assert _speculative_config(models, max_model_len=259).tree_budget == 128
     with pytest.raises(ValueError, match=r"needs --max-model-len >= 2051 "):
         _speculative_config(models, max_model_len=2048, tree_budget=1024)
     with pytest.raises(ValueError, match=r"to at most 1022\b"):
@@ -364,12 +364,12 @@ def test_speculative_config_takes_ddtree(models):
     assert (spec.tree_budget, spec.num_speculative_tokens) == (64, 64)
     assert spec.num_speculative_tokens_per_batch_size is None
     assert DDTreeConfig.from_speculative_config(spec) == DDTreeConfig(64, 15)
-    # The default: an adaptive budget capped at the largest tree, with vLLM's
+    # The default: an adaptive budget capped at 128 nodes, with vLLM's
     # schedule listing every budget a step may verify (one graph set each).
     spec = _speculative_config(models)
-    assert (spec.tree_budget, spec.adaptive_budget) == (1024, True)
+    assert (spec.tree_budget, spec.adaptive_budget) == (128, True)
     listed = [b for *_, b in spec.num_speculative_tokens_per_batch_size]
-    assert listed == [1024, 1023, 511, 255, 127, 63, 31, 15, 7, 3, 1, 0]
+    assert listed == [128, 127, 63, 31, 15, 7, 3, 1, 0]
     # "auto" with fixed budgets: the measured schedule.
     spec = _speculative_config(models, tree_budget="auto", adaptive_budget=False)
     auto = [tuple(r) for r in AUTO_TREE_BUDGET_PER_BATCH_SIZE]

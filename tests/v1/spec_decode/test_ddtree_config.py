@@ -81,10 +81,10 @@ def test_parse_default_budget_is_auto():
         {"method": "ddtree", "model": "d", "tree_budget": "auto", **FIXED}
     )
     assert not default.adaptive
-    assert adaptive.tree_budget == ddt.AUTO_TREE_BUDGET_CAP == 1024
+    assert adaptive.tree_budget == ddt.AUTO_TREE_BUDGET_CAP == 128
     assert adaptive.adaptive and adaptive.schedule == ()
     listed = [b for *_, b in adaptive.dflash["num_speculative_tokens_per_batch_size"]]
-    assert listed == [1024, 1023, 511, 255, 127, 63, 31, 15, 7, 3, 1, 0]
+    assert listed == [128, 127, 63, 31, 15, 7, 3, 1, 0]
     budget, dflash, _, _ = default
     schedule = [list(e) for e in ddt.AUTO_TREE_BUDGET_PER_BATCH_SIZE]
     assert dflash["num_speculative_tokens_per_batch_size"] == schedule
@@ -330,17 +330,18 @@ def _sized_target(max_model_len, vocab_size=151936):
 @pytest.mark.parametrize(
     "max_model_len, vocab_size, limit, want",
     [
-        # A Qwen3-8B default: the builder's largest tree.
-        (40960, 151936, 20478, 1024),
-        # 1024 + 2 prompt tokens, then a 1025-token step.
-        (2051, 151936, 1024, 1024),
-        (2050, 151936, 1023, 1023),
-        (2048, 151936, 1022, 1022),
+        # A Qwen3-8B default: auto's cap.
+        (40960, 151936, 20478, 128),
+        # 128 + 2 prompt tokens, then a 129-token step.
+        (259, 151936, 128, 128),
+        (258, 151936, 127, 127),
+        (256, 151936, 126, 126),
+        (2048, 151936, 1022, 128),
         (64, 151936, 30, 30),
         (5, 151936, 1, 1),
         # Token ids 0 .. B + 1 must be in the vocabulary.
-        (40960, 1026, 1024, 1024),
-        (40960, 1025, 1023, 1023),
+        (40960, 130, 128, 128),
+        (40960, 129, 127, 127),
     ],
 )
 def test_auto_cap_fits_the_start_up_warm_up(max_model_len, vocab_size, limit, want):
