@@ -7,7 +7,7 @@
 #   bash benchmarks/run_gpu.sh MODE [args]
 #
 # MODE: tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|
-#       serve|embed|embed-check|serve-8b|record-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
+#       serve|embed|embed-check|serve-8b|record-8b|trace-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see benchmarks/README.md). OUT: where logs and results go (default
 # build/gpu_results); LIMIT: seconds a mode may run (default 3600).
@@ -171,7 +171,7 @@ tests/v1/test_sm90_compile.py"
     # servers side by side, S alternating slices per cell. PIN_CPUS=LIST: every
     # server on the same CPUs once up (a measurement control, labelled).
     pair_bench "${OUT_NAME:-serve}" serve \
-      --configs "${1:-none,dflash,ddtree-auto-adaptive,ddtree-128-adaptive}" --batches "${BATCHES:-1,8,32,64}" \
+      --configs "${1:-none,dflash,ddtree-auto-adaptive,ddtree-1024-adaptive}" --batches "${BATCHES:-1,8,32,64}" \
       --temperatures 0,1 ${ROUNDS:+--rounds $ROUNDS} \
       ${INTERLEAVE:+--interleave $INTERLEAVE} ${PIN_CPUS:+--pin-cpus $PIN_CPUS}
     exit $? ;;
@@ -219,14 +219,28 @@ tests/v1/test_sm90_compile.py"
     bash "$0" embed || exit $?
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     if [ "${mem:-0}" -ge 120000 ]; then
-      groups=("none,dflash,dflash-schedule,ddtree-auto-adaptive" "dflash,ddtree-128-adaptive")
+      groups=("none,dflash,dflash-schedule,ddtree-auto-adaptive" "dflash,ddtree-1024-adaptive")
     else
-      groups=("none,dflash,ddtree-auto-adaptive" "dflash,dflash-schedule,ddtree-128-adaptive")
+      groups=("none,dflash,ddtree-auto-adaptive" "dflash,dflash-schedule,ddtree-1024-adaptive")
     fi
     rc=0
     for i in "${!groups[@]}"; do
       OUT_NAME=record_$((i + 1)) NUM_PROMPTS=${NUM_PROMPTS:-32} EMBED_DIR=$P \
         bash "$0" serve-8b "${groups[$i]}" || rc=1
+    done
+    exit $rc ;;
+  trace-8b)
+    # The adaptive budget's decisions step by step at real size (the embedded
+    # pair, in-process engines), then no speculation over the same phases:
+    # PHASES (C:T:N,...), output in $OUT/trace_8b.
+    P=${EMBED_DIR:-build/pycode-8b}
+    rc=0
+    for config in adaptive none; do
+      timeout $LIMIT python3 benchmarks/trace_budget.py $config "$OUT/trace_8b" \
+        --target $P/target --drafter $P/drafter --kv-gib ${KV_GIB:-6} \
+        --phases "${PHASES:-64:1:256,32:1:128,64:0:256}" 2>&1 \
+        | tee "$OUT/trace_8b_$config.log" | grep -v -i warn | tail -30
+      [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     done
     exit $rc ;;
   profile-8b)
@@ -251,6 +265,6 @@ tests/v1/test_sm90_compile.py"
     timeout $LIMIT bash benchmarks/train_pair/run_all.sh "${1:-$((LIMIT - 20))}" \
       2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|trace-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac

@@ -2,12 +2,19 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the adaptive budget's controller sees and chooses, step by step, in an
 in-process engine under continuous arrivals (a client loop that keeps C requests
-in flight; phases of concurrency 1 / 8 / 32 at T=0 and T=1, 256 output tokens),
-next to the same loop on other configs. A diagnostic, not a user-facing figure.
+in flight; by default phases of concurrency 1 / 8 / 32 at T=0 and T=1, 256
+output tokens), next to the same loop on other configs. A diagnostic, not a
+user-facing figure. Each decision records the cost model's predictions and
+the acceptance estimate it weighed, the budget, whether the drafter ran (and
+what ``should_draft`` found best), and the step's period.
 
     python benchmarks/trace_budget.py CONFIG OUTDIR   # adaptive | auto | none | dflash
+    # at real size (the embedded pair, embed_pair.py), concurrency 64 at T=1:
+    python benchmarks/trace_budget.py adaptive OUTDIR --target D/target \
+        --drafter D/drafter --phases 64:1:256 --kv-gib 6
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -29,8 +36,40 @@ PHASES = [
 MAX_TOKENS = 256
 
 
-def main():
-    config, out = sys.argv[1], sys.argv[2]
+def parse_phases(text: str) -> list[tuple[int, float, int]]:
+    """``C:T:N,...`` (concurrency, temperature, requests) -> phases."""
+    phases = []
+    for part in text.split(","):
+        try:
+            c, t, n = part.split(":")
+            phase = (int(c), float(t), int(n))
+        except ValueError:
+            raise ValueError(f"--phases: {part!r} is not C:T:N") from None
+        if phase[0] < 1 or phase[2] < phase[0] or phase[1] < 0:
+            raise ValueError(f"--phases: {part!r} needs C >= 1, N >= C, T >= 0")
+        phases.append(phase)
+    return phases
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config", choices=("adaptive", "auto", "none", "dflash"))
+    p.add_argument("out")
+    p.add_argument("--target", default=f"{P}/target")
+    p.add_argument("--drafter", default=f"{P}/drafter")
+    p.add_argument(
+        "--phases",
+        type=parse_phases,
+        default=PHASES,
+        help="C:T:N,... (default: 1/8/32 requests in flight at T=0 and 1)",
+    )
+    p.add_argument("--kv-gib", type=float, default=2.0)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    config, out = args.config, args.out
     os.makedirs(out, exist_ok=True)
     sys.path.insert(0, os.getcwd())
     import vllm_ddtree
@@ -81,33 +120,50 @@ def main():
                 records[-1]["learned"] = ok
             return ok
 
+        orig_should_draft = C.should_draft
+
+        def should_draft(self, num_reqs, max_budget):
+            did = orig_should_draft(self, num_reqs, max_budget)
+            if records:
+                # What the draft decision weighed: every budget's cost with
+                # the drafter, and the plain step's without.
+                records[-1]["draft"] = {
+                    "did": did,
+                    "best": self.last_best,
+                    "cap": max_budget,
+                    "plain": self.cost.predict(num_reqs, 0, False) * 1e3,
+                }
+            return did
+
         C.choose, C.step_started = choose, step_started
+        C.should_draft = should_draft
         dc.StepCostModel.observe = observe
 
     spec = None
     if config in ("adaptive", "auto"):
         spec = {
             "method": "ddtree",
-            "model": f"{P}/drafter",
+            "model": args.drafter,
             "tree_budget": "auto",
             "adaptive_budget": config == "adaptive",
         }
     elif config == "dflash":
         spec = {
             "method": "dflash",
-            "model": f"{P}/drafter",
+            "model": args.drafter,
             "num_speculative_tokens": 15,
         }
     t0 = time.perf_counter()
     llm = LLM(
-        model=f"{P}/target",
+        model=args.target,
         speculative_config=spec,
-        kv_cache_memory_bytes=2 << 30,
+        kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
         max_num_seqs=256,
     )
     startup = time.perf_counter() - t0
     engine = llm.llm_engine
-    texts = [p["text"] for p in json.load(open(f"{P}/eval_prompts.json"))["prompts"]]
+    with open(f"{P}/eval_prompts.json") as f:
+        texts = [p["text"] for p in json.load(f)["prompts"]]
     counter = [0]
 
     def run(c, temp, n):
@@ -145,7 +201,7 @@ def main():
     phase_name[0] = "warmup"
     run(4, 0.0, 8)
     rows = []
-    for c, temp, n in PHASES:
+    for c, temp, n in args.phases:
         phase_name[0] = f"c{c}T{temp:g}"
         toks, secs, step_ms, nsteps = run(c, temp, n)
         rows.append(
@@ -160,13 +216,11 @@ def main():
         )
         print(json.dumps(rows[-1]), flush=True)
     with open(f"{out}/{config}_rows.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
         f.write(json.dumps({"config": config, "startup_s": startup}) + "\n")
     if records:
         with open(f"{out}/trace.jsonl", "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in records)
         summarize(records)
 
 
@@ -202,6 +256,15 @@ def summarize(records):
             + f", 0+drafter:{r['pred0d']:.2f}"
         )
         print("     e(b)    " + ", ".join(f"{k}:{v:.2f}" for k, v in r["e"].items()))
+        drafts = [r["draft"] for r in rs if "draft" in r]
+        if drafts:
+            did = sum(d["did"] for d in drafts)
+            best = Counter(d["best"] for d in drafts).most_common(3)
+            plain = statistics.median(d["plain"] for d in drafts)
+            print(
+                f"   draft decisions: drafted {did} of {len(drafts)}, best budgets "
+                f"{best}, plain step predicted {plain:.2f} ms (median)"
+            )
         has = sum(1 for r in sample if r["has"])
         caps = Counter(r["cap"] for r in sample).most_common(3)
         print(
