@@ -22,7 +22,7 @@ The widths and caps are the scheduler's (``scheduled_tree_budgets``) for
 ``vllm serve`` on an H100/H200 (1024 sequences, 8192 batched tokens, which
 DDTree fits to 512 sequences; vLLM's capture sizes), or for the limits given.
 
-    python benchmarks/start_up_variants.py [--vocab 151936] [--tree-budget 1024]
+    python benchmarks/start_up_variants.py [--vocab 151936] [--tree-budget 128]
         [--max-num-seqs 1024] [--max-num-batched-tokens 8192] [--compile]
         [--workers N]
 """
@@ -305,7 +305,12 @@ def count_variants(
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=QWEN3_VOCAB)
-    p.add_argument("--tree-budget", type=int, default=1024)
+    p.add_argument(
+        "--tree-budget",
+        type=int,
+        default=None,
+        help='the adaptive cap (default: tree_budget "auto"\'s)',
+    )
     p.add_argument("--max-num-seqs", type=int, default=SERVE_MAX_NUM_SEQS)
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=SERVE_MAX_NUM_BATCHED_TOKENS
@@ -325,6 +330,10 @@ def main(argv=None) -> int:
     if args.compile:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_cold_")
     use_sm90_compiler()
+    if args.tree_budget is None:
+        from vllm.v1.spec_decode.ddtree_config import AUTO_TREE_BUDGET_CAP
+
+        args.tree_budget = AUTO_TREE_BUDGET_CAP
     result = count_variants(
         args.vocab,
         args.tree_budget,

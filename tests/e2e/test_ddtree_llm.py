@@ -18,9 +18,10 @@ several batches:
 * ``ddtree_schedule``: per-request caps by batch size
   (``tree_budget_per_batch_size``): 64 nodes for one request, 16 for 2-8, 4
   for 9-32, same batches; ``ddtree_auto``: ``tree_budget="auto"`` with the
-  adaptive budget (``adaptive_budget`` true: the cost model alone decides, up
-  to 1022 nodes per request, the largest tree whose start-up warm-up fits
-  ``max_model_len`` 2048), same batches; ``ddtree_fixed_64``: 64 nodes in
+  adaptive budget (``adaptive_budget`` true: the cost model decides, up to
+  auto's 128 nodes per request), same batches; ``ddtree_adaptive_1022``: the
+  adaptive budget up to 1022 nodes, the largest tree whose start-up warm-up
+  fits ``max_model_len`` 2048, same batches; ``ddtree_fixed_64``: 64 nodes in
   every step (the default, said explicitly), same batches.
 
 Budgets are fixed unless said otherwise (DDTree's default). With the adaptive
@@ -127,6 +128,18 @@ def _configs(target, drafter) -> dict[str, dict]:
         "llm": llm_kwargs(target, spec, disable_log_stats=False),
         "runs": greedy_runs(),
     }
+    # The largest adaptive cap the start-up warm-up fits at max_model_len 2048
+    # (a 1024-node cap's warm-up would write past a block-table row).
+    spec = {
+        "method": "ddtree",
+        "model": str(drafter),
+        "tree_budget": 1022,
+        "adaptive_budget": True,
+    }
+    configs["ddtree_adaptive_1022"] = {
+        "llm": llm_kwargs(target, spec, disable_log_stats=False),
+        "runs": greedy_runs(),
+    }
     # Every step verifies the scheduler's slots (the default, said explicitly).
     spec = {
         "method": "ddtree",
@@ -206,6 +219,7 @@ def test_free_kv_blocks_return_to_start(results):
     for name in [f"ddtree_{budget}" for budget in RUN_BUDGETS] + [
         "ddtree_schedule",
         "ddtree_auto",
+        "ddtree_adaptive_1022",
         "ddtree_fixed_64",
     ]:
         _get(results, name)
@@ -248,6 +262,18 @@ def test_auto_budget(results):
     drafts, draft_tokens = _scheduled_run(results, "ddtree_auto", "auto")
     assert results["ddtree_auto"]["engine"]["num_speculative_tokens"] == 128
     assert draft_tokens <= 128 * drafts
+
+
+def test_largest_adaptive_cap(results):
+    """An adaptive cap of 1022 nodes at max_model_len 2048, the most vLLM's
+    start-up warm-up allows there (ddtree_config.max_warmup_budget; a cap of
+    1024 overran a block-table row in that warm-up): the engine starts with
+    1022 draft slots per request (the drafter builds 1022-node trees for a
+    lone request) and greedy output is the reference's."""
+    name = "ddtree_adaptive_1022"
+    drafts, draft_tokens = _scheduled_run(results, name, "adaptive 1022")
+    assert results[name]["engine"]["num_speculative_tokens"] == 1022
+    assert draft_tokens <= 1022 * drafts
 
 
 def test_fixed_budget(results):

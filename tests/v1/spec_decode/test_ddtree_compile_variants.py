@@ -114,7 +114,7 @@ def test_the_estimate_compiles_once_for_every_width(counts):
 
 
 def test_a_default_servers_start_up_variants(counts):
-    """vllm serve's H100 defaults and the default budget (1024, adaptive):
+    """vllm serve's H100 defaults and the largest adaptive cap (1024):
     the scheduler's widths and caps, and the variants their warm-up meets."""
     server = counts["server"]
     print(json.dumps(server))

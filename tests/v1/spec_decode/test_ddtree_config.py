@@ -69,9 +69,9 @@ def test_parse_maps_onto_dflash():
 
 
 def test_parse_default_budget_is_auto():
-    """No tree_budget: 'auto'. Adaptive (the default): the cost model alone
-    decides, up to the builder's largest tree; fixed budgets: the measured
-    per-batch-size schedule."""
+    """No tree_budget: 'auto'. Adaptive (the default): the cost model decides,
+    up to AUTO_TREE_BUDGET_CAP (128) nodes per request; fixed budgets: the
+    measured per-batch-size schedule."""
     assert ddt.DEFAULT_TREE_BUDGET == ddt.AUTO_TREE_BUDGET == "auto"
     adaptive = ddt.parse_speculative_config({"method": "ddtree", "model": "d"})
     assert adaptive == ddt.parse_speculative_config(
@@ -346,9 +346,9 @@ def _sized_target(max_model_len, vocab_size=151936):
 )
 def test_auto_cap_fits_the_start_up_warm_up(max_model_len, vocab_size, limit, want):
     """vLLM's warm-up prefills B + 2 prompt tokens with ids 0 .. B + 1, then
-    decodes B + 1 tokens per request: "auto" takes the largest budget that
-    fits the target (an adaptive budget's cap), and so does every budget of
-    auto's fixed schedule."""
+    decodes B + 1 tokens per request: "auto" (an adaptive budget's cap of 128)
+    takes the largest budget that fits the target where 128 does not, and so
+    does every budget of auto's fixed schedule."""
     target = _sized_target(max_model_len, vocab_size)
     assert ddt.max_warmup_budget(target) == limit
     parsed = ddt.parse_speculative_config({"method": "ddtree", "model": "d"}, target)

@@ -29,7 +29,8 @@ draft tokens of each step from the number of running requests. The drafter still
 builds trees of the largest budget; since nodes are in best-first order, the first
 b nodes the scheduler keeps are the best tree of budget b.
 
-``"tree_budget": "auto"``, the default, asks for
+``"tree_budget": "auto"``, the default, is a cap of :data:`AUTO_TREE_BUDGET_CAP`
+nodes per request with the adaptive budget, and with fixed budgets
 :data:`AUTO_TREE_BUDGET_PER_BATCH_SIZE`, a schedule read off measured step times.
 
 Every check raises ``ValueError`` with the setting to change.
@@ -67,11 +68,12 @@ AUTO_TREE_BUDGET_PER_BATCH_SIZE: tuple[tuple[int, int, int], ...] = (
 # "auto" with an adaptive budget: the cost model decides, up to 128 nodes per
 # request (or the largest the target's start-up warm-up fits,
 # max_warmup_budget). The drafter builds trees of the cap at small batches,
-# whatever a step then verifies, so a cap that no step reaches costs every
-# such step its build: on Qwen3-8B shapes the adaptive budget verified at most
-# 127 nodes at any batch size (64 at batch 1), and with a cap of 1024 each of
-# its batch-1 steps took 0.4-0.8 ms longer than with 128. Up to MAX_BUDGET
-# nodes stay a setting away, for targets whose steps grow slowly with tokens.
+# whatever a step then verifies, so a cap that steps rarely reach costs every
+# such step its build: on Qwen3-8B shapes the adaptive budget verified mostly
+# 31-63 nodes at batch 1 (127 or more in a small share of steps) and fewer at
+# larger batches, and with a cap of 1024 its batch-1 steps took 0.4-0.9 ms
+# longer than with 128 at the same tree sizes. Up to MAX_BUDGET nodes stay a
+# setting away, for targets whose steps grow slowly with tokens.
 AUTO_TREE_BUDGET_CAP = 128
 # Speculative-config key: true (the default) sizes each step's trees by
 # measured cost and acceptance, with tree_budget a per-request cap; false
@@ -302,7 +304,7 @@ def parse_tree_budget(
     limit = max_warmup_budget(target_model_config)
     # "auto" leaves the size to DDTree, so it shrinks to what the target can
     # run (the smallest tree still needs a budget of 1) rather than fail.
-    fit = AUTO_TREE_BUDGET_CAP if limit is None else max(limit, 1)
+    fit = MAX_BUDGET if limit is None else max(limit, 1)
     if schedule is None and given == AUTO_TREE_BUDGET:
         if adaptive:
             given = min(AUTO_TREE_BUDGET_CAP, fit)
