@@ -92,6 +92,16 @@ class _Clock:
         return self.now
 
 
+# Step-cost tables by GPU. h200: fitted to the periods the real-size record's
+# DDTree servers learned on one H200 (benchmarks/results/real_size_record): a
+# plain step 5.86-6.23 ms and a 3-node step with the drafter 10.2-10.5 ms at
+# 33-64 requests.
+COST_TABLES = {
+    "h100": StepCosts(),
+    "h200": StepCosts(weights=4.0, per_row=0.0225, attn_per_req=0.025),
+}
+
+
 def simulate(strength, steps=3000, seed=0, costs=StepCosts()):
     """Runs ``steps`` steps; returns the share of steps by budget, the share
     of steps whose drafted trees were not verified, and output tokens per ms
@@ -142,18 +152,34 @@ def steady_rate(strength, b, n=49, costs=StepCosts()) -> float:
     return n * (1 + strength * ACCEPTANCE[b]) / step_ms
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--strengths", type=float, nargs="+", default=[1.0, 0.35, 0.33, 0.3, 0.25]
     )
     p.add_argument("--seeds", type=int, default=3)
-    args = p.parse_args()
+    p.add_argument(
+        "--costs",
+        choices=sorted(COST_TABLES),
+        default="h100",
+        help="the step-cost table: h100 (the default, StepCosts), or h200, "
+        "fitted to the real-size record's learned periods at 33-64 requests "
+        "(a plain step 5.7 ms, a 3-node step with the drafter 10.2 ms)",
+    )
+    args = p.parse_args(argv)
+    costs = COST_TABLES[args.costs]
+    print(
+        f"costs {args.costs}: at 49 requests a plain step "
+        f"{costs.period(49, 0, False):.2f} ms, a 3-node step with the drafter "
+        f"{costs.period(49, 3, True):.2f} ms"
+    )
     for strength in args.strengths:
-        steady = {b: round(steady_rate(strength, b), 2) for b in (0, 1, 3, 7)}
+        steady = {
+            b: round(steady_rate(strength, b, costs=costs), 2) for b in (0, 1, 3, 7)
+        }
         print(f"e(3) = {strength * ACCEPTANCE[3]:.2f}; steady tokens/ms {steady}")
         for seed in range(args.seeds):
-            shares, discarded, rate = simulate(strength, seed=seed)
+            shares, discarded, rate = simulate(strength, seed=seed, costs=costs)
             print(
                 f"  seed {seed}: budgets {shares}, drafted and not verified "
                 f"{discarded:.2f}, {rate:.2f} tokens/ms"

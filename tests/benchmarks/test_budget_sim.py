@@ -30,3 +30,28 @@ def test_the_better_steady_choice_elsewhere(strength, best):
     shares, _, rate = budget_sim.simulate(strength, seed=0)
     assert sum(shares.get(b, 0.0) for b in best) >= 0.9
     assert rate >= 0.97 * max(steady.values())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_plain_steps_on_the_h200_record_periods(seed):
+    """The real-size record's T=1, concurrency 64 case on the H200 table (a
+    plain step 5.7 ms, a 3-node step with the drafter 10.2 ms; a 3-node tree
+    accepting 0.45 nodes per request): the controller keeps plain steps."""
+    costs = budget_sim.COST_TABLES["h200"]
+    assert costs.period(49, 0, False) == pytest.approx(5.67, abs=0.01)
+    assert costs.period(49, 3, True) == pytest.approx(10.2, abs=0.01)
+    strength = 0.28
+    steady = {b: budget_sim.steady_rate(strength, b, costs=costs) for b in (0, 1, 3)}
+    assert max(steady, key=steady.get) == 0
+    shares, discarded, rate = budget_sim.simulate(strength, seed=seed, costs=costs)
+    print(f"budgets {shares}, {rate:.2f} tokens/ms, steady {steady}")
+    assert shares.get(0, 0.0) >= 0.9
+    assert discarded == 0.0
+    assert rate >= 0.97 * steady[0]
+
+
+def test_cost_table_option(capsys):
+    budget_sim.main(["--costs", "h200", "--strengths", "1.0", "--seeds", "1"])
+    out = capsys.readouterr().out
+    assert "costs h200: at 49 requests a plain step 5.67 ms" in out
+    assert "seed 0: budgets {" in out
