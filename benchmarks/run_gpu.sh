@@ -232,7 +232,8 @@ tests/v1/test_sm90_compile.py"
   trace-8b)
     # The adaptive budget's decisions step by step at real size (the embedded
     # pair, in-process engines), then no speculation over the same phases:
-    # PHASES (C:T:N,...), output in $OUT/trace_8b.
+    # PHASES (C:T:N,...), output in $OUT/trace_8b. Each config may run LIMIT
+    # seconds (the mode up to twice that).
     P=${EMBED_DIR:-build/pycode-8b}
     rc=0
     for config in adaptive none; do
