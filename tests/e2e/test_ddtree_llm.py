@@ -108,49 +108,27 @@ def _configs(target, drafter) -> dict[str, dict]:
             "llm": llm_kwargs(target, spec, **extra),
             "runs": runs,
         }
-    spec = {
-        "method": "ddtree",
-        "model": str(drafter),
-        "tree_budget_per_batch_size": SCHEDULE,
-        "adaptive_budget": False,
-    }
-    configs["ddtree_schedule"] = {
-        "llm": llm_kwargs(target, spec, disable_log_stats=False),
-        "runs": greedy_runs(),
-    }
-    spec = {
-        "method": "ddtree",
-        "model": str(drafter),
-        "tree_budget": "auto",
-        "adaptive_budget": True,
-    }
-    configs["ddtree_auto"] = {
-        "llm": llm_kwargs(target, spec, disable_log_stats=False),
-        "runs": greedy_runs(),
-    }
+
+    def with_metrics(**tree) -> dict:
+        """Greedy batches on a ddtree engine with these tree settings, its
+        spec-decode metrics kept."""
+        spec = {"method": "ddtree", "model": str(drafter), **tree}
+        return {
+            "llm": llm_kwargs(target, spec, disable_log_stats=False),
+            "runs": greedy_runs(),
+        }
+
+    configs["ddtree_schedule"] = with_metrics(
+        tree_budget_per_batch_size=SCHEDULE, adaptive_budget=False
+    )
+    configs["ddtree_auto"] = with_metrics(tree_budget="auto", adaptive_budget=True)
     # The largest adaptive cap the start-up warm-up fits at max_model_len 2048
     # (a 1024-node cap's warm-up would write past a block-table row).
-    spec = {
-        "method": "ddtree",
-        "model": str(drafter),
-        "tree_budget": 1022,
-        "adaptive_budget": True,
-    }
-    configs["ddtree_adaptive_1022"] = {
-        "llm": llm_kwargs(target, spec, disable_log_stats=False),
-        "runs": greedy_runs(),
-    }
+    configs["ddtree_adaptive_1022"] = with_metrics(
+        tree_budget=1022, adaptive_budget=True
+    )
     # Every step verifies the scheduler's slots (the default, said explicitly).
-    spec = {
-        "method": "ddtree",
-        "model": str(drafter),
-        "tree_budget": 64,
-        "adaptive_budget": False,
-    }
-    configs["ddtree_fixed_64"] = {
-        "llm": llm_kwargs(target, spec, disable_log_stats=False),
-        "runs": greedy_runs(),
-    }
+    configs["ddtree_fixed_64"] = with_metrics(tree_budget=64, adaptive_budget=False)
     return configs
 
 
