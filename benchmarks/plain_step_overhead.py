@@ -5,9 +5,12 @@
 The adaptive budget's ``b = 0`` step verifies no tree and skips the drafter's
 forward, keeping only the drafter's context KV up to date. This diagnostic
 forces every step of an adaptive DDTree engine to be such a step and times
-engine steps at fixed batches (T=1, in-process engine, the trained pair), next
-to an engine without speculation; at batch 32 it also records a torch profiler
-table (host time per op, kernel launches per step).
+engine steps at fixed batches (T=1, in-process engine; the trained pair by
+default, the embedded 8B-shaped pair with ``--target/--drafter``), next to an
+engine without speculation. At the first batch of ``--profile-batch`` requests
+it also records a torch profiler table: host time per op, kernel launches per
+step, and the GPU's kernel time per step with the kernels that take most
+(graph-replayed kernels included).
 
 Configs: ``none``; ``plain`` (DDTree, every step plain); ``plain_noctx``
 (``plain`` without the drafter's context KV computation: not a usable engine,
@@ -16,18 +19,23 @@ it isolates that part's cost). One config per process, e.g.::
     for c in none plain plain_noctx none plain; do
         python benchmarks/plain_step_overhead.py $c benchmarks/results/plain_step_host_overhead R1
     done
+    # real size (embed_pair.py's output D), batches of 64 and 32:
+    python benchmarks/plain_step_overhead.py plain OUT R1 --target D/target \
+        --drafter D/drafter --kv-gib 6 --batches 64,32,64,32 --profile-batch 64
 """
 
+import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PAIR = os.path.join(os.path.dirname(__file__), "models", "pycode")
 BATCHES = (1, 32, 1, 32)
 WARM_STEPS, TIMED_STEPS, PROFILED_STEPS = 30, 150, 20
+# Kernels listed per config (by GPU time over the profiled steps).
+TOP_KERNELS = 25
 
 
 def force_plain_steps(without_context: bool) -> None:
@@ -49,8 +57,52 @@ def force_plain_steps(without_context: bool) -> None:
                 value.precompute_and_store_context_kv = lambda self, *a, **k: None
 
 
-def main() -> None:
-    config, out, tag = sys.argv[1:4]
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config", choices=("none", "plain", "plain_noctx"))
+    p.add_argument("out")
+    p.add_argument("tag", help="a round's name, also in the request ids")
+    p.add_argument("--target", default=f"{PAIR}/target")
+    p.add_argument("--drafter", default=f"{PAIR}/drafter")
+    p.add_argument("--prompts", default=f"{PAIR}/eval_prompts.json")
+    p.add_argument("--kv-gib", type=float, default=2.0)
+    p.add_argument(
+        "--batches",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=BATCHES,
+        help="requests per timed batch, in order (default 1,32,1,32)",
+    )
+    p.add_argument("--profile-batch", type=int, default=32)
+    args = p.parse_args(argv)
+    if not args.batches or min(args.batches) < 1:
+        p.error("--batches needs request counts >= 1")
+    return args
+
+
+def kernel_summary(events, num_steps: int) -> dict:
+    """GPU kernel time per step and the kernels that take most of it, from a
+    profiler's ``key_averages()`` (device time of CUDA kernels only)."""
+    kernels = [
+        e
+        for e in events
+        if getattr(e, "device_type", None) is not None
+        and str(e.device_type).endswith("CUDA")
+        and e.self_device_time_total > 0
+    ]
+    total_us = sum(e.self_device_time_total for e in kernels)
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:TOP_KERNELS]
+    return {
+        "gpu_ms_per_step": round(total_us / 1e3 / num_steps, 4),
+        "top_kernels_us_per_step": [
+            [e.key[:120], round(e.self_device_time_total / num_steps, 2), e.count]
+            for e in top
+        ],
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    config, out, tag = args.config, args.out, args.tag
     os.makedirs(out, exist_ok=True)
     import vllm_ddtree
 
@@ -64,25 +116,25 @@ def main() -> None:
         force_plain_steps(config == "plain_noctx")
         spec = {
             "method": "ddtree",
-            "model": f"{PAIR}/drafter",
+            "model": args.drafter,
             "tree_budget": "auto",
             "adaptive_budget": True,
         }
     start = time.perf_counter()
     llm = LLM(
-        model=f"{PAIR}/target",
+        model=args.target,
         speculative_config=spec,
-        kv_cache_memory_bytes=2 << 30,
+        kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
         max_num_seqs=256,
     )
-    result = {"config": config, "tag": tag}
+    result = {"config": config, "tag": tag, "target": args.target}
     result["startup_s"] = round(time.perf_counter() - start, 1)
     engine = llm.llm_engine
-    with open(f"{PAIR}/eval_prompts.json") as f:
+    with open(args.prompts) as f:
         texts = [p["text"] for p in json.load(f)["prompts"]]
     params = SamplingParams(temperature=1.0, max_tokens=600, ignore_eos=True)
     k = 0
-    for batch in BATCHES:
+    for batch in args.batches:
         ids = []
         for _ in range(batch):
             k += 1
@@ -99,7 +151,7 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         median_ms = round(1e3 * statistics.median(times), 3)
         result.setdefault(f"step_ms_b{batch}", []).append(median_ms)
-        if batch == 32 and "launches_per_step" not in result:
+        if batch == args.profile_batch and "launches_per_step" not in result:
             activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
             with profile(activities=activities) as prof:
                 for _ in range(PROFILED_STEPS):
@@ -110,6 +162,7 @@ def main() -> None:
             host_us = sum(e.self_cpu_time_total for e in table)
             result["launches_per_step"] = launches / PROFILED_STEPS
             result["op_host_ms_per_step"] = round(host_us / 1e3 / PROFILED_STEPS, 3)
+            result.update(kernel_summary(table, PROFILED_STEPS))
             with open(f"{out}/profile_{config}_{tag}.txt", "w") as f:
                 f.write(table.table(sort_by="self_cpu_time_total", row_limit=30))
         engine.abort_request(ids)

@@ -7,7 +7,7 @@
 #   bash benchmarks/run_gpu.sh MODE [args]
 #
 # MODE: tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|
-#       serve|embed|embed-check|serve-8b|record-8b|trace-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
+#       serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see benchmarks/README.md). OUT: where logs and results go (default
 # build/gpu_results); LIMIT: seconds a mode may run (default 3600).
@@ -244,6 +244,24 @@ tests/v1/test_sm90_compile.py"
       [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     done
     exit $rc ;;
+  plain-8b)
+    # A plain step (every step of an adaptive DDTree engine verifies nothing)
+    # against no speculation's, at real size (the embedded pair, in-process
+    # engines, T=1, batches of 64 and 32), with a profile at 64: ROUNDS
+    # (default "A") rounds of CONFIGS (default none,plain), output in
+    # $OUT/plain_8b. Each config may run LIMIT seconds.
+    P=${EMBED_DIR:-build/pycode-8b}
+    rc=0
+    for round in ${ROUNDS:-A}; do
+      for config in $(echo "${CONFIGS:-none,plain}" | tr , ' '); do
+        timeout $LIMIT python3 benchmarks/plain_step_overhead.py $config "$OUT/plain_8b" \
+          $round --target $P/target --drafter $P/drafter --kv-gib ${KV_GIB:-6} \
+          --batches ${BATCHES:-64,32,64,32} --profile-batch 64 2>&1 \
+          | tee "$OUT/plain_8b_${config}_$round.log" | grep -v -i warn | tail -3
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+      done
+    done
+    exit $rc ;;
   profile-8b)
     # Qwen3-8B shapes (dummy weights), batch 1: the steps of budgets 127 and 255
     # against DFlash's, by kernel category.
@@ -266,6 +284,6 @@ tests/v1/test_sm90_compile.py"
     timeout $LIMIT bash benchmarks/train_pair/run_all.sh "${1:-$((LIMIT - 20))}" \
       2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|trace-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac

@@ -58,3 +58,36 @@ def test_every_step_plain(monkeypatch, without_context):
     assert changed == (drafters if without_context else [])
     if without_context:
         assert drafters[0].precompute_and_store_context_kv(None, 1, 2) is None
+
+
+def test_kernel_summary_counts_gpu_kernels_only():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(key, device_type, us, count=20):
+        return SimpleNamespace(
+            key=key, device_type=device_type, self_device_time_total=us, count=count
+        )
+
+    events = [
+        event("cudaLaunchKernel", DeviceType.CPU, 0.0),
+        event("flash_fwd_kernel", DeviceType.CUDA, 4000.0),
+        event("_tree_walk_kernel", DeviceType.CUDA, 1000.0),
+        event("aten::mm", DeviceType.CPU, 0.0),
+        event("idle", DeviceType.CUDA, 0.0),
+    ]
+    summary = pso.kernel_summary(events, num_steps=20)
+    assert summary["gpu_ms_per_step"] == pytest.approx(0.25)
+    top = summary["top_kernels_us_per_step"]
+    assert [row[0] for row in top] == ["flash_fwd_kernel", "_tree_walk_kernel"]
+    assert top[0][1] == pytest.approx(200.0)
+
+
+def test_real_size_arguments():
+    args = pso.parse_args(
+        ["plain", "out", "R1", "--target", "D/target", "--batches", "64,32"]
+    )
+    assert (args.target, args.batches, args.profile_batch) == ("D/target", (64, 32), 32)
+    with pytest.raises(SystemExit):
+        pso.parse_args(["plain", "out", "R1", "--batches", "0"])
