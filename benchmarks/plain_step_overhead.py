@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -104,6 +105,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     config, out, tag = args.config, args.out, args.tag
     os.makedirs(out, exist_ok=True)
+    # The checkout's plugin, run as a script from its root.
+    sys.path.insert(0, os.getcwd())
     import vllm_ddtree
 
     vllm_ddtree.register()
