@@ -369,6 +369,7 @@ def test_log_reports_budgets_and_calibration():
     # Since start-up: 19 predicted vs 22 accepted nodes over 8 trees.
     assert "accepted 2.75 per tree, predicted 2.38 (-13.6%)" in text
     assert "step periods learned for batches of up to 2: none yet" in text
+    assert text.endswith("steps took 0.00 ms more than those periods (prompt chunks)")
 
 
 def test_no_probe_where_the_scheduler_gives_no_slots():
@@ -434,3 +435,48 @@ def test_periods_follow_the_batch_size_within_a_bucket():
     # prediction.
     assert cost.predict(49, 0, False) == pytest.approx(cost.predict(64, 0, False))
     assert cost.learned(49) == "b=0 6.00 ms (5), b=3+ 9.60 ms (5)"
+
+
+@pytest.mark.parametrize("prompt_every", [0, 3])
+def test_prompt_time_counts_for_every_budget(prompt_every):
+    """Steps that carry a prompt chunk take its time whatever the budget: the
+    controller learns that time per step (from every step's period against
+    its shape's estimate, shifted by one step as under async scheduling) and
+    weighs trees by tokens over all the time, so a tree that does not pay
+    against bare decode steps pays once prompts take a share of every step.
+    Plain steps 5 ms, 3-node steps with the drafter 9 ms, 0.75 nodes
+    accepted: 1 token per 5 ms against 1.75 per 9 ms without prompts, 1 per
+    7 ms against 1.75 per 11 ms with a 6 ms prompt every third step."""
+    ladder = budget_ladder(3)
+    clock = FakeClock()
+    # Start-up times equal to the true periods: only the prompts are unknown.
+    target = {8: 5e-3, 16: 6e-3, 32: 7e-3}
+    cost = StepCostModel(target, {8: 2e-3})
+    controller = TreeBudgetController(ladder, 3, cost, clock=clock)
+    curve = AcceptanceCurve(8, (0.0, 0.3, 0.75))
+    controller.set_curve(curve)
+
+    def period(b, drafted):
+        return target[8 * (1 + b)] + (2e-3 if drafted else 0.0)
+
+    drafted, last = True, 0.0
+    budgets = []
+    for k in range(600):
+        controller.step_started()
+        prompt = prompt_every and k % prompt_every == 0
+        b = controller.choose(8, 3, drafted, timed=not prompt)
+        next_drafted = controller.should_draft(8, 3)
+        controller.drafted(next_drafted)
+        if next_drafted:
+            controller.update_curve(curve)
+        clock.now += last  # the period measured is the step before's
+        last = period(b, next_drafted) + (6e-3 if prompt else 0.0)
+        drafted = next_drafted
+        budgets.append(b)
+    late = budgets[300:]
+    if prompt_every:
+        assert controller.extra_seconds == pytest.approx(2e-3, rel=0.2)
+        assert late.count(3) >= 0.9 * len(late)
+    else:
+        assert abs(controller.extra_seconds) < 1e-4
+        assert late.count(0) >= 0.9 * len(late)

@@ -14,7 +14,11 @@ where ``e(b)`` is the expected number of accepted nodes per request when the
 batch verifies ``num_reqs * b`` nodes (summed calibrated acceptance
 probabilities of the best nodes, read from the GPU one or two steps late) and
 ``cost`` is the step's period: what one decode step of that shape takes, as
-the user sees it (host and GPU together). ``b = 0`` is a plain decode step
+the user sees it (host and GPU together), plus the time per step that prompt
+chunks add whatever the budget (a running average of how much longer steps
+take than their shape's estimate). Leaving that time out would undervalue
+every tree's tokens against its extra verification time, the more so the
+more often requests arrive. ``b = 0`` is a plain decode step
 that also skips the drafter when the next step is not expected to speculate
 either (:meth:`TreeBudgetController.should_draft`).
 
@@ -67,6 +71,10 @@ _PROBE_INTERVAL = 32
 # Weight of a newly read acceptance estimate in the running one
 # (update_curve): about the last four drafted batches count.
 _CURVE_WEIGHT = 0.25
+# Weight of one step in the running average of the time steps take beyond
+# their shape's estimate (prompt chunks riding along): about the last hundred
+# steps count, enough to span the arrivals of several requests.
+_EXTRA_WEIGHT = 1 / 64
 
 
 def budget_ladder(cap: int) -> tuple[int, ...]:
@@ -324,6 +332,9 @@ class TreeBudgetController:
         # rank must choose alike: host clocks differ between them).
         self.learn = learn
         self._logged_totals: tuple[float, ...] = ()
+        # Seconds per step beyond the step shapes' estimates: the prompt
+        # chunks' time, which every budget pays alike.
+        self.extra_seconds = 0.0
 
     # -- acceptance -----------------------------------------------------------
 
@@ -359,7 +370,8 @@ class TreeBudgetController:
 
     def best_budget(self, num_reqs: int, max_budget: int, drafted: bool = False) -> int:
         """The ladder budget <= ``max_budget`` with the most expected tokens per
-        second for ``num_reqs`` requests (ties: the smaller budget).
+        second for ``num_reqs`` requests (ties: the smaller budget), every
+        budget's step charged :attr:`extra_seconds` too.
 
         ``drafted``: the trees exist already, so the drafter's forward that
         built them is paid whichever budget is verified; it is left out of
@@ -368,12 +380,13 @@ class TreeBudgetController:
         its drafter too: the steady choice between speculating and not."""
         plain = self.cost.predict(num_reqs, 0, False)
         paid = self.cost.drafter_prior(num_reqs) if drafted else 0.0
-        best, best_rate = 0, 1.0 / plain
+        extra = max(self.extra_seconds, 0.0)
+        best, best_rate = 0, 1.0 / (plain + extra)
         for b in self.ladder[1:]:
             if b > max_budget:
                 break
             seconds = max(plain, self.cost.predict(num_reqs, b, True) - paid)
-            rate = (1.0 + self.expected_accepted(b)) / seconds
+            rate = (1.0 + self.expected_accepted(b)) / (seconds + extra)
             if rate > best_rate:
                 best, best_rate = b, rate
         return best
@@ -433,14 +446,33 @@ class TreeBudgetController:
         now = self._clock()
         step = self._step
         shape = step.shape() if step is not None else None
+        seconds = now - self._step_start
         if self.learn and shape is not None and shape == self._last_shape:
-            self.cost.observe(
-                step.num_reqs, step.budget, step.drafted, now - self._step_start
-            )
+            self.cost.observe(step.num_reqs, step.budget, step.drafted, seconds)
+        if self.learn and step is not None and step.drafted is not None:
+            self._observe_extra(step, seconds)
         self._last_shape = shape
         self._step = None
         self._step_start = now
         self._maybe_log(now)
+
+    def _observe_extra(self, step: _Step, seconds: float) -> None:
+        """Running average of how much longer a step took than its shape's
+        estimate as a pure decode step: the prompt chunks' time (with async
+        scheduling it shows in the period of the step after theirs, which is
+        why every step counts, not only those that carried a chunk). Steps of
+        a shape without an estimate of its own (optimistic until corrected)
+        and idle gaps are left out."""
+        if (
+            seconds > _IDLE_SECONDS
+            or self.cost.num_observed(step.num_reqs, step.budget, step.drafted)
+            < _MIN_OBSERVATIONS
+        ):
+            return
+        expected = self.cost.predict(step.num_reqs, step.budget, step.drafted)
+        if seconds > _OUTLIER * expected:
+            return
+        self.extra_seconds += _EXTRA_WEIGHT * (seconds - expected - self.extra_seconds)
 
     # -- logging --------------------------------------------------------------
 
@@ -458,7 +490,8 @@ class TreeBudgetController:
             "DDTree: budget over %.0f s: %d decode steps, %.1f requests and %.1f "
             "tree nodes per step, drafter ran in %.0f%% of steps; nodes per "
             "request (share of steps) %s%s; step periods learned for batches "
-            "of up to %d: %s",
+            "of up to %d: %s; steps took %.2f ms more than those periods "
+            "(prompt chunks)",
             now - self._log_start,
             log.steps,
             log.reqs / log.steps,
@@ -468,6 +501,7 @@ class TreeBudgetController:
             self._calibration_report(),
             common,
             self.cost.learned(common),
+            1e3 * self.extra_seconds,
         )
         self._log = _StepLog()
         self._log_start = now
