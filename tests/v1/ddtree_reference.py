@@ -172,9 +172,11 @@ def prepare_draft_inputs_reference(
     max_num_reqs,
     max_num_tokens,
     max_model_len,
+    path_len=None,
 ) -> None:
     """Slow torch version of :func:`prepare_draft_inputs`, for tests."""
     num_reqs = idx_mapping.shape[0]
+    path_len = depth if path_len is None else path_len
     qsl, cu = target_query_start_loc.tolist(), cu_num_logits.tolist()
     pos = target_positions.tolist()
     last_sampled = last_sampled.reshape(-1)
@@ -189,10 +191,10 @@ def prepare_draft_inputs_reference(
         num_logits = cu[r + 1] - cu[r]
         tree_start = qsl[r + 1] - num_logits
         k = int(num_accepted[r]) if num_logits > 1 else 0
-        path = [tree_start + int(n) for n in accepted_nodes[r, :k]]
+        path = [tree_start + int(n) for n in accepted_nodes[r, : min(k, path_len)]]
         ctx = list(range(qsl[r], tree_start + 1)) + path
-        ctx_start = qsl[r] - (cu[r] - r) + depth * r
-        num_ctx = tree_start + 1 - qsl[r] + depth
+        ctx_start = qsl[r] - (cu[r] - r) + path_len * r
+        num_ctx = tree_start + 1 - qsl[r] + path_len
         for c in range(num_ctx):
             row = ctx[c] if c < len(ctx) else tree_start
             context_rows[ctx_start + c] = row

@@ -591,7 +591,8 @@ def test_walk_output_drives_compaction_and_drafting(vllm_config, monkeypatch):
 def test_propose_without_a_walk_moves_no_kv(vllm_config, monkeypatch, output):
     """A step that verified no tree (MRv2 ran its plain sampler, or a dummy
     run passes nothing): no KV moves, and the drafter's context of each
-    decoding request is its root alone."""
+    decoding request is its root alone, with no path entries (a plain step
+    projects only the rows it committed)."""
     gen = torch.Generator().manual_seed(4)
     spec, _, _ = _attached(vllm_config, monkeypatch)
     batch = _input_batch(_flat_positions())
@@ -613,10 +614,11 @@ def test_propose_without_a_walk_moves_no_kv(vllm_config, monkeypatch, output):
     for cache, old in zip(caches, before):
         assert torch.equal(cache, old)
     _, ctx_pos, ctx_slots = spec.model.context[-1]
+    # Roots of the two decoding requests, then the prefill chunk's rows.
+    assert ctx_pos.shape[0] == 2 + BATCH[2][1]
     for r, (_, _, _, p0) in enumerate(BATCH[:2]):
-        begin = r * (1 + DEPTH)
-        assert ctx_pos[begin].item() == p0
-        assert (ctx_slots[begin + 1 : begin + 1 + DEPTH] < 0).all()
+        assert ctx_pos[r].item() == p0
+        assert ctx_slots[r] >= 0
 
 
 def test_propose_shows_the_adaptive_budget_the_verified_trees(vllm_config, monkeypatch):
@@ -635,6 +637,7 @@ def test_propose_shows_the_adaptive_budget_the_verified_trees(vllm_config, monke
     calls = []
     spec.adaptive = types.SimpleNamespace(
         slots=[BUDGET] * (NUM_STATES + 1),
+        step_max_nodes=BUDGET,
         observe_walk=lambda log_probs, b, t, nodes, n: calls.append(
             ("walk", log_probs.clone().cpu(), b, nodes, n)
         ),

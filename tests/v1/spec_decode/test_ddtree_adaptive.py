@@ -73,14 +73,18 @@ def test_plan_trims_a_uniform_decode_step():
     assert calls == [(3, 7, True, True)]
     plan = budget._plan
     assert (plan.num_reqs, plan.budget, plan.cap, plan.decode_only) == (3, 3, 7, True)
+    # Each request verifies at most 3 nodes unless the batch-wide split runs.
+    assert budget.step_max_nodes == 3
 
 
 def test_plan_keeps_a_full_step_and_drops_every_draft_at_zero():
     budget, _ = _budget(lambda r, cap: cap)
     out = _output({"a": 8, "b": 8}, {"a": 7, "b": 7})
     assert budget.plan(out) is out
+    assert budget.step_max_nodes == 7
     budget, _ = _budget(lambda r, cap: 0)
     trimmed = budget.plan(out)
+    assert budget.step_max_nodes == 0
     assert trimmed.num_scheduled_tokens == {"a": 1, "b": 1}
     assert trimmed.scheduled_spec_decode_tokens == {}
     assert trimmed.total_num_scheduled_tokens == 2
@@ -102,7 +106,9 @@ def test_plan_leaves_prompts_and_trimmed_trees_their_tokens():
 def test_plan_without_drafts_or_trees():
     budget, calls = _budget(lambda r, cap: cap)
     out = _output({"p": 9}, {})
+    budget.step_max_nodes = 5
     assert budget.plan(out) is out and calls == []
+    assert budget.step_max_nodes == 0
     # No tree was drafted for this step: the controller is told so.
     budget.drafted_last = False
     budget.plan(_output({"a": 8}, {"a": 7}))
@@ -343,6 +349,8 @@ def test_reallocate_equals_mrv2_inputs_of_the_ranked_split(num_reqs, b):
         batch = _prepared_batch(runner, idx_mapping, [b] * num_reqs)
         even_bound = batch.seq_lens_cpu_upper_bound.clone()
         out = budget.reallocate(runner, batch)
+        # A request may now verify up to the cap: its path bound follows.
+        assert budget.step_max_nodes == CAP
         got = _snapshot(out)
         counts, _ = assign_tree_nodes_reference(
             log_probs.numpy(),

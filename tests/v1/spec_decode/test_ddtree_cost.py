@@ -480,3 +480,90 @@ def test_prompt_time_counts_for_every_budget(prompt_every):
     else:
         assert abs(controller.extra_seconds) < 1e-4
         assert late.count(0) >= 0.9 * len(late)
+
+
+@pytest.mark.parametrize("stale", [True, False])
+def test_a_plain_estimate_taken_too_high_is_retaken(monkeypatch, stale):
+    """After a run of trees, plain steps still carry the trees' work for a
+    few steps (as traced at real size: 12.3, 9.8, 9.8, 9.1 ms between step
+    starts against 8.2 ms steady, the first being the last tree's). Plain
+    steps learned from those look worse than 3-node trees that accept 0.35
+    nodes (12.3 ms), and nothing times a plain step while the batch drafts.
+    Plain periods are learned only once such a run has settled, and a plain
+    estimate goes stale and is retaken, so the controller settles on plain
+    steps, which serve 1 token per 8.2 ms against 1.35 per 12.3 ms. The
+    ablation shows the check can fail: both rules off, the batch drafts."""
+    from vllm.v1.spec_decode import ddtree_cost
+
+    if not stale:
+        monkeypatch.setattr(ddtree_cost, "_STALE_STEPS", 10**9)
+        monkeypatch.setattr(ddtree_cost, "_PLAIN_SETTLE_STEPS", 0)
+    ladder = budget_ladder(3)
+    clock = FakeClock()
+    # GPU times at start-up: 6.6 ms plain at 64 requests, a 3-node tree 10 ms.
+    cost = StepCostModel({64: 6.6e-3, 128: 8e-3, 256: 10e-3}, {64: 1e-3})
+    controller = TreeBudgetController(ladder, 3, cost, clock=clock)
+    strong = AcceptanceCurve(64, (0.0, 1.0, 2.3))
+    weak = AcceptanceCurve(64, (0.0, 0.2, 0.35))
+    # What plain steps take after a run of at least 8 tree steps.
+    draining = [9.8e-3, 9.8e-3, 9.1e-3]
+
+    drafted, last, plain_run, tree_run, drains = True, 0.0, 0, 0, False
+    budgets, tokens, seconds = [], 0.0, 0.0
+    for k in range(1600):
+        curve = strong if k < 60 else weak
+        controller.step_started()
+        b = controller.choose(64, 3, drafted, timed=True)
+        next_drafted = controller.should_draft(64, 3)
+        controller.drafted(next_drafted)
+        if next_drafted:
+            controller.update_curve(curve)
+        if b == 0 and not next_drafted:
+            if plain_run == 0:
+                drains = tree_run >= 8
+            slow = drains and plain_run < len(draining)
+            period = draining[plain_run] if slow else 8.2e-3
+            plain_run, tree_run = plain_run + 1, 0
+        else:
+            period, plain_run, tree_run = 12.3e-3, 0, tree_run + 1
+        # The period between two step starts is the step before's.
+        clock.now += last
+        last = period
+        drafted = next_drafted
+        if k >= 400:
+            budgets.append(b)
+            tokens += 1 + curve.per_request[ladder.index(b)]
+            seconds += period
+    share = budgets.count(0) / len(budgets)
+    rate = tokens / seconds
+    print(f"plain steps {share:.2f}, {rate * 8.2e-3:.3f} x plain's rate")
+    if stale:
+        assert share >= 0.9
+        assert rate >= 0.97 / 8.2e-3
+    else:
+        assert share < 0.5
+
+
+def test_plain_estimates_go_stale():
+    """Only a plain step's estimate goes stale: past _STALE_STEPS steps
+    without a plain period it is dropped (the start-up time predicts it
+    again) and relearned from new periods only; tree shapes keep theirs."""
+    from vllm.v1.spec_decode.ddtree_cost import _MIN_OBSERVATIONS, _STALE_STEPS
+
+    cost = StepCostModel({8: 5e-3, 32: 6e-3}, {8: 1e-3})
+    for _ in range(_MIN_OBSERVATIONS):
+        cost.observe(8, 0, False, 9e-3)
+        cost.observe(8, 3, True, 12e-3)
+    assert cost.predict(8, 0, False) == pytest.approx(9e-3)
+    for _ in range(_STALE_STEPS):
+        cost.tick()
+    assert cost.estimated(8, 0, False)
+    cost.tick()
+    assert not cost.estimated(8, 0, False)
+    assert cost.predict(8, 0, False) == pytest.approx(5e-3)
+    assert cost.predict(8, 3, True) == pytest.approx(12e-3)
+    cost.observe(8, 0, False, 7e-3)
+    assert cost.num_observed(8, 0, False) == 1
+    for _ in range(_MIN_OBSERVATIONS - 1):
+        cost.observe(8, 0, False, 7e-3)
+    assert cost.predict(8, 0, False) == pytest.approx(7e-3)

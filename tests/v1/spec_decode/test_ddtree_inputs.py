@@ -230,7 +230,15 @@ def test_verify_writer_prompt_rows_before_root():
     assert num_shifted >= 4
 
 
-def _run_draft_writer(num_reqs, budget, depth, seed, block_size=16, max_model_len=4096):
+def _run_draft_writer(
+    num_reqs,
+    budget,
+    depth,
+    seed,
+    block_size=16,
+    max_model_len=4096,
+    path_len=lambda depth, reqs: depth,
+):
     gen = torch.Generator().manual_seed(seed)
     max_num_reqs = num_reqs + 3
     trees = _trees(max_num_reqs, depth, budget, gen)
@@ -278,7 +286,8 @@ def _run_draft_writer(num_reqs, budget, depth, seed, block_size=16, max_model_le
     num_tokens = int(qsl[-1])
     num_draft = sum(b for _, _, b, _ in reqs)
     max_num_tokens = num_tokens + depth * max_num_reqs + 8
-    num_context = draft_context_size(num_tokens, num_draft, num_reqs, depth)
+    path_len = path_len(depth, reqs)
+    num_context = draft_context_size(num_tokens, num_draft, num_reqs, path_len)
     assert num_context <= max_num_tokens
 
     outputs = []
@@ -325,6 +334,7 @@ def _run_draft_writer(num_reqs, budget, depth, seed, block_size=16, max_model_le
             max_num_reqs,
             max_num_tokens,
             max_model_len,
+            path_len=path_len,
         )
         # Context entries past num_context are not written.
         for i in (5, 6, 7):
@@ -342,6 +352,37 @@ def _run_draft_writer(num_reqs, budget, depth, seed, block_size=16, max_model_le
 @pytest.mark.parametrize("seed", [0, 1])
 def test_draft_writer_matches_reference(num_reqs, budget, depth, seed):
     _run_draft_writer(num_reqs, budget, depth, seed)
+
+
+@pytest.mark.parametrize(
+    "num_reqs, budget, depth",
+    [(1, 1, 1), (3, 5, 3), (7, 33, 15), (5, 3, 15)],
+)
+def test_draft_writer_short_paths(num_reqs, budget, depth):
+    """A step's largest tree bounds the accepted paths: the context keeps
+    min(depth, most nodes) path entries per request (draft_path_len), every
+    accepted path whole; 0 entries where no request verified a tree."""
+    from vllm.v1.spec_decode.ddtree_inputs import draft_path_len
+
+    def most_nodes(depth, reqs):
+        return draft_path_len(depth, max(b for _, _, b, _ in reqs))
+
+    for seed in range(4):
+        reqs, accepted, num_accepted, _, out = _run_draft_writer(
+            num_reqs, budget, depth, seed, path_len=most_nodes
+        )
+        path_len = most_nodes(depth, reqs)
+        # Trees smaller than the depth: fewer entries than DEPTH per request.
+        assert path_len <= min(depth, budget)
+        # Every tree request's accepted nodes are in its context, with slots.
+        rows, slots = out[5], out[7]
+        kept = int((slots != PAD_SLOT_ID).sum())
+        committed = sum(
+            q - b + (int(num_accepted[r]) if b else 0)
+            for r, (_, q, b, _) in enumerate(reqs)
+        )
+        assert kept == committed
+        assert rows.shape[0] == sum(q - b for _, q, b, _ in reqs) + path_len * len(reqs)
 
 
 @gpu_only

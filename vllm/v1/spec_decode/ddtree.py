@@ -51,6 +51,7 @@ from vllm.v1.spec_decode.ddtree_adaptive import AdaptiveTreeBudget
 from vllm.v1.spec_decode.ddtree_config import DDTreeConfig
 from vllm.v1.spec_decode.ddtree_inputs import (
     draft_context_size,
+    draft_path_len,
     prepare_draft_inputs,
     store_draft_trees,
 )
@@ -432,14 +433,15 @@ class DDTreeSpeculator(DFlashSpeculator):
             )
             self._store_context_kv(context, dummy_run=True)
             return
+        path_len = draft_path_len(self.draft_depth, self._max_tree_nodes(walk))
         num_context = draft_context_size(
             input_batch.num_tokens,
             input_batch.num_draft_tokens,
             input_batch.num_reqs,
-            self.draft_depth,
+            path_len,
         )
         self._prepare_inputs(
-            input_batch, num_sampled, last_sampled, next_prefill_tokens, walk
+            input_batch, num_sampled, last_sampled, next_prefill_tokens, walk, path_len
         )
         context = self._context_hidden_states(
             last_hidden_states, aux_hidden_states, self.context_rows, num_context
@@ -523,6 +525,16 @@ class DDTreeSpeculator(DFlashSpeculator):
             log_probs=rows(flat.log_probs, width),
         )
 
+    def _max_tree_nodes(self, walk: TreeSamplerOutput | None) -> int:
+        """The most nodes a request's tree had in the step just verified (an
+        upper bound known on the host): none without a walk; the adaptive
+        budget's bound for its step; else the scheduler's slots."""
+        if walk is None:
+            return 0
+        if self.adaptive is not None:
+            return self.adaptive.step_max_nodes
+        return self.tree_budget
+
     def _prepare_inputs(
         self,
         input_batch: InputBatch,
@@ -530,6 +542,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         last_sampled: torch.Tensor,
         next_prefill_tokens: torch.Tensor,
         walk: TreeSamplerOutput | None,
+        path_len: int,
     ) -> None:
         accepted_nodes, num_accepted = self._accepted_paths(input_batch, walk)
         for i, gid in enumerate(self.draft_kv_cache_group_ids):
@@ -559,6 +572,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                 self.max_num_reqs,
                 self.max_num_tokens,
                 self.max_model_len,
+                path_len=path_len,
             )
 
     def _accepted_paths(

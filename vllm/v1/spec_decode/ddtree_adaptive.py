@@ -147,6 +147,9 @@ class AdaptiveTreeBudget:
         # the requests and budget should_draft found best for the next one.
         self._step_budget: int | None = None
         self._advice: tuple[int, int] | None = None
+        # The most tree nodes a request verifies in the current step (0:
+        # none): bounds the accepted path the drafter's context keeps.
+        self.step_max_nodes = 0
         # Whether the drafter ran at the end of the last step: the trees the
         # next step can verify.
         self.drafted_last = False
@@ -338,6 +341,7 @@ class AdaptiveTreeBudget:
         self._read_estimate(controller)
         controller.step_started()
         self._step_budget = None
+        self.step_max_nodes = 0
         spec = scheduler_output.scheduled_spec_decode_tokens
         if not spec:
             return scheduler_output
@@ -355,10 +359,14 @@ class AdaptiveTreeBudget:
             self._skip_walk = True
             self._warm_plan = self._plans
             self._plan = None
+            self.step_max_nodes = most
             return scheduler_output
         b = controller.choose(num_reqs, cap, has_trees=self.drafted_last, timed=pure)
         self._plan = StepPlan(num_reqs, b, cap, pure)
         self._step_budget = b
+        # Each request keeps at most b of its slots; the batch-wide split
+        # (reallocate) may raise one to the cap.
+        self.step_max_nodes = b
         if b == most:
             return scheduler_output
         trimmed = copy.copy(scheduler_output)
@@ -391,6 +399,7 @@ class AdaptiveTreeBudget:
         ):
             return input_batch
         num_reqs = plan.num_reqs
+        self.step_max_nodes = plan.cap
         buffers = runner.input_buffers
         req_states = runner.req_states
         trees_state = runner.speculator.trees

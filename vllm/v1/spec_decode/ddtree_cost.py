@@ -54,6 +54,21 @@ logger = init_logger(__name__)
 
 # Observations of a step shape before its own estimate replaces the prior.
 _MIN_OBSERVATIONS = 3
+# Plain steps (no tree, no drafter) that must follow a step with a tree or
+# the drafter, prompt-carrying ones included, before a plain step's period is
+# learned: the first periods after trees still carry the trees' work (their
+# last verification and drafter forward, queued behind the host), which would
+# take plain steps for slower than they are.
+_PLAIN_SETTLE_STEPS = 4
+# Steps after which the estimate of a plain step (no tree, no drafter), if not
+# observed again, is dropped. While a batch drafts, nothing times a plain step,
+# so a plain estimate taken too high (plain steps timed just after a run of
+# trees, while the trees' work still drains) would keep the batch drafting
+# where plain steps serve more. Dropped, plain steps are predicted by their
+# start-up time again, tried where that could pay, and re-learned. (A tree
+# shape believed too slow is tried again as the acceptance moves, and unseen
+# larger ones are bounded by the seen.)
+_STALE_STEPS = 128
 # A shape's estimate is the median of its last _WINDOW periods: it follows
 # changes in context length and host load within tens of steps, and a period
 # that is not the step's cost (the engine idle until the next request came, a
@@ -119,9 +134,13 @@ class _Shape:
     """One step shape's recent periods, and each one over the GPU time (the
     prior) of the batch size it was timed at."""
 
-    def __init__(self) -> None:
+    def __init__(self, plain: bool = False) -> None:
         self.periods = _Median()
         self.ratios = _Median()
+        # A plain step without the drafter: the one shape whose estimate goes
+        # stale (_STALE_STEPS); StepCostModel.steps at its last observation.
+        self.plain = plain
+        self.last_step = 0
 
 
 class StepCostModel:
@@ -163,6 +182,23 @@ class StepCostModel:
         # The shapes with an estimate of their own, (bucket, drafted, budget,
         # periods): what bounds an unseen shape from above.
         self._estimated: list[tuple[int, bool, int, _Shape]] = []
+        # Decode steps so far (tick): how old each shape's estimate is.
+        self.steps = 0
+
+    def tick(self) -> None:
+        """One more step (whether or not its period is learned)."""
+        self.steps += 1
+
+    def _fresh(self, shape: _Shape) -> bool:
+        return shape.periods.n >= _MIN_OBSERVATIONS and not self._stale(shape)
+
+    def _stale(self, shape: _Shape) -> bool:
+        return shape.plain and self.steps - shape.last_step > _STALE_STEPS
+
+    def estimated(self, num_reqs: int, budget: int, drafted: bool) -> bool:
+        """Whether the shape has a current estimate of its own."""
+        shape = self._shapes.get((request_bucket(num_reqs), drafted), {}).get(budget)
+        return shape is not None and self._fresh(shape)
 
     def prior(self, num_reqs: int, budget: int, drafted: bool) -> float:
         seconds = _interpolate(self._target, num_reqs * (1 + budget))
@@ -179,14 +215,19 @@ class StepCostModel:
         bucket = request_bucket(num_reqs)
         seen = self._shapes.get((bucket, drafted), {})
         own = seen.get(budget)
-        if own is not None and own.periods.n >= _MIN_OBSERVATIONS:
+        if own is not None and self._fresh(own):
             return own.ratios.value * self.prior(num_reqs, budget, drafted)
         bound = self.prior(num_reqs, budget, drafted)
         for b, shape in seen.items():
-            if b < budget and shape.periods.n >= _MIN_OBSERVATIONS:
+            if b < budget and self._fresh(shape):
                 bound = max(bound, shape.periods.value)
         for other, other_drafted, b, shape in self._estimated:
-            if other_drafted == drafted and other >= bucket and b >= budget:
+            if (
+                other_drafted == drafted
+                and other >= bucket
+                and b >= budget
+                and self._fresh(shape)
+            ):
                 bound = min(bound, shape.periods.value)
         return max(bound, 1e-9)
 
@@ -199,7 +240,14 @@ class StepCostModel:
             return False
         bucket = request_bucket(num_reqs)
         seen = self._shapes.setdefault((bucket, drafted), {})
-        shape = seen.setdefault(budget, _Shape())
+        shape = seen.get(budget)
+        if shape is not None and self._stale(shape):
+            # Dropped as stale: learned afresh.
+            self._estimated = [e for e in self._estimated if e[3] is not shape]
+            shape = None
+        if shape is None:
+            shape = seen[budget] = _Shape(plain=budget == 0 and not drafted)
+        shape.last_step = self.steps
         periods = shape.periods
         if seconds > _IDLE_SECONDS or (
             periods.n >= _MIN_OBSERVATIONS and seconds > _OUTLIER * periods.value
@@ -221,7 +269,7 @@ class StepCostModel:
             seen = self._shapes.get((bucket, drafted), {})
             for b, shape in sorted(seen.items()):
                 avg = shape.periods
-                if avg.n >= _MIN_OBSERVATIONS:
+                if self._fresh(shape):
                     mark = "+" if drafted else ""
                     parts.append(f"b={b}{mark} {1e3 * avg.value:.2f} ms ({avg.n})")
         return ", ".join(parts) or "none yet"
@@ -325,6 +373,8 @@ class TreeBudgetController:
         self._step: _Step | None = None
         # The shape of the step before ``_step`` (None: untimed or none).
         self._last_shape: tuple[int, int, bool] | None = None
+        # Plain steps in a row (prompt-carrying ones too) up to ``_step``.
+        self._plain_run = 0
         self._step_start = clock()
         self._log = _StepLog()
         self._log_start = self._step_start
@@ -447,10 +497,19 @@ class TreeBudgetController:
         step = self._step
         shape = step.shape() if step is not None else None
         seconds = now - self._step_start
-        if self.learn and shape is not None and shape == self._last_shape:
+        plain = step is not None and step.budget == 0 and step.drafted is False
+        self._plain_run = self._plain_run + 1 if plain else 0
+        if (
+            self.learn
+            and shape is not None
+            and shape == self._last_shape
+            and (not plain or self._plain_run > _PLAIN_SETTLE_STEPS)
+        ):
             self.cost.observe(step.num_reqs, step.budget, step.drafted, seconds)
         if self.learn and step is not None and step.drafted is not None:
             self._observe_extra(step, seconds)
+        if step is not None:
+            self.cost.tick()
         self._last_shape = shape
         self._step = None
         self._step_start = now
@@ -463,10 +522,8 @@ class TreeBudgetController:
         why every step counts, not only those that carried a chunk). Steps of
         a shape without an estimate of its own (optimistic until corrected)
         and idle gaps are left out."""
-        if (
-            seconds > _IDLE_SECONDS
-            or self.cost.num_observed(step.num_reqs, step.budget, step.drafted)
-            < _MIN_OBSERVATIONS
+        if seconds > _IDLE_SECONDS or not self.cost.estimated(
+            step.num_reqs, step.budget, step.drafted
         ):
             return
         expected = self.cost.predict(step.num_reqs, step.budget, step.drafted)

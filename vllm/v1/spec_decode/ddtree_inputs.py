@@ -22,7 +22,8 @@ Two writers, each a small Triton kernel:
   drafter's next context is the request's committed rows only: any rows before
   the tree (prefill chunks), the root, then the accepted nodes in path order;
   rejected nodes never reach the drafter's KV cache. Each request gets a context
-  region of ``q_len - b + depth`` entries (path entries past the accepted length
+  region of ``q_len - b + path_len`` entries (``path_len``: the longest path the
+  step can accept, :func:`draft_path_len`; path entries past the accepted length
   are padding with slot ``PAD_SLOT_ID``), so region offsets and the total follow
   from the batch's CPU counts without a host sync. The drafter's query block
   (bonus token + ``depth`` mask tokens after the last committed position) is laid
@@ -348,11 +349,21 @@ def _store_draft_trees_kernel(
 
 
 def draft_context_size(
-    num_tokens: int, num_draft_tokens: int, num_reqs: int, depth: int
+    num_tokens: int, num_draft_tokens: int, num_reqs: int, path_len: int
 ) -> int:
     """Context entries of :func:`prepare_draft_inputs` for a batch: every row
-    that is not a draft token, plus ``depth`` path entries per request."""
-    return num_tokens - num_draft_tokens + depth * num_reqs
+    that is not a draft token, plus ``path_len`` path entries per request."""
+    return num_tokens - num_draft_tokens + path_len * num_reqs
+
+
+def draft_path_len(depth: int, max_tree_nodes: int) -> int:
+    """Path entries per request in the drafter's context: the longest path a
+    step can accept, at most the drafter's depth and at most the nodes of the
+    largest tree the step verified (0 when it verified none). Each entry is a
+    row of the drafter's context projections whether a node fills it or not,
+    so a plain step of 64 requests with 15 entries each would project 1024
+    rows for 64 committed ones."""
+    return max(0, min(depth, max_tree_nodes))
 
 
 def prepare_draft_inputs(
@@ -395,13 +406,19 @@ def prepare_draft_inputs(
     max_num_reqs: int,
     max_num_tokens: int,
     max_model_len: int,
+    path_len: int | None = None,
 ) -> None:
     """Drafter context and query inputs for the next DDTree step (see module doc).
 
     Context entries of request r start at ``q_start[r] - (cu_num_logits[r] - r) +
-    depth * r``; the query block of request r is rows ``r * (depth + 1) ..``.
+    path_len * r`` (``path_len``: :func:`draft_path_len`, default ``depth``);
+    the query block of request r is rows ``r * (depth + 1) ..``.
     """
     num_reqs = idx_mapping.shape[0]
+    if path_len is None:
+        path_len = depth
+    if not 0 <= path_len <= depth:
+        raise ValueError(f"path_len must be in [0, {depth}], got {path_len}")
     _prepare_draft_inputs_kernel[(num_reqs,)](
         query_input_ids,
         query_positions,
@@ -430,6 +447,7 @@ def prepare_draft_inputs(
         max_num_reqs,
         max_num_tokens,
         max_model_len,
+        path_len,
         DEPTH=depth,
         PATH_BLOCK=next_power_of_2(depth),
         QUERY_BLOCK=next_power_of_2(depth + 1),
@@ -445,7 +463,9 @@ def _slot_of(block_table_row_ptr, pos, block_size, max_num_blocks):
     return block_id * block_size + pos % block_size
 
 
-@triton.jit(do_not_specialize=["max_num_reqs", "max_num_tokens", "max_model_len"])
+@triton.jit(
+    do_not_specialize=["max_num_reqs", "max_num_tokens", "max_model_len", "path_len"]
+)
 def _prepare_draft_inputs_kernel(
     # [max_num_tokens]
     query_input_ids_ptr,
@@ -488,6 +508,8 @@ def _prepare_draft_inputs_kernel(
     max_num_reqs,
     max_num_tokens,
     max_model_len,
+    # Context path entries per request (<= DEPTH).
+    path_len,
     DEPTH: tl.constexpr,
     PATH_BLOCK: tl.constexpr,
     QUERY_BLOCK: tl.constexpr,
@@ -510,12 +532,15 @@ def _prepare_draft_inputs_kernel(
     num_accepted = tl.where(num_logits > 1, num_accepted, 0)
 
     # --- Context: rows before the root, the root, then the accepted path ---
-    ctx_start = q_start - (logits_start - req_idx) + DEPTH * req_idx
-    num_ctx = num_prefix + 1 + DEPTH
+    ctx_start = q_start - (logits_start - req_idx) + path_len * req_idx
+    num_ctx = num_prefix + 1 + path_len
+    # No tree accepts more nodes than it has, so path_len holds every path;
+    # the bound keeps a request's entries inside its region regardless.
+    num_path = tl.minimum(num_accepted, path_len)
     path_offs = tl.arange(0, PATH_BLOCK)
     path = tl.load(
         accepted_nodes_ptr + req_idx * accepted_nodes_stride + path_offs,
-        mask=path_offs < num_accepted,
+        mask=path_offs < num_path,
         other=0,
     )
     for i in range(0, num_ctx, BLOCK):
@@ -526,7 +551,7 @@ def _prepare_draft_inputs_kernel(
         node = tl.sum(
             tl.where(path_offs[None, :] == (d - 1)[:, None], path[None, :], 0), axis=1
         )
-        keep = is_ctx & (d <= num_accepted)
+        keep = is_ctx & (d <= num_path)
         row = tl.where(d >= 1, tree_start + node, q_start + c)
         pos = tl.load(target_positions_ptr + row, mask=is_ctx, other=0)
         slot = _slot_of(block_row, pos, block_size, max_num_blocks)
