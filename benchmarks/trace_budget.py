@@ -201,8 +201,12 @@ def main(argv=None):
     phase_name[0] = "warmup"
     run(4, 0.0, 8)
     rows = []
+    names = Counter()
     for c, temp, n in args.phases:
-        phase_name[0] = f"c{c}T{temp:g}"
+        # A phase repeated later in the list is told apart: c64T1, c64T1#2.
+        name = f"c{c}T{temp:g}"
+        names[name] += 1
+        phase_name[0] = name if names[name] == 1 else f"{name}#{names[name]}"
         toks, secs, step_ms, nsteps = run(c, temp, n)
         rows.append(
             {
