@@ -381,7 +381,9 @@ def test_categorize(name, category):
 
 def _triton_kernels(path: Path) -> list[str]:
     text = path.read_text()
-    return re.findall(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+_kernel)\(", text)
+    # The decorator may span lines (``@triton.jit(\n    do_not_specialize=...\n)``).
+    decorator = r"@triton\.jit(?:\([^)]*\))?[^\n]*\n"
+    return re.findall(decorator + r"(?:@[^\n]*\n)*def (\w+_kernel)\(", text)
 
 
 def test_every_ddtree_triton_kernel_has_its_category():

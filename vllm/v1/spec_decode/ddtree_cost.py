@@ -68,7 +68,7 @@ _PLAIN_SETTLE_STEPS = 4
 # start-up time again, tried where that could pay, and re-learned. (A tree
 # shape believed too slow is tried again as the acceptance moves, and unseen
 # larger ones are bounded by the seen.)
-_STALE_STEPS = 128
+_STALE_STEPS = 256
 # A shape's estimate is the median of its last _WINDOW periods: it follows
 # changes in context length and host load within tens of steps, and a period
 # that is not the step's cost (the engine idle until the next request came, a
@@ -189,8 +189,10 @@ class StepCostModel:
         """One more step (whether or not its period is learned)."""
         self.steps += 1
 
-    def _fresh(self, shape: _Shape) -> bool:
-        return shape.periods.n >= _MIN_OBSERVATIONS and not self._stale(shape)
+    def _fresh(self, shape: _Shape, stale_ok: bool = False) -> bool:
+        return shape.periods.n >= _MIN_OBSERVATIONS and (
+            stale_ok or not self._stale(shape)
+        )
 
     def _stale(self, shape: _Shape) -> bool:
         return shape.plain and self.steps - shape.last_step > _STALE_STEPS
@@ -211,11 +213,15 @@ class StepCostModel:
         bound of what its forward adds to a step."""
         return _interpolate(self._drafter, num_reqs)
 
-    def predict(self, num_reqs: int, budget: int, drafted: bool) -> float:
+    def predict(
+        self, num_reqs: int, budget: int, drafted: bool, stale_ok: bool = False
+    ) -> float:
+        """The shape's period; ``stale_ok``: from its own estimate even where
+        that went stale (_STALE_STEPS)."""
         bucket = request_bucket(num_reqs)
         seen = self._shapes.get((bucket, drafted), {})
         own = seen.get(budget)
-        if own is not None and self._fresh(own):
+        if own is not None and self._fresh(own, stale_ok):
             return own.ratios.value * self.prior(num_reqs, budget, drafted)
         bound = self.prior(num_reqs, budget, drafted)
         for b, shape in seen.items():
@@ -428,7 +434,9 @@ class TreeBudgetController:
         every tree step's cost (at most its start-up time, so that a tree step
         is charged at least its own verification). Otherwise a tree step costs
         its drafter too: the steady choice between speculating and not."""
-        plain = self.cost.predict(num_reqs, 0, False)
+        # A stale plain estimate is retaken by not drafting (should_draft),
+        # never by throwing away trees already drafted.
+        plain = self.cost.predict(num_reqs, 0, False, stale_ok=drafted)
         paid = self.cost.drafter_prior(num_reqs) if drafted else 0.0
         extra = max(self.extra_seconds, 0.0)
         best, best_rate = 0, 1.0 / (plain + extra)
