@@ -43,7 +43,7 @@ def force_plain_steps(without_context: bool) -> None:
     from vllm.v1.spec_decode import ddtree_adaptive, ddtree_cost
 
     controller = ddtree_cost.TreeBudgetController
-    controller.best_budget = lambda self, num_reqs, most, drafted=False: 0
+    controller.best_budget = lambda self, num_reqs, most, drafted=False, **_: 0
     controller.should_draft = lambda self, num_reqs, most: False
     # Neither the budget kernels nor the start-up step times are ever used.
     ddtree_adaptive.AdaptiveTreeBudget.warm_up = lambda self, runner: 0

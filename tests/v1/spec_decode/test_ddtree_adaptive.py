@@ -122,7 +122,7 @@ def test_report_gives_the_step_budget_and_the_next_best():
     budget, _ = _budget(lambda r, cap: 3)
     assert budget.report() is None  # nothing drafted yet
     controller = budget.controller
-    controller.best_budget = lambda num_reqs, max_budget: min(num_reqs, max_budget)
+    controller.best_budget = lambda num_reqs, max_budget, **_: min(num_reqs, max_budget)
     budget.plan(_output({"a": 8, "b": 8, "c": 8}, {"a": 7, "b": 7, "c": 7}))
     assert budget.should_draft(3)
     assert budget.report() == (3, 3, 3)
@@ -132,7 +132,7 @@ def test_report_gives_the_step_budget_and_the_next_best():
     budget.should_draft(2)
     assert budget.report() == (None, 2, 2)
     budget, _ = _budget(lambda r, cap: cap)
-    budget.controller.best_budget = lambda num_reqs, max_budget: max_budget
+    budget.controller.best_budget = lambda num_reqs, max_budget, **_: max_budget
     budget.plan(_output({"a": 8, "b": 8}, {"a": 7, "b": 7}))
     budget.should_draft(2)
     assert budget.report() == (7, 2, budget.slots[2])

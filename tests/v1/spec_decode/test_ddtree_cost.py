@@ -444,16 +444,16 @@ def test_prompt_time_counts_for_every_budget(prompt_every):
     its shape's estimate, shifted by one step as under async scheduling) and
     weighs trees by tokens over all the time, so a tree that does not pay
     against bare decode steps pays once prompts take a share of every step.
-    Plain steps 5 ms, 3-node steps with the drafter 9 ms, 0.75 nodes
-    accepted: 1 token per 5 ms against 1.75 per 9 ms without prompts, 1 per
-    7 ms against 1.75 per 11 ms with a 6 ms prompt every third step."""
+    Plain steps 5 ms, 3-node steps with the drafter 9 ms, 0.7 nodes
+    accepted: 1 token per 5 ms against 1.7 per 9 ms without prompts, 1 per
+    7 ms against 1.7 per 11 ms with a 6 ms prompt every third step."""
     ladder = budget_ladder(3)
     clock = FakeClock()
     # Start-up times equal to the true periods: only the prompts are unknown.
     target = {8: 5e-3, 16: 6e-3, 32: 7e-3}
     cost = StepCostModel(target, {8: 2e-3})
     controller = TreeBudgetController(ladder, 3, cost, clock=clock)
-    curve = AcceptanceCurve(8, (0.0, 0.3, 0.75))
+    curve = AcceptanceCurve(8, (0.0, 0.3, 0.7))
     controller.set_curve(curve)
 
     def period(b, drafted):
@@ -567,3 +567,30 @@ def test_plain_estimates_go_stale():
     for _ in range(_MIN_OBSERVATIONS - 1):
         cost.observe(8, 0, False, 7e-3)
     assert cost.predict(8, 0, False) == pytest.approx(7e-3)
+
+
+def test_should_draft_keeps_its_mode_near_break_even():
+    """Switching between speculating and plain steps costs steps that no
+    shape's period shows: should_draft switches only for a margin
+    (_SWITCH_MARGIN), so a batch near break-even keeps its mode."""
+    from vllm.v1.spec_decode.ddtree_cost import _SWITCH_MARGIN
+
+    cost = StepCostModel({4: 5e-3, 16: 10e-3}, {4: 1e-9})
+    controller = TreeBudgetController(budget_ladder(3), 3, cost)
+
+    def with_gain(gain):
+        # A 3-node tree (20 tokens of target work) at 10 ms: 1 + e tokens.
+        e = 2.0 * gain - 1.0
+        controller.set_curve(AcceptanceCurve(4, (0.0, -1.0, e)))
+
+    half = 1.0 + _SWITCH_MARGIN / 2
+    with_gain(half)  # trees 1.5 % better
+    assert controller.should_draft(4, 3)  # an engine starts speculating
+    with_gain(1 / half)  # plain steps 1.5 % better: not enough to stop
+    assert controller.should_draft(4, 3)
+    with_gain(1 / (1.0 + 2 * _SWITCH_MARGIN))
+    assert not controller.should_draft(4, 3)
+    with_gain(half)  # not enough to start again
+    assert not controller.should_draft(4, 3)
+    with_gain(1.0 + 2 * _SWITCH_MARGIN)
+    assert controller.should_draft(4, 3)

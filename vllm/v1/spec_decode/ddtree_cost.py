@@ -83,6 +83,12 @@ _IDLE_SECONDS = 0.5
 # Steps without drafting before one drafted step re-measures what the drafter
 # would gain (the acceptance estimate does not move while nothing is drafted).
 _PROBE_INTERVAL = 32
+# How much more tokens per second speculating (or not) must promise before
+# should_draft switches to it: each switch costs steps that carry the other
+# mode's work (the trees' last verification and drafter forward drain into
+# the first plain steps), which no step shape's period includes, so near
+# break-even the batch keeps its mode instead of alternating.
+_SWITCH_MARGIN = 0.03
 # Weight of a newly read acceptance estimate in the running one
 # (update_curve): about the last four drafted batches count.
 _CURVE_WEIGHT = 0.25
@@ -373,6 +379,8 @@ class TreeBudgetController:
         self._log_interval = log_interval
         self._curve: AcceptanceCurve | None = None
         self._undrafted_steps = 0
+        # Whether should_draft last chose to speculate (probes aside).
+        self._speculating = True
         # The budget should_draft found best for its batch: what the
         # scheduler's slots follow (ddtree_slots.py).
         self.last_best = 0
@@ -424,10 +432,17 @@ class TreeBudgetController:
 
     # -- decisions ------------------------------------------------------------
 
-    def best_budget(self, num_reqs: int, max_budget: int, drafted: bool = False) -> int:
+    def best_budget(
+        self,
+        num_reqs: int,
+        max_budget: int,
+        drafted: bool = False,
+        plain_weight: float = 1.0,
+    ) -> int:
         """The ladder budget <= ``max_budget`` with the most expected tokens per
         second for ``num_reqs`` requests (ties: the smaller budget), every
-        budget's step charged :attr:`extra_seconds` too.
+        budget's step charged :attr:`extra_seconds` too; a plain step's rate
+        counts ``plain_weight`` times (should_draft's switching margin).
 
         ``drafted``: the trees exist already, so the drafter's forward that
         built them is paid whichever budget is verified; it is left out of
@@ -439,7 +454,7 @@ class TreeBudgetController:
         plain = self.cost.predict(num_reqs, 0, False, stale_ok=drafted)
         paid = self.cost.drafter_prior(num_reqs) if drafted else 0.0
         extra = max(self.extra_seconds, 0.0)
-        best, best_rate = 0, 1.0 / (plain + extra)
+        best, best_rate = 0, plain_weight / (plain + extra)
         for b in self.ladder[1:]:
             if b > max_budget:
                 break
@@ -472,10 +487,18 @@ class TreeBudgetController:
         """At the end of a step: whether the drafter runs for the next one.
         False while speculation would not pay, except for one probe every
         ``probe_interval`` steps, which refreshes the acceptance estimate
-        (none where the scheduler gives no draft slots)."""
-        self.last_best = self.best_budget(num_reqs, max_budget) if max_budget else 0
+        (none where the scheduler gives no draft slots). Switching between
+        speculating and not takes a margin (_SWITCH_MARGIN)."""
+        margin = 1.0 + _SWITCH_MARGIN
+        weight = 1.0 / margin if self._speculating else margin
+        self.last_best = (
+            self.best_budget(num_reqs, max_budget, plain_weight=weight)
+            if max_budget
+            else 0
+        )
         if max_budget == 0:
             return False
+        self._speculating = self.last_best > 0
         if self.last_best > 0:
             self._undrafted_steps = 0
             return True
