@@ -6,7 +6,10 @@ in flight; by default phases of concurrency 1 / 8 / 32 at T=0 and T=1, 256
 output tokens), next to the same loop on other configs. A diagnostic, not a
 user-facing figure. Each decision records the cost model's predictions and
 the acceptance estimate it weighed, the budget, whether the drafter ran (and
-what ``should_draft`` found best), and the step's period.
+what ``should_draft`` found best), and the step's period. Every Triton compile
+of the process is logged too (``<config>_compiles.jsonl``: kernel, seconds, seconds
+since the engine's construction began), with a table of those before the
+engine was ready: where a cold start's compile time goes.
 
     python benchmarks/trace_budget.py CONFIG OUTDIR   # adaptive | auto | none | dflash
     # at real size (the embedded pair, embed_pair.py), concurrency 64 at T=1:
@@ -51,6 +54,66 @@ def parse_phases(text: str) -> list[tuple[int, float, int]]:
     return phases
 
 
+class CompileLog:
+    """Triton compiles of this process, timed through Triton's JIT hooks
+    (chained to hooks set before; a compile is never skipped by them)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.records: list[dict] = []
+        self._started: dict[tuple[str, str], float] = {}
+
+    @staticmethod
+    def _id(kwargs) -> tuple[str, str]:
+        fn = kwargs.get("fn")
+        return (getattr(fn, "name", repr(fn)), str(kwargs.get("key")))
+
+    def before(self, **kwargs) -> None:
+        self._started[self._id(kwargs)] = self.clock()
+
+    def after(self, **kwargs) -> None:
+        ident = self._id(kwargs)
+        now = self.clock()
+        start = self._started.pop(ident, now)
+        self.records.append({"kernel": ident[0], "t": now, "seconds": now - start})
+
+    def install(self) -> None:
+        from vllm.triton_utils import HAS_TRITON, triton
+
+        if not HAS_TRITON:
+            return
+        runtime = triton.knobs.runtime
+        before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+
+        def cache_hook(**kwargs):
+            self.before(**kwargs)
+            return before(**kwargs) if before is not None else None
+
+        def post_hook(**kwargs):
+            self.after(**kwargs)
+            return after(**kwargs) if after is not None else None
+
+        runtime.jit_cache_hook = cache_hook
+        runtime.jit_post_compile_hook = post_hook
+
+    def table(self, t0: float, ready: float, top: int = 12) -> list[str]:
+        """Compiles between ``t0`` and ``ready``, by kernel: the lines to print."""
+        during = [r for r in self.records if t0 <= r["t"] <= ready]
+        by_kernel: dict[str, list[float]] = defaultdict(list)
+        for r in during:
+            by_kernel[r["kernel"]].append(r["seconds"])
+        total = sum(r["seconds"] for r in during)
+        head = (
+            f"== start-up compiles: {len(during)} in {ready - t0:.1f} s of start-up, "
+            f"{total:.1f} s of compile time (overlapping where on a pool)"
+        )
+        lines = [head]
+        ranked = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))
+        for name, secs in ranked[:top]:
+            lines.append(f"   {name}: {len(secs)} variants, {sum(secs):.1f} s")
+        return lines
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", choices=("adaptive", "auto", "none", "dflash"))
@@ -77,6 +140,8 @@ def main(argv=None):
     vllm_ddtree.register()
     from vllm import LLM, SamplingParams
 
+    compiles = CompileLog()
+    compiles.install()
     records = []
     phase_name = ["warmup"]
     if config == "adaptive":
@@ -160,7 +225,9 @@ def main(argv=None):
         kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
         max_num_seqs=256,
     )
-    startup = time.perf_counter() - t0
+    ready = time.perf_counter()
+    startup = ready - t0
+    print("\n".join(compiles.table(t0, ready)), flush=True)
     engine = llm.llm_engine
     with open(f"{P}/eval_prompts.json") as f:
         texts = [p["text"] for p in json.load(f)["prompts"]]
@@ -219,6 +286,11 @@ def main(argv=None):
             }
         )
         print(json.dumps(rows[-1]), flush=True)
+    with open(f"{out}/{config}_compiles.jsonl", "w") as f:
+        f.writelines(
+            json.dumps({**r, "t": round(r["t"] - t0, 3)}) + "\n"
+            for r in compiles.records
+        )
     with open(f"{out}/{config}_rows.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
         f.write(json.dumps({"config": config, "startup_s": startup}) + "\n")

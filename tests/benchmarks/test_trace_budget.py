@@ -54,3 +54,48 @@ def test_phases_and_model_paths_parse():
     for bad in ("64:1", "0:1:4", "8:0:4", "a:b:c"):
         with pytest.raises(ValueError, match="--phases"):
             tb.parse_phases(bad)
+
+
+def test_compile_log_times_each_compile_and_tables_the_start_up():
+    """Triton's JIT hooks time each compile (chained, never skipping one);
+    the table counts only the compiles before the engine was ready."""
+    import types
+
+    now = [0.0]
+    log = tb.CompileLog(clock=lambda: now[0])
+
+    def compile_(name, key, start, seconds):
+        fn = types.SimpleNamespace(name=name)
+        now[0] = start
+        log.before(fn=fn, key=key)
+        now[0] = start + seconds
+        log.after(fn=fn, key=key)
+
+    compile_("_tree_walk_kernel", "k1", 1.0, 2.0)
+    compile_("_tree_walk_kernel", "k2", 3.0, 1.5)
+    compile_("_rank_row_kernel", "k1", 5.0, 0.5)
+    compile_("_late_kernel", "k1", 20.0, 1.0)  # after ready
+    assert [round(r["seconds"], 3) for r in log.records] == [2.0, 1.5, 0.5, 1.0]
+    lines = log.table(t0=0.0, ready=10.0)
+    assert lines[0].startswith("== start-up compiles: 3 in 10.0 s of start-up, 4.0 s")
+    assert lines[1] == "   _tree_walk_kernel: 2 variants, 3.5 s"
+    assert lines[2] == "   _rank_row_kernel: 1 variants, 0.5 s"
+    assert len(lines) == 3
+
+
+def test_compile_log_chains_the_hooks_it_finds(monkeypatch):
+    from vllm.triton_utils import HAS_TRITON, triton
+
+    if not HAS_TRITON:
+        pytest.skip("no Triton")
+    runtime = triton.knobs.runtime
+    seen = []
+    monkeypatch.setattr(runtime, "jit_cache_hook", lambda **kw: seen.append("pre"))
+    monkeypatch.setattr(
+        runtime, "jit_post_compile_hook", lambda **kw: seen.append("post")
+    )
+    log = tb.CompileLog()
+    log.install()
+    assert runtime.jit_cache_hook(fn=None, key="k") is None  # never skips
+    runtime.jit_post_compile_hook(fn=None, key="k")
+    assert seen == ["pre", "post"] and len(log.records) == 1
