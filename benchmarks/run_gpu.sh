@@ -7,7 +7,7 @@
 #   bash benchmarks/run_gpu.sh MODE [args]
 #
 # MODE: tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|
-#       serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
+#       serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see benchmarks/README.md). OUT: where logs and results go (default
 # build/gpu_results); LIMIT: seconds a mode may run (default 3600).
@@ -262,6 +262,15 @@ tests/v1/test_sm90_compile.py"
       done
     done
     exit $rc ;;
+  diagnose-8b)
+    # plain-8b, then trace-8b (the default's budget against no speculation
+    # under continuous arrivals, every Triton compile timed), each engine
+    # allowed a cold start: output in $OUT/plain_8b and $OUT/trace_8b.
+    rc=0
+    LIMIT=${PLAIN_LIMIT:-300} bash "$0" plain-8b || rc=1
+    LIMIT=${TRACE_LIMIT:-420} PHASES=${PHASES:-64:0:128,64:1:256,32:1:128,64:1:256} \
+      bash "$0" trace-8b || rc=1
+    exit $rc ;;
   profile-8b)
     # Qwen3-8B shapes (dummy weights), batch 1: the steps of budgets 127 and 255
     # against DFlash's, by kernel category.
@@ -284,6 +293,6 @@ tests/v1/test_sm90_compile.py"
     timeout $LIMIT bash benchmarks/train_pair/run_all.sh "${1:-$((LIMIT - 20))}" \
       2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac
