@@ -122,6 +122,11 @@ def request_bucket(num_reqs: int) -> int:
     return top * 3 // 4 if num_reqs <= top * 3 // 4 else top
 
 
+def _is_plain(budget: int, drafted: bool | None) -> bool:
+    """A plain step: no tree verified, no drafter run after it."""
+    return budget == 0 and drafted is False
+
+
 class _Median:
     """Median of the last ``_WINDOW`` values; ``n`` counts every value."""
 
@@ -258,7 +263,7 @@ class StepCostModel:
             self._estimated = [e for e in self._estimated if e[3] is not shape]
             shape = None
         if shape is None:
-            shape = seen[budget] = _Shape(plain=budget == 0 and not drafted)
+            shape = seen[budget] = _Shape(plain=_is_plain(budget, drafted))
         shape.last_step = self.steps
         periods = shape.periods
         if seconds > _IDLE_SECONDS or (
@@ -528,7 +533,7 @@ class TreeBudgetController:
         step = self._step
         shape = step.shape() if step is not None else None
         seconds = now - self._step_start
-        plain = step is not None and step.budget == 0 and step.drafted is False
+        plain = step is not None and _is_plain(step.budget, step.drafted)
         self._plain_run = self._plain_run + 1 if plain else 0
         if (
             self.learn
