@@ -54,7 +54,8 @@ Engine-core and worker side:
    output), ``load_model`` (the
    structured-output bitmask sized by the step's token limit; prompt logprobs
    without a padded join's placeholder rows, where vLLM's worker returns them:
-   DDTree runners only) and
+   DDTree runners only; the budget's kernels compiled for every tree width and
+   cap, before vLLM's profile run) and
    ``capture_model`` (the budget's step-cost prior from the captured graphs).
 
 Front end:
@@ -762,6 +763,13 @@ def _load_model(original, self, *args, **kwargs):
         self.rejection_sampler = speculator.init_rejection_sampler(
             self.sampler, self.speculative_config, self.device
         )
+    adaptive = _adaptive_of(self)
+    if adaptive is not None:
+        # The budget's kernels, for every tree width and step cap, compiled
+        # side by side before vLLM's profile run, whose dummy step would
+        # otherwise meet its batch's variants first and compile them one by
+        # one (they need the drafter, not the KV cache).
+        adaptive.warm_up(self)
     return out
 
 
@@ -946,10 +954,6 @@ def _initialize_kv_cache(original, self, *args, **kwargs):
         # KV caches, block tables and attention groups exist now, whatever the
         # CUDA-graph mode; capture then finds TREE_ATTN compiled.
         warm_up(self.block_tables, self.attn_groups)
-    adaptive = _adaptive_of(self)
-    if adaptive is not None:
-        # And the budget's kernels, for every tree width and step cap.
-        adaptive.warm_up(self)
     return out
 
 

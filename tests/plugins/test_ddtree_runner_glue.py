@@ -87,6 +87,31 @@ def test_load_model_installs_the_speculators_tree_sampler(monkeypatch):
     assert runner.rejection_sampler == ("tree sampler", "sampler", "spec config", "cpu")
 
 
+def test_load_model_warms_the_adaptive_budget_before_the_profile_run(monkeypatch):
+    """An adaptive budget compiles its kernels in ``load_model``, after vLLM
+    loaded the models and built the sampler its warm-up reads, so that vLLM's
+    profile run (next) finds every tree width compiled; a fixed budget has no
+    such kernels."""
+    speculator = _Speculator()
+    order = []
+    speculator.adaptive = types.SimpleNamespace(
+        warm_up=lambda runner: order.append(("warm_up", runner.sampler))
+    )
+    runner = _runner_for_load(monkeypatch, speculator)
+
+    def vllm_load_model(self):
+        order.append(("vllm", None))
+        self.sampler = "sampler"
+        self.rejection_sampler = "vLLM's RejectionSampler"
+        self.prompt_logprobs_worker = None
+
+    glue._load_model(vllm_load_model, runner)
+    assert order == [("vllm", None), ("warm_up", "sampler")]
+    speculator.adaptive = None
+    glue._load_model(vllm_load_model, runner)
+    assert order[2:] == [("vllm", None)]
+
+
 def test_load_model_leaves_a_runner_without_sampler(monkeypatch):
     """A runner that samples nothing (not the last pipeline rank) keeps
     whatever vLLM set."""

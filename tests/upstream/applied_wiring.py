@@ -974,7 +974,7 @@ ADAPTIVE_HOOKS = {
     ("execute_model", "plan"),
     ("prepare_inputs", "reallocate"),
     ("sample_tokens", "report"),
-    ("initialize_kv_cache", "warm_up"),
+    ("load_model", "warm_up"),
     ("capture_model", "profile"),
 }
 
