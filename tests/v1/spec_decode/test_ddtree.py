@@ -1165,6 +1165,12 @@ def test_warm_up_covers_the_engines_tree_attention_variants(vllm_config, monkeyp
         return len(variants)
 
     monkeypatch.setattr(ddtree_verify, "warm_up_tree_attention", record)
+    # On a GPU host compile_in_parallel runs the warm-up twice (a compile-only
+    # pass, then the launches; test_ddtree_compile_variants.py tests it): count
+    # the variants of one pass.
+    monkeypatch.setattr(
+        ddtree_verify, "compile_in_parallel", lambda warm_up, **kw: warm_up()
+    )
     table = torch.zeros(NUM_STATES, 16, dtype=torch.int32, device=DEVICE)
     tables = types.SimpleNamespace(block_tables=[types.SimpleNamespace(gpu=table)])
     launches = state_ms.warm_up_tree_attention(tables, _attn_groups(vllm_config))
