@@ -14,7 +14,12 @@ step, and the GPU's kernel time per step with the kernels that take most
 
 Configs: ``none``; ``plain`` (DDTree, every step plain); ``plain_noctx``
 (``plain`` without the drafter's context KV computation: not a usable engine,
-it isolates that part's cost). One config per process, e.g.::
+it isolates that part's cost); ``tree`` (DDTree, every request verifies a
+``--tree-budget``-node tree and the drafter runs at every step: what a tree
+step costs next to the other two). ``--joins J`` makes every timed step a
+mixed one: before it, J running requests end and J new prompts join, so the
+step carries J prompt chunks next to the decodes, as under continuous
+arrivals. One config per process, e.g.::
 
     for c in none plain plain_noctx none plain; do
         python benchmarks/plain_step_overhead.py $c benchmarks/results/plain_step_host_overhead R1
@@ -22,6 +27,8 @@ it isolates that part's cost). One config per process, e.g.::
     # real size (embed_pair.py's output D), batches of 64 and 32:
     python benchmarks/plain_step_overhead.py plain OUT R1 --target D/target \
         --drafter D/drafter --kv-gib 6 --batches 64,32,64,32 --profile-batch 64
+    # steps with a prompt chunk: none / plain / 3-node trees, one join a step
+    python benchmarks/plain_step_overhead.py tree OUT R1 --tree-budget 3 --joins 1
 """
 
 import argparse
@@ -58,9 +65,21 @@ def force_plain_steps(without_context: bool) -> None:
                 value.precompute_and_store_context_kv = lambda self, *a, **k: None
 
 
+def force_tree_steps(budget: int) -> None:
+    """Every step verifies ``budget``-node trees (at most the step's cap) and
+    the drafter runs after it, whatever the cost model would choose."""
+    from vllm.v1.spec_decode import ddtree_cost
+
+    controller = ddtree_cost.TreeBudgetController
+    controller.best_budget = lambda self, num_reqs, most, drafted=False, **_: min(
+        budget, most
+    )
+    controller.should_draft = lambda self, num_reqs, most: True
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("config", choices=("none", "plain", "plain_noctx"))
+    p.add_argument("config", choices=("none", "plain", "plain_noctx", "tree"))
     p.add_argument("out")
     p.add_argument("tag", help="a round's name, also in the request ids")
     p.add_argument("--target", default=f"{PAIR}/target")
@@ -74,9 +93,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="requests per timed batch, in order (default 1,32,1,32)",
     )
     p.add_argument("--profile-batch", type=int, default=32)
+    p.add_argument(
+        "--tree-budget",
+        type=int,
+        default=3,
+        help="nodes per request of the tree config (a budget of the ladder)",
+    )
+    p.add_argument(
+        "--joins",
+        type=int,
+        default=0,
+        help="requests that end and new prompts that join before each timed step",
+    )
     args = p.parse_args(argv)
     if not args.batches or min(args.batches) < 1:
         p.error("--batches needs request counts >= 1")
+    if not 0 <= args.joins <= min(args.batches):
+        p.error("--joins must be between 0 and the smallest batch")
+    if args.tree_budget < 1:
+        p.error("--tree-budget must be at least 1")
     return args
 
 
@@ -115,8 +150,11 @@ def main(argv=None) -> None:
     from vllm import LLM, SamplingParams
 
     spec = None
-    if config != "none":
+    if config == "tree":
+        force_tree_steps(args.tree_budget)
+    elif config != "none":
         force_plain_steps(config == "plain_noctx")
+    if config != "none":
         spec = {
             "method": "ddtree",
             "model": args.drafter,
@@ -131,34 +169,50 @@ def main(argv=None) -> None:
         max_num_seqs=256,
     )
     result = {"config": config, "tag": tag, "target": args.target}
+    if config == "tree":
+        result["tree_budget"] = args.tree_budget
+    if args.joins:
+        result["joins"] = args.joins
     result["startup_s"] = round(time.perf_counter() - start, 1)
     engine = llm.llm_engine
     with open(args.prompts) as f:
         texts = [p["text"] for p in json.load(f)["prompts"]]
     params = SamplingParams(temperature=1.0, max_tokens=600, ignore_eos=True)
     k = 0
-    for batch in args.batches:
-        ids = []
-        for _ in range(batch):
+    ids = []
+
+    def join(n: int) -> None:
+        nonlocal k
+        for _ in range(n):
             k += 1
             ids.append(f"{tag}-{k}")
             # A fresh first line: no prefix-cache hit across requests.
             prompt = f"# request {tag} {k}\n" + texts[k % len(texts)]
             engine.add_request(ids[-1], prompt, params)
+
+    def step() -> float:
+        if args.joins:
+            # The oldest end, new prompts take their place: the step carries
+            # their prompt chunks next to the running requests' decodes.
+            engine.abort_request(ids[: args.joins])
+            del ids[: args.joins]
+            join(args.joins)
+        t = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - t
+
+    for batch in args.batches:
+        join(batch)
         for _ in range(WARM_STEPS):
-            engine.step()
-        times = []
-        for _ in range(TIMED_STEPS):
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
+            step()
+        times = [step() for _ in range(TIMED_STEPS)]
         median_ms = round(1e3 * statistics.median(times), 3)
         result.setdefault(f"step_ms_b{batch}", []).append(median_ms)
         if batch == args.profile_batch and "launches_per_step" not in result:
             activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
             with profile(activities=activities) as prof:
                 for _ in range(PROFILED_STEPS):
-                    engine.step()
+                    step()
             table = prof.key_averages()
             launch_ops = ("cudaLaunchKernel", "cuLaunchKernelEx")
             launches = sum(e.count for e in table if e.key in launch_ops)
@@ -169,6 +223,7 @@ def main(argv=None) -> None:
             with open(f"{out}/profile_{config}_{tag}.txt", "w") as f:
                 f.write(table.table(sort_by="self_cpu_time_total", row_limit=30))
         engine.abort_request(ids)
+        ids.clear()
         for _ in range(3):
             engine.step()
     print(json.dumps(result), flush=True)

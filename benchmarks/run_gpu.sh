@@ -7,7 +7,7 @@
 #   bash benchmarks/run_gpu.sh MODE [args]
 #
 # MODE: tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|
-#       serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
+#       serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|mixed-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see benchmarks/README.md). OUT: where logs and results go (default
 # build/gpu_results); LIMIT: seconds a mode may run (default 3600).
@@ -248,16 +248,20 @@ tests/v1/test_sm90_compile.py"
     # A plain step (every step of an adaptive DDTree engine verifies nothing)
     # against no speculation's, at real size (the embedded pair, in-process
     # engines, T=1, batches of 64 and 32), with a profile at 64: ROUNDS
-    # (default "A") rounds of CONFIGS (default none,plain), output in
-    # $OUT/plain_8b. Each config may run LIMIT seconds.
+    # (default "A") rounds of CONFIGS (default none,plain; "tree" verifies
+    # TREE_BUDGET-node trees at every step), JOINS new prompts before each
+    # timed step (default 0), output in $OUT/${OUT_NAME:-plain_8b}. Each
+    # config may run LIMIT seconds.
     P=${EMBED_DIR:-build/pycode-8b}
+    name=${OUT_NAME:-plain_8b}
     rc=0
     for round in ${ROUNDS:-A}; do
       for config in $(echo "${CONFIGS:-none,plain}" | tr , ' '); do
-        timeout $LIMIT python3 benchmarks/plain_step_overhead.py $config "$OUT/plain_8b" \
+        timeout $LIMIT python3 benchmarks/plain_step_overhead.py $config "$OUT/$name" \
           $round --target $P/target --drafter $P/drafter --kv-gib ${KV_GIB:-6} \
-          --batches ${BATCHES:-64,32,64,32} --profile-batch 64 2>&1 \
-          | tee "$OUT/plain_8b_${config}_$round.log" | grep -v -i warn | tail -3
+          --batches ${BATCHES:-64,32,64,32} --profile-batch 64 \
+          --joins ${JOINS:-0} --tree-budget ${TREE_BUDGET:-3} 2>&1 \
+          | tee "$OUT/${name}_${config}_$round.log" | grep -v -i warn | tail -3
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
       done
     done
@@ -270,6 +274,17 @@ tests/v1/test_sm90_compile.py"
     LIMIT=${PLAIN_LIMIT:-300} bash "$0" plain-8b || rc=1
     LIMIT=${TRACE_LIMIT:-420} PHASES=${PHASES:-64:0:128,64:1:256,32:1:128,64:1:256} \
       bash "$0" trace-8b || rc=1
+    exit $rc ;;
+  mixed-8b)
+    # Steps with a prompt chunk at real size: no speculation, plain DDTree
+    # steps and 3-node trees at every step, one request ending and one new
+    # prompt joining before each timed step (plain-8b's engines), then the
+    # same three without joins; output in $OUT/mixed_8b.
+    rc=0
+    OUT_NAME=mixed_8b CONFIGS=${CONFIGS:-none,plain,tree} ROUNDS=J1 JOINS=1 \
+      BATCHES=${BATCHES:-64,32} bash "$0" plain-8b || rc=1
+    OUT_NAME=mixed_8b CONFIGS=${CONFIGS:-none,plain,tree} ROUNDS=J0 JOINS=0 \
+      BATCHES=${BATCHES:-64,32} bash "$0" plain-8b || rc=1
     exit $rc ;;
   profile-8b)
     # Qwen3-8B shapes (dummy weights), batch 1: the steps of budgets 127 and 255
@@ -293,6 +308,6 @@ tests/v1/test_sm90_compile.py"
     timeout $LIMIT bash benchmarks/train_pair/run_all.sh "${1:-$((LIMIT - 20))}" \
       2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|mixed-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac

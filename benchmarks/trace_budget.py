@@ -15,9 +15,12 @@ engine was ready: where a cold start's compile time goes.
     # at real size (the embedded pair, embed_pair.py), concurrency 64 at T=1:
     python benchmarks/trace_budget.py adaptive OUTDIR --target D/target \
         --drafter D/drafter --phases 64:1:256 --kv-gib 6
+    # the summary of a recorded trace again:
+    python benchmarks/trace_budget.py --summarize OUTDIR/trace.jsonl.gz
 """
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -128,6 +131,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--kv-gib", type=float, default=2.0)
     return p.parse_args(argv)
+
+
+def summarize_file(path: str) -> None:
+    """The summary of a recorded ``trace.jsonl`` (or ``.jsonl.gz``)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        summarize([json.loads(line) for line in f])
 
 
 def main(argv=None):
@@ -347,7 +357,30 @@ def summarize(records):
             f"     of {len(sample)} steps at n={common}: has_trees {has}, "
             f"cap values {caps}"
         )
+        print(_prompt_steps(rs))
+
+
+def _prompt_steps(rs) -> str:
+    """The steps the cost model does not time (prompt chunks joined the
+    batch), apart from the phase's first: with trees verified and without,
+    since a tree step's extra over a plain one is what a budget pays there."""
+    parts = []
+    for has in (False, True):
+        v = [
+            r["period"]
+            for r in rs[1:]
+            if not r["timed"] and r["has"] is has and "period" in r
+        ]
+        if v:
+            parts.append(
+                f"{'with' if has else 'without'} trees {len(v)} "
+                f"(median {statistics.median(v):.1f} ms, {sum(v) / 1e3:.2f} s)"
+            )
+    return "   prompt steps: " + ("; ".join(parts) or "none")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--summarize"] and len(sys.argv) == 3:
+        summarize_file(sys.argv[2])
+    else:
+        main()

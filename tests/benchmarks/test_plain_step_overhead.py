@@ -91,3 +91,72 @@ def test_real_size_arguments():
     assert (args.target, args.batches, args.profile_batch) == ("D/target", (64, 32), 32)
     with pytest.raises(SystemExit):
         pso.parse_args(["plain", "out", "R1", "--batches", "0"])
+
+
+def test_every_step_verifies_the_forced_tree(monkeypatch):
+    """The tree config: every step verifies the forced budget (never above
+    the step's cap) and drafts, where a real controller told that nothing is
+    accepted would choose plain steps."""
+    _keep(monkeypatch, ddtree_cost.TreeBudgetController, "best_budget", "should_draft")
+    cost = StepCostModel({1: 1e-3, 64: 1e-3}, {1: 1e-5, 4: 1e-5})
+    idle = TreeBudgetController(LADDER, 8, cost)
+    idle.set_curve(AcceptanceCurve(4, (0.0, 0.0, 0.0, 0.0, 0.0), ()))
+    assert idle.choose(4, 15, has_trees=True, timed=True) == 0
+    pso.force_tree_steps(3)
+    controller = TreeBudgetController(LADDER, 8, cost)
+    controller.set_curve(AcceptanceCurve(4, (0.0, 0.0, 0.0, 0.0, 0.0), ()))
+    assert controller.choose(4, 15, has_trees=True, timed=True) == 3
+    assert controller.choose(4, 1, has_trees=True, timed=True) == 1
+    assert controller.should_draft(4, 15)
+
+
+def test_join_arguments():
+    args = pso.parse_args(["tree", "out", "J1", "--joins", "1", "--batches", "64"])
+    assert (args.config, args.joins, args.tree_budget) == ("tree", 1, 3)
+    assert pso.parse_args(["none", "out", "R1"]).joins == 0
+    for bad in (["--joins", "65", "--batches", "64"], ["--tree-budget", "0"]):
+        with pytest.raises(SystemExit):
+            pso.parse_args(["tree", "out", "J1", *bad])
+
+
+def test_joins_keep_the_batch_and_add_prompts_before_each_step(monkeypatch, tmp_path):
+    """With --joins J, every step after the batch's first sees J requests
+    end and J new prompts join, the batch size staying the same; the result
+    row says so."""
+    import json
+
+    import vllm
+
+    log = []
+
+    class Engine:
+        running: set = set()
+
+        def add_request(self, req_id, prompt, params):
+            assert req_id not in self.running and prompt.startswith("# request J1 ")
+            self.running.add(req_id)
+            log.append(("add", req_id))
+
+        def abort_request(self, ids):
+            self.running.difference_update(ids)
+            log.append(("abort", len(ids)))
+
+        def step(self):
+            log.append(("step", len(self.running)))
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            self.llm_engine = Engine()
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(pso, "WARM_STEPS", 2)
+    monkeypatch.setattr(pso, "TIMED_STEPS", 3)
+    pso.main(["none", str(tmp_path), "J1", "--batches", "4", "--joins", "1"])
+    steps = [n for kind, n in log if kind == "step"]
+    # 5 steps of the batch, each after one request ended and one joined,
+    # then the 3 steps after every request ended.
+    assert steps == [4] * 5 + [0] * 3
+    first_step = log.index(("step", 4))
+    assert [e[0] for e in log[:first_step]] == ["add"] * 4 + ["abort", "add"]
+    row = json.loads((tmp_path / "steps.jsonl").read_text())
+    assert row["joins"] == 1 and len(row["step_ms_b4"]) == 1

@@ -99,3 +99,29 @@ def test_compile_log_chains_the_hooks_it_finds(monkeypatch):
     assert runtime.jit_cache_hook(fn=None, key="k") is None  # never skips
     runtime.jit_post_compile_hook(fn=None, key="k")
     assert seen == ["pre", "post"] and len(log.records) == 1
+
+
+def test_prompt_steps_are_split_by_trees(capsys, tmp_path):
+    """Steps the cost model does not time (prompt chunks joined) are summed
+    with and without trees, the phase's first step (its whole prompt batch)
+    left out; a recorded trace summarizes the same from its file."""
+    import gzip
+    import json
+
+    records = [_record("c64T1", 64, 0, False, 7.0) for _ in range(3)]
+    records[0].update(timed=False, period=140.0)  # the phase's first step
+    for has, period in ((False, 17.0), (False, 19.0), (True, 50.0)):
+        r = _record("c64T1", 63, 3 if has else 0, has, period)
+        r["timed"] = False
+        records.append(r)
+    tb.summarize(records)
+    want = (
+        "   prompt steps: without trees 2 (median 18.0 ms, 0.04 s); "
+        "with trees 1 (median 50.0 ms, 0.05 s)"
+    )
+    assert want in capsys.readouterr().out.splitlines()
+    path = tmp_path / "trace.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    tb.summarize_file(str(path))
+    assert want in capsys.readouterr().out.splitlines()
