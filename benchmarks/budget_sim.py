@@ -9,7 +9,8 @@ contexts of about 1.1K tokens, the drafter, host) and whose trees accept
 ``e(b)`` nodes per request. What the controller does not see is simulated as
 vLLM serves: its start-up prior is the GPU time of the CUDA graphs over
 one-token contexts; a period is measured between step starts, one step late
-(async scheduling); a fifth of the steps carry a prompt (untimed, 6 ms more);
+(async scheduling); a fifth of the steps carry a prompt (untimed, 6 ms more,
+or more next to trees: ``--costs h100-prompts``);
 the batch drifts between 44 and 54 requests; the scheduler's slots follow the
 controller's advice two steps late; each acceptance estimate is one batch's
 (within +-25 % of the mean) and arrives two steps late.
@@ -47,7 +48,6 @@ LADDER = budget_ladder(63)
 SLOT_LADDER = (0, 3, 15, 63)
 # Accepted nodes per request by budget; ``strength`` scales it.
 ACCEPTANCE = {0: 0.0, 1: 0.8, 3: 1.6, 7: 2.2, 15: 2.6, 31: 2.8, 63: 2.9}
-PROMPT_MS = 6.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,11 @@ class StepCosts:
     context: float = 0.15  # the drafter's context KV on a step it skips
     drafter: float = 0.6
     drafter_per_req: float = 0.02
+    prompt: float = 6.0  # a prompt chunk's time next to plain decodes
+    prompt_tree: float = 6.0  # next to trees
+
+    def prompt_ms(self, b: int) -> float:
+        return self.prompt_tree if b else self.prompt
 
     def period(self, n: int, b: int, drafted: bool) -> float:
         attn = self.attn_per_req * n * (self.tree_attn if b else 1.0)
@@ -96,8 +101,13 @@ class _Clock:
 # DDTree servers learned on one H200 (benchmarks/results/real_size_record): a
 # plain step 5.86-6.23 ms and a 3-node step with the drafter 10.2-10.5 ms at
 # 33-64 requests.
+# h100-prompts: h100 with a prompt chunk costing 3.5x as much next to trees as
+# next to plain decodes, as traced at real size on one H100
+# (benchmarks/results/real_size_diagnosis/after: prompt steps 19.8-37.8 ms over
+# a 3-node tree step, 5.3-10.5 ms over a plain one, at 64 requests, T=1).
 COST_TABLES = {
     "h100": StepCosts(),
+    "h100-prompts": StepCosts(prompt_tree=21.0),
     "h200": StepCosts(weights=4.0, per_row=0.0225, attn_per_req=0.025),
 }
 
@@ -132,7 +142,7 @@ def simulate(strength, steps=3000, seed=0, costs=StepCosts()):
             noise = rng.uniform(0.75, 1.25)
             curve = tuple(noise * accept[x] for x in LADDER)
             curves.append((k + 2, AcceptanceCurve(n, curve)))
-        step_ms = costs.period(n, b, drafted) + (PROMPT_MS if prompt else 0.0)
+        step_ms = costs.period(n, b, drafted) + (costs.prompt_ms(b) if prompt else 0.0)
         clock.now += 1e-3 * last_ms  # the period measured is the step before's
         last_ms = step_ms
         if k >= 300:
@@ -148,7 +158,7 @@ def simulate(strength, steps=3000, seed=0, costs=StepCosts()):
 
 def steady_rate(strength, b, n=49, costs=StepCosts()) -> float:
     """Tokens per ms of one budget at every step, prompts included."""
-    step_ms = costs.period(n, b, b > 0) + 0.2 * PROMPT_MS
+    step_ms = costs.period(n, b, b > 0) + 0.2 * costs.prompt_ms(b)
     return n * (1 + strength * ACCEPTANCE[b]) / step_ms
 
 
@@ -162,7 +172,8 @@ def main(argv=None) -> None:
         "--costs",
         choices=sorted(COST_TABLES),
         default="h100",
-        help="the step-cost table: h100 (the default, StepCosts), or h200, "
+        help="the step-cost table: h100 (the default, StepCosts); h100-prompts "
+        "(prompt chunks 3.5x as costly next to trees, as traced); or h200, "
         "fitted to the real-size record's learned periods at 33-64 requests "
         "(a plain step 5.7 ms, a 3-node step with the drafter 10.2 ms)",
     )

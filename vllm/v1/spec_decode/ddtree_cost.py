@@ -96,6 +96,18 @@ _CURVE_WEIGHT = 0.25
 # their shape's estimate (prompt chunks riding along): about the last hundred
 # steps count, enough to span the arrivals of several requests.
 _EXTRA_WEIGHT = 1 / 64
+# Prompt time is averaged apart for steps that verify trees and plain steps: a
+# prompt chunk next to trees costs several times what it costs next to plain
+# decodes (both leave the FULL graphs, and trees add their verification and
+# the drafter over the joined rows). A kind not yet seen is charged nothing,
+# as an unseen step shape is optimistic until corrected: a batch that has
+# only drafted tries plain steps where they would pay without prompt time, and
+# learns theirs. A kind not seen for _STALE_STEPS steps while the other was
+# is charged the lesser of the two (once arrivals stop, an average that no
+# step renews would keep its prompts' time).
+# A step period this many times its shape's estimate is an idle gap, not a
+# prompt chunk's time (those reached 5.7x at real size, with trees).
+_EXTRA_OUTLIER = 8.0
 
 
 def budget_ladder(cap: int) -> tuple[int, ...]:
@@ -354,6 +366,35 @@ class _Step:
         return (request_bucket(self.num_reqs), self.budget, self.drafted)
 
 
+class _PromptTime:
+    """A running average (weight _EXTRA_WEIGHT a step) of the seconds steps
+    of one kind took beyond their shapes' estimates, and how many steps.
+    Without a bias to its start: a kind seen in few steps (tree steps among
+    plain ones) is averaged over those."""
+
+    def __init__(self) -> None:
+        self._sum = 0.0
+        self._weight = 0.0
+        self.steps = 0
+        # The controller's step count at the last observation.
+        self.last = 0
+
+    @property
+    def seconds(self) -> float:
+        return self._sum / self._weight if self._weight else 0.0
+
+    def observe(self, seconds: float, now: int) -> None:
+        keep = 1.0 - _EXTRA_WEIGHT
+        self._sum = keep * self._sum + _EXTRA_WEIGHT * seconds
+        self._weight = keep * self._weight + _EXTRA_WEIGHT
+        self.steps += 1
+        self.last = now
+
+    def stale(self, other: "_PromptTime", now: int) -> bool:
+        """Not renewed for _STALE_STEPS steps while ``other`` was."""
+        return now - self.last > _STALE_STEPS and now - other.last <= _STALE_STEPS
+
+
 class TreeBudgetController:
     """Chooses each step's per-request budget and whether the drafter runs.
 
@@ -401,9 +442,13 @@ class TreeBudgetController:
         # rank must choose alike: host clocks differ between them).
         self.learn = learn
         self._logged_totals: tuple[float, ...] = ()
-        # Seconds per step beyond the step shapes' estimates: the prompt
-        # chunks' time, which every budget pays alike.
-        self.extra_seconds = 0.0
+        # Seconds per step beyond the step shapes' estimates (the prompt
+        # chunks' time), for plain steps [False] and tree steps [True].
+        self._prompt_time = {False: _PromptTime(), True: _PromptTime()}
+        # Steps ended so far (the prompt-time averages' clock), and whether
+        # the last one verified trees.
+        self._steps_ended = 0
+        self._last_kind = False
 
     # -- acceptance -----------------------------------------------------------
 
@@ -446,8 +491,9 @@ class TreeBudgetController:
     ) -> int:
         """The ladder budget <= ``max_budget`` with the most expected tokens per
         second for ``num_reqs`` requests (ties: the smaller budget), every
-        budget's step charged :attr:`extra_seconds` too; a plain step's rate
-        counts ``plain_weight`` times (should_draft's switching margin).
+        step charged its kind's prompt time too (:meth:`prompt_seconds`); a
+        plain step's rate counts ``plain_weight`` times (should_draft's
+        switching margin).
 
         ``drafted``: the trees exist already, so the drafter's forward that
         built them is paid whichever budget is verified; it is left out of
@@ -458,8 +504,9 @@ class TreeBudgetController:
         # never by throwing away trees already drafted.
         plain = self.cost.predict(num_reqs, 0, False, stale_ok=drafted)
         paid = self.cost.drafter_prior(num_reqs) if drafted else 0.0
-        extra = max(self.extra_seconds, 0.0)
-        best, best_rate = 0, plain_weight / (plain + extra)
+        extra = max(self.prompt_seconds(trees=True), 0.0)
+        best = 0
+        best_rate = plain_weight / (plain + max(self.prompt_seconds(trees=False), 0.0))
         for b in self.ladder[1:]:
             if b > max_budget:
                 break
@@ -468,6 +515,15 @@ class TreeBudgetController:
             if rate > best_rate:
                 best, best_rate = b, rate
         return best
+
+    def prompt_seconds(self, trees: bool) -> float:
+        """Seconds a step verifying trees (or a plain step) takes on average
+        beyond its shape's estimate: the prompt chunks' time (0 for a kind not
+        yet seen; the lesser of the two kinds' for one gone stale)."""
+        own, other = self._prompt_time[trees], self._prompt_time[not trees]
+        if own.stale(other, self._steps_ended):
+            return min(own.seconds, other.seconds)
+        return own.seconds
 
     def choose(
         self, num_reqs: int, max_budget: int, has_trees: bool, timed: bool
@@ -542,30 +598,42 @@ class TreeBudgetController:
             and (not plain or self._plain_run > _PLAIN_SETTLE_STEPS)
         ):
             self.cost.observe(step.num_reqs, step.budget, step.drafted, seconds)
-        if self.learn and step is not None and step.drafted is not None:
+        kind = step is not None and step.budget > 0
+        if (
+            self.learn
+            and step is not None
+            and step.drafted is not None
+            and kind == self._last_kind
+        ):
+            # Between steps of one kind only: the period mixes two steps' work.
             self._observe_extra(step, seconds)
+        self._last_kind = kind
         if step is not None:
             self.cost.tick()
+            self._steps_ended += 1
         self._last_shape = shape
         self._step = None
         self._step_start = now
         self._maybe_log(now)
 
     def _observe_extra(self, step: _Step, seconds: float) -> None:
-        """Running average of how much longer a step took than its shape's
-        estimate as a pure decode step: the prompt chunks' time (with async
-        scheduling it shows in the period of the step after theirs, which is
-        why every step counts, not only those that carried a chunk). Steps of
-        a shape without an estimate of its own (optimistic until corrected)
-        and idle gaps are left out."""
+        """Running average, per kind of step (trees verified or not), of how
+        much longer a step took than its shape's estimate as a pure decode
+        step: the prompt chunks' time (with async scheduling it shows in the
+        period of the step after theirs, which is why every step counts, not
+        only those that carried a chunk). Steps of a shape without an
+        estimate of its own (optimistic until corrected) and idle gaps are
+        left out."""
         if seconds > _IDLE_SECONDS or not self.cost.estimated(
             step.num_reqs, step.budget, step.drafted
         ):
             return
         expected = self.cost.predict(step.num_reqs, step.budget, step.drafted)
-        if seconds > _OUTLIER * expected:
+        if seconds > _EXTRA_OUTLIER * expected:
             return
-        self.extra_seconds += _EXTRA_WEIGHT * (seconds - expected - self.extra_seconds)
+        self._prompt_time[step.budget > 0].observe(
+            seconds - expected, self._steps_ended
+        )
 
     # -- logging --------------------------------------------------------------
 
@@ -583,8 +651,8 @@ class TreeBudgetController:
             "DDTree: budget over %.0f s: %d decode steps, %.1f requests and %.1f "
             "tree nodes per step, drafter ran in %.0f%% of steps; nodes per "
             "request (share of steps) %s%s; step periods learned for batches "
-            "of up to %d: %s; steps took %.2f ms more than those periods "
-            "(prompt chunks)",
+            "of up to %d: %s; steps took %.2f ms (plain) and %.2f ms (trees) "
+            "more than those periods (prompt chunks)",
             now - self._log_start,
             log.steps,
             log.reqs / log.steps,
@@ -594,7 +662,8 @@ class TreeBudgetController:
             self._calibration_report(),
             common,
             self.cost.learned(common),
-            1e3 * self.extra_seconds,
+            1e3 * self.prompt_seconds(trees=False),
+            1e3 * self.prompt_seconds(trees=True),
         )
         self._log = _StepLog()
         self._log_start = now
