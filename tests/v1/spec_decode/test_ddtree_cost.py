@@ -440,6 +440,46 @@ def test_periods_follow_the_batch_size_within_a_bucket():
     assert cost.learned(49) == "b=0 6.00 ms (5), b=3+ 9.60 ms (5)"
 
 
+def _run_with_prompts(controller, clock, curve, steps, is_prompt, seconds):
+    """Drives ``controller`` as an engine does for ``steps`` steps of 8
+    requests (cap 3), a step carrying a prompt chunk where ``is_prompt(k)``
+    and taking ``seconds(b, drafted, prompt)``, its period measured one step
+    late as under async scheduling; returns each step's budget."""
+    drafted, last = True, 0.0
+    budgets = []
+    for k in range(steps):
+        controller.step_started()
+        prompt = is_prompt(k)
+        b = controller.choose(8, 3, drafted, timed=not prompt)
+        next_drafted = controller.should_draft(8, 3)
+        controller.drafted(next_drafted)
+        if next_drafted:
+            controller.update_curve(curve)
+        clock.now += last  # the period measured is the step before's
+        last = seconds(b, next_drafted, prompt)
+        drafted = next_drafted
+        budgets.append(b)
+    return budgets
+
+
+# Plain steps 5 ms, 3-node steps 7 ms, the drafter 2 ms: start-up times equal
+# to the true periods, so that only the prompts are unknown.
+_PROMPT_TARGET = {8: 5e-3, 16: 6e-3, 32: 7e-3}
+
+
+def _prompt_controller():
+    clock = FakeClock()
+    cost = StepCostModel(_PROMPT_TARGET, {8: 2e-3})
+    controller = TreeBudgetController(budget_ladder(3), 3, cost, clock=clock)
+    curve = AcceptanceCurve(8, (0.0, 0.3, 0.7))
+    controller.set_curve(curve)
+    return controller, clock, curve
+
+
+def _decode_seconds(b, drafted):
+    return _PROMPT_TARGET[8 * (1 + b)] + (2e-3 if drafted else 0.0)
+
+
 @pytest.mark.parametrize("prompt_every", [0, 3])
 def test_prompt_time_counts_for_every_budget(prompt_every):
     """Steps that carry a prompt chunk take its time whatever the budget: the
@@ -450,32 +490,17 @@ def test_prompt_time_counts_for_every_budget(prompt_every):
     Plain steps 5 ms, 3-node steps with the drafter 9 ms, 0.7 nodes
     accepted: 1 token per 5 ms against 1.7 per 9 ms without prompts, 1 per
     7 ms against 1.7 per 11 ms with a 6 ms prompt every third step."""
-    ladder = budget_ladder(3)
-    clock = FakeClock()
-    # Start-up times equal to the true periods: only the prompts are unknown.
-    target = {8: 5e-3, 16: 6e-3, 32: 7e-3}
-    cost = StepCostModel(target, {8: 2e-3})
-    controller = TreeBudgetController(ladder, 3, cost, clock=clock)
-    curve = AcceptanceCurve(8, (0.0, 0.3, 0.7))
-    controller.set_curve(curve)
-
-    def period(b, drafted):
-        return target[8 * (1 + b)] + (2e-3 if drafted else 0.0)
-
-    drafted, last = True, 0.0
-    budgets = []
-    for k in range(600):
-        controller.step_started()
-        prompt = prompt_every and k % prompt_every == 0
-        b = controller.choose(8, 3, drafted, timed=not prompt)
-        next_drafted = controller.should_draft(8, 3)
-        controller.drafted(next_drafted)
-        if next_drafted:
-            controller.update_curve(curve)
-        clock.now += last  # the period measured is the step before's
-        last = period(b, next_drafted) + (6e-3 if prompt else 0.0)
-        drafted = next_drafted
-        budgets.append(b)
+    controller, clock, curve = _prompt_controller()
+    budgets = _run_with_prompts(
+        controller,
+        clock,
+        curve,
+        600,
+        lambda k: bool(prompt_every) and k % prompt_every == 0,
+        lambda b, drafted, prompt: (
+            _decode_seconds(b, drafted) + (6e-3 if prompt else 0.0)
+        ),
+    )
     late = budgets[300:]
     if prompt_every:
         assert controller.prompt_seconds(trees=True) == pytest.approx(2e-3, rel=0.2)
@@ -483,11 +508,6 @@ def test_prompt_time_counts_for_every_budget(prompt_every):
     else:
         assert abs(controller.prompt_seconds(trees=True)) < 1e-4
         assert late.count(0) >= 0.9 * len(late)
-    # Plain steps were seen in too few steps to stand for their kind: they
-    # are charged what tree steps paid.
-    assert controller.prompt_seconds(trees=False) == controller.prompt_seconds(
-        trees=True
-    )
 
 
 @pytest.mark.parametrize("tree_prompt_ms", [6.0, 20.0])
@@ -507,31 +527,18 @@ def test_prompt_time_is_learned_apart_for_tree_steps(tree_prompt_ms):
     import random
 
     rng = random.Random(0)
-    ladder = budget_ladder(3)
-    clock = FakeClock()
-    target = {8: 5e-3, 16: 6e-3, 32: 7e-3}
-    cost = StepCostModel(target, {8: 2e-3})
-    controller = TreeBudgetController(ladder, 3, cost, clock=clock)
-    curve = AcceptanceCurve(8, (0.0, 0.3, 0.7))
-    controller.set_curve(curve)
-
-    drafted, last = True, 0.0
-    budgets = []
-    for _ in range(3000):
-        controller.step_started()
-        prompt = rng.random() < 1 / 3
-        b = controller.choose(8, 3, drafted, timed=not prompt)
-        next_drafted = controller.should_draft(8, 3)
-        controller.drafted(next_drafted)
-        if next_drafted:
-            controller.update_curve(curve)
-        clock.now += last  # the period measured is the step before's
-        step = target[8 * (1 + b)] + (2e-3 if next_drafted else 0.0)
-        if prompt:
-            step += 1e-3 * (tree_prompt_ms if b else 6.0)
-        last = step
-        drafted = next_drafted
-        budgets.append(b)
+    controller, clock, curve = _prompt_controller()
+    budgets = _run_with_prompts(
+        controller,
+        clock,
+        curve,
+        3000,
+        lambda k: rng.random() < 1 / 3,
+        lambda b, drafted, prompt: (
+            _decode_seconds(b, drafted)
+            + (1e-3 * (tree_prompt_ms if b else 6.0) if prompt else 0.0)
+        ),
+    )
     late = budgets[1000:]
     trees, plain = (controller.prompt_seconds(trees=t) for t in (True, False))
     print(
