@@ -620,10 +620,10 @@ class TreeBudgetController:
         """Running average, per kind of step (trees verified or not), of how
         much longer a step took than its shape's estimate as a pure decode
         step: the prompt chunks' time (with async scheduling it shows in the
-        period of the step after theirs, which is why every step counts, not
-        only those that carried a chunk). Steps of a shape without an
-        estimate of its own (optimistic until corrected) and idle gaps are
-        left out."""
+        period of the step after theirs, which is why every step after one of
+        its kind counts, not only those that carried a chunk). Steps of a
+        shape without an estimate of its own (optimistic until corrected) and
+        idle gaps are left out."""
         if seconds > _IDLE_SECONDS or not self.cost.estimated(
             step.num_reqs, step.budget, step.drafted
         ):
