@@ -368,15 +368,14 @@ class _Step:
 
 class _PromptTime:
     """A running average (weight _EXTRA_WEIGHT a step) of the seconds steps
-    of one kind took beyond their shapes' estimates, and how many steps.
-    Without a bias to its start: a kind seen in few steps (tree steps among
-    plain ones) is averaged over those."""
+    of one kind took beyond their shapes' estimates. Without a bias to its
+    start: a kind seen in few steps (tree steps among plain ones) is averaged
+    over those."""
 
     def __init__(self) -> None:
         self._sum = 0.0
         self._weight = 0.0
-        self.steps = 0
-        # The controller's step count at the last observation.
+        # The cost model's step count at the last observation.
         self.last = 0
 
     @property
@@ -387,7 +386,6 @@ class _PromptTime:
         keep = 1.0 - _EXTRA_WEIGHT
         self._sum = keep * self._sum + _EXTRA_WEIGHT * seconds
         self._weight = keep * self._weight + _EXTRA_WEIGHT
-        self.steps += 1
         self.last = now
 
     def stale(self, other: "_PromptTime", now: int) -> bool:
@@ -445,9 +443,7 @@ class TreeBudgetController:
         # Seconds per step beyond the step shapes' estimates (the prompt
         # chunks' time), for plain steps [False] and tree steps [True].
         self._prompt_time = {False: _PromptTime(), True: _PromptTime()}
-        # Steps ended so far (the prompt-time averages' clock), and whether
-        # the last one verified trees.
-        self._steps_ended = 0
+        # Whether the last step verified trees.
         self._last_kind = False
 
     # -- acceptance -----------------------------------------------------------
@@ -521,7 +517,7 @@ class TreeBudgetController:
         beyond its shape's estimate: the prompt chunks' time (0 for a kind not
         yet seen; the lesser of the two kinds' for one gone stale)."""
         own, other = self._prompt_time[trees], self._prompt_time[not trees]
-        if own.stale(other, self._steps_ended):
+        if own.stale(other, self.cost.steps):
             return min(own.seconds, other.seconds)
         return own.seconds
 
@@ -606,17 +602,16 @@ class TreeBudgetController:
             and kind == self._last_kind
         ):
             # Between steps of one kind only: the period mixes two steps' work.
-            self._observe_extra(step, seconds)
+            self._observe_extra(step, kind, seconds)
         self._last_kind = kind
         if step is not None:
             self.cost.tick()
-            self._steps_ended += 1
         self._last_shape = shape
         self._step = None
         self._step_start = now
         self._maybe_log(now)
 
-    def _observe_extra(self, step: _Step, seconds: float) -> None:
+    def _observe_extra(self, step: _Step, trees: bool, seconds: float) -> None:
         """Running average, per kind of step (trees verified or not), of how
         much longer a step took than its shape's estimate as a pure decode
         step: the prompt chunks' time (with async scheduling it shows in the
@@ -631,9 +626,7 @@ class TreeBudgetController:
         expected = self.cost.predict(step.num_reqs, step.budget, step.drafted)
         if seconds > _EXTRA_OUTLIER * expected:
             return
-        self._prompt_time[step.budget > 0].observe(
-            seconds - expected, self._steps_ended
-        )
+        self._prompt_time[trees].observe(seconds - expected, self.cost.steps)
 
     # -- logging --------------------------------------------------------------
 
