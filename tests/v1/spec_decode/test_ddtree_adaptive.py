@@ -740,6 +740,78 @@ def test_estimates_reach_the_plan_that_may_read_them(monkeypatch, tp_size):
         assert seen == [None, 10, 20, 20, 30]
 
 
+class _LaggingGpu:
+    """Stand-in CUDA events for the estimate's host copies: a copy lands once
+    the stand-in GPU has finished the step whose trees it estimates, which
+    happens ``lag`` steps after the host enqueued it (a GPU-bound engine
+    under async scheduling)."""
+
+    def __init__(self, lag: int):
+        self.lag = lag
+        self.host_step = 0
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            recorded_at = None
+
+            def record(self):
+                self.recorded_at = gpu.host_step
+
+            def query(self):
+                return (
+                    self.recorded_at is not None
+                    and gpu.host_step - self.recorded_at >= gpu.lag
+                )
+
+        return Event()
+
+
+@pytest.mark.parametrize("num_copies, lag", [(4, 1), (4, 2), (4, 3), (2, 3)])
+def test_estimates_reach_the_plan_while_the_gpu_runs_behind(
+    monkeypatch, num_copies, lag
+):
+    """A GPU-bound engine whose every step drafts: each step's plan reads the
+    newest estimate that has landed, ``lag`` steps old. Under async
+    scheduling the host plans step k once step k-2's sampled tokens are back,
+    while the GPU may still run step k-2's drafter: the copies of steps k-1
+    and k-2 have then not landed (lag 3). With two host copies (the ring's
+    size before) each copy was overwritten before it landed and the
+    controller kept an old estimate for good: the control case, which must
+    read nothing."""
+    from vllm.v1.spec_decode import ddtree_adaptive
+
+    def estimate(lp, t, idx, calibration, width, nodes, out):
+        out.fill_(float(lp[0, 0]))
+
+    monkeypatch.setattr(ddtree_adaptive, "expected_accepted_nodes", estimate)
+    monkeypatch.setattr(ddtree_adaptive, "_NUM_ESTIMATE_COPIES", num_copies)
+    budget = AdaptiveTreeBudget(CFG, _vllm_config(), 8, DEVICE)
+    budget.full_step_pending = False  # past the engine's warm-up
+    gpu = _LaggingGpu(lag)
+    budget._host_ready = [gpu.event() for _ in budget._host_ready]
+    controller = budget._controller()
+    read = []
+    controller.update_curve = lambda curve: read.append(
+        (gpu.host_step, round(curve.per_request[1] * curve.num_reqs))
+    )
+    idle = _output({}, {})
+    steps = 40
+    for step in range(1, steps + 1):
+        gpu.host_step = step
+        budget.plan(idle)
+        lp = torch.full((2, 7), float(step), device=DEVICE)
+        budget.observe_trees(lp, torch.zeros(8, device=DEVICE), torch.arange(2))
+    print(f"{len(read)} estimates read over {steps} steps")
+    if num_copies <= lag:
+        assert read == []
+        return
+    # Every plan from the first landed copy on reads the newest one.
+    assert read == [(step, step - lag) for step in range(lag + 1, steps + 1)]
+    assert len(read) >= steps - 3
+
+
 def _self_attributes(cls) -> set[str]:
     """Names a class's methods assign as ``self.<name>``."""
     names = set()

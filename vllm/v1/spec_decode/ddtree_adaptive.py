@@ -125,22 +125,29 @@ class AdaptiveTreeBudget:
             torch.arange(max_num_reqs + 1, dtype=torch.int32)[:, None] * padded
         ).to(device)[:, :num_ladder]
         # Expected accepted nodes per ladder budget, then the calibration's
-        # running totals; two pinned host copies, read two steps late.
+        # running totals; a ring of pinned host copies, written in turn, of
+        # which a plan reads the newest that has landed. Under async
+        # scheduling a GPU-bound engine runs steps behind its host: a copy
+        # made one or two steps before a plan has often not landed, and with
+        # too few copies each is overwritten before it is read.
         self._estimate = torch.zeros(len(ladder) + 4, device=device)
         on_gpu = device.type == "cuda"
-        self._host = [torch.zeros(len(ladder) + 4, pin_memory=on_gpu) for _ in range(2)]
-        self._host_reqs = [0, 0]
+        num_copies = _NUM_ESTIMATE_COPIES
+        self._host = [
+            torch.zeros(len(ladder) + 4, pin_memory=on_gpu) for _ in range(num_copies)
+        ]
+        self._host_reqs = [0] * num_copies
         # Steps planned so far, and at which count each host copy was made:
         # under tensor parallelism a copy is read once two steps have
         # started since (the same step on every rank).
         self._plans = 0
-        self._host_plan = [0, 0]
+        self._host_plan = [0] * num_copies
         # Without a GPU the copies are synchronous and need no events.
-        self._host_ready = (
-            [torch.cuda.Event(), torch.cuda.Event()] if on_gpu else [None, None]
-        )
-        self._host_pending = [False, False]
-        self._slot = 0
+        self._host_ready = [
+            torch.cuda.Event() if on_gpu else None for _ in range(num_copies)
+        ]
+        self._host_pending = [False] * num_copies
+        self._slot = 0  # the copy the next estimate goes to
         self._plan: StepPlan | None = None
         # For the scheduler, with the step's output (``report``): the budget
         # this step verified per request (None: every slot as scheduled), and
@@ -532,7 +539,7 @@ class AdaptiveTreeBudget:
         self._host_reqs[slot] = num_reqs
         self._host_plan[slot] = self._plans
         self._host_pending[slot] = True
-        self._slot ^= 1
+        self._slot = (slot + 1) % len(self._host)
 
     # -- helpers -----------------------------------------------------------------
 
@@ -568,27 +575,25 @@ class AdaptiveTreeBudget:
         every rank must choose alike: there, the newest copied before the
         step before this one began (its step is done, so the wait returns at
         once), however many steps ago the drafter last ran."""
-        newest, older = self._slot ^ 1, self._slot
+        n = len(self._host)
+        newest_first = [(self._slot - 1 - i) % n for i in range(n)]
+        pending = [s for s in newest_first if self._host_pending[s]]
         if self.tp_size == 1:
-            for slot in (newest, older):
-                ready = self._host_ready[slot]
-                if self._host_pending[slot] and (ready is None or ready.query()):
-                    break
-            else:
-                return
+            landed = (
+                s
+                for s in pending
+                if self._host_ready[s] is None or self._host_ready[s].query()
+            )
         else:
-            for slot in (newest, older):
-                if self._host_pending[slot] and (
-                    self._plans - self._host_plan[slot] >= 2
-                ):
-                    break
-            else:
-                return
-            if self._host_ready[slot] is not None:
-                self._host_ready[slot].synchronize()
-        self._host_pending[slot] = False
-        if slot == newest:
-            self._host_pending[older] = False  # superseded
+            landed = (s for s in pending if self._plans - self._host_plan[s] >= 2)
+        slot = next(landed, None)
+        if slot is None:
+            return
+        if self.tp_size > 1 and self._host_ready[slot] is not None:
+            self._host_ready[slot].synchronize()
+        # Read, and every older copy superseded.
+        for s in pending[pending.index(slot) :]:
+            self._host_pending[s] = False
         values = self._host[slot].tolist()
         num_reqs = self._host_reqs[slot]
         num_ladder = len(self.cfg.ladder)
@@ -599,6 +604,12 @@ class AdaptiveTreeBudget:
                 tuple(values[num_ladder:]),
             )
         )
+
+
+# Host copies of the acceptance estimate (AdaptiveTreeBudget._read_estimate):
+# enough that one made a few steps before a plan has landed while the GPU runs
+# behind the host.
+_NUM_ESTIMATE_COPIES = 4
 
 
 def _dummy_draft_inputs(spec, desc) -> None:
