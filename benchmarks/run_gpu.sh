@@ -232,15 +232,17 @@ tests/v1/test_sm90_compile.py"
   trace-8b)
     # The adaptive budget's decisions step by step at real size (the embedded
     # pair, in-process engines), then no speculation over the same phases:
-    # PHASES (C:T:N,...), output in $OUT/trace_8b. Each config may run LIMIT
-    # seconds (the mode up to twice that).
+    # PHASES (C:T:N,...), output in $OUT/${OUT_NAME:-trace_8b}. CONFIGS
+    # (default "adaptive none") runs them in that order; each config may run
+    # LIMIT seconds.
     P=${EMBED_DIR:-build/pycode-8b}
+    name=${OUT_NAME:-trace_8b}
     rc=0
-    for config in adaptive none; do
-      timeout $LIMIT python3 benchmarks/trace_budget.py $config "$OUT/trace_8b" \
+    for config in ${CONFIGS:-adaptive none}; do
+      timeout $LIMIT python3 benchmarks/trace_budget.py $config "$OUT/$name" \
         --target $P/target --drafter $P/drafter --kv-gib ${KV_GIB:-6} \
         --phases "${PHASES:-64:1:256,32:1:128,64:0:256}" 2>&1 \
-        | tee "$OUT/trace_8b_$config.log" | grep -v -i warn | tail -30
+        | tee "$OUT/${name}_$config.log" | grep -v -i warn | tail -30
       [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     done
     exit $rc ;;
