@@ -269,8 +269,11 @@ def block_inputs(
     return ids.flatten(1), positions.flatten(1), labels
 
 
-def block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
-    """``[B, N*bs, S + N*bs]``: block ``n`` sees context ``< anchor_n`` and itself."""
+def block_mask(
+    anchors: torch.Tensor, context_len: int, block_size: int, rows: int | None = None
+):
+    """``[B, N*bs, S + N*bs]``: block ``n`` sees context ``< anchor_n`` and itself,
+    or only its first ``rows`` positions (a drafter run on a shorter block)."""
     B, N = anchors.shape
     device = anchors.device
     query_block = torch.arange(N * block_size, device=device) // block_size
@@ -278,7 +281,11 @@ def block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
     sees_context = (
         ctx[None, None, :] < anchors.repeat_interleave(block_size, 1)[..., None]
     )
-    sees_block = (query_block[:, None] == query_block[None, :]).expand(B, -1, -1)
+    sees_block = query_block[:, None] == query_block[None, :]
+    if rows is not None:
+        offset = torch.arange(N * block_size, device=device) % block_size
+        sees_block = sees_block & (offset < rows)[None, :]
+    sees_block = sees_block.expand(B, -1, -1)
     return torch.cat([sees_context, sees_block], dim=2)
 
 
@@ -337,13 +344,16 @@ def draft_logits(
     seqs: torch.Tensor,
     features: torch.Tensor,
     anchors: torch.Tensor,
+    rows: int | None = None,
 ):
-    """``(logits [B, N, bs, V], labels [B, N, bs])`` for ``anchors`` into ``seqs``."""
+    """``(logits [B, N, bs, V], labels [B, N, bs])`` for ``anchors`` into ``seqs``;
+    with ``rows``, each block's first ``rows`` positions see only each other
+    (the logits of later positions are then meaningless)."""
     s = drafter.shape
     ids, positions, labels = block_inputs(seqs, anchors, s.block_size, s.mask_token_id)
     B, L = seqs.shape
     context_positions = torch.arange(L, device=seqs.device).expand(B, L)
-    mask = block_mask(anchors, L, s.block_size)
+    mask = block_mask(anchors, L, s.block_size, rows)
     # float32 residual stream; under autocast the matmuls still run in bfloat16
     hidden = drafter(
         embed(ids).float(), positions, features.float(), context_positions, mask

@@ -291,17 +291,26 @@ def test_training_forward_matches_vllm_drafter(pair, vllm_models, trained):
 # ------------------------------------------------------------------ small pieces
 
 
-def test_block_mask_matches_its_definition():
+@pytest.mark.parametrize("rows", [None, 2, 3])
+def test_block_mask_matches_its_definition(rows):
+    """Block n sees the context before its anchor and itself; with ``rows``,
+    only its own first ``rows`` positions (a drafter run on a shorter block)."""
     anchors = torch.tensor([[3, 5, 9], [0, 7, 7]])
     bs, S = 4, 12
-    mask = block_mask(anchors, S, bs)
+    mask = block_mask(anchors, S, bs, rows)
+    visible = bs if rows is None else rows
+    checked = 0
     for b in range(2):
         for q in range(3 * bs):
             for kv in range(S + 3 * bs):
                 sees = (kv < S and kv < anchors[b, q // bs]) or (
-                    kv >= S and (kv - S) // bs == q // bs
+                    kv >= S
+                    and (kv - S) // bs == q // bs
+                    and (kv - S) % bs < visible
                 )
                 assert mask[b, q, kv] == sees
+                checked += 1
+    assert checked == 2 * 3 * bs * (S + 3 * bs)
 
 
 def test_block_inputs():
