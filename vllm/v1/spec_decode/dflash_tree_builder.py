@@ -351,12 +351,14 @@ def _ranked_top_tokens(
        counter) to a buffer of ``spill`` keys per position;
     4. per position: the buffered keys are sorted, in the smallest power of 2
        that holds them all, from 16 (``spill / 4`` past ``num_top`` 128, at
-       most ``cap``) up to ``spill``. Usually about ``num_top`` reach the
+       most ``cap``) up to ``cap``. Usually about ``num_top`` reach the
        threshold; more than
        ``cap`` reach it when a position's best tokens crowd into few chunks,
        as a trained model's do: a BPE vocabulary gives frequent tokens low
        ids (a small trained drafter: 68 % of positions at 15 tokens, with at
-       most a few hundred candidates).
+       most a few hundred candidates). Those positions first keep their
+       ``num_top`` best buffered keys by a radix select over the buffer, so
+       that no sort is wider than ``cap``.
        If even ``spill`` overflow (many tokens tied at the cut), the program
        finds the exact cut over the row instead: a radix select (four passes,
        one byte of the cut each), then one pass for the tokens above it and
@@ -438,7 +440,7 @@ def _ranked_top_tokens(
         INT32_MIN=_INT32_MIN,
     )
     narrow = cap <= _TOP_NARROW_CAP
-    min_block = min(spill, _TOP_NARROW_BLOCK if narrow else spill // 4)
+    min_block = min(cap, _TOP_NARROW_BLOCK if narrow else spill // 4)
     _sort_top_kernel[(rows,)](
         logits,
         logits.stride(0),
@@ -450,10 +452,9 @@ def _ranked_top_tokens(
         vocab,
         num_top,
         MIN_BLOCK=min_block,
+        CAP=cap,
         SPILL=spill,
-        NUM_MID_BLOCKS=(spill // min_block).bit_length() - 2
-        if spill > min_block
-        else 0,
+        NUM_MID_BLOCKS=(cap // min_block).bit_length() - 2 if cap > min_block else 0,
         CHUNK=chunk,
         INVALID=_INVALID_KEY,
         INT32_MIN=_INT32_MIN,
@@ -625,15 +626,17 @@ def _sort_top_kernel(
     tok_lp_ptr,  # [num_rows, num_top] out
     tok_id_ptr,  # [num_rows, num_top] out
     vocab,
-    num_top,  # <= SPILL
+    num_top,  # <= CAP
     MIN_BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
     SPILL: tl.constexpr,
-    NUM_MID_BLOCKS: tl.constexpr,  # sizes MIN_BLOCK * 2**t, 0 < t <= this, below SPILL
+    NUM_MID_BLOCKS: tl.constexpr,  # sizes MIN_BLOCK * 2**t, 0 < t <= this, below CAP
     CHUNK: tl.constexpr,
     INVALID: tl.constexpr,
     INT32_MIN: tl.constexpr,
 ):
-    tl.static_assert(SPILL >= MIN_BLOCK << NUM_MID_BLOCKS)
+    tl.static_assert(CAP >= MIN_BLOCK << NUM_MID_BLOCKS)
+    tl.static_assert(SPILL >= CAP)
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * logits_stride
     cand_ptr += row * SPILL
@@ -688,9 +691,22 @@ def _sort_top_kernel(
             seen_ties += tl.sum(tie.to(tl.int32), axis=0)
             taken += tl.sum(take.to(tl.int32), axis=0)
         num_cand = taken
+    elif num_cand > CAP:
+        # Spill path: keep the num_top best of the buffered keys (distinct:
+        # the id is in the low bits) by a radix select, in buffer order, so
+        # that no sort is wider than CAP (sorts of thousands of keys are what
+        # made this kernel slow to compile).
+        offs = tl.arange(0, SPILL)
+        valid = offs < num_cand
+        key = tl.load(cand_ptr + offs, mask=valid, other=INVALID)
+        keep = valid & (key >= _kth_largest(key, valid, num_top, INVALID))
+        pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.debug_barrier()
+        tl.store(cand_ptr + pos, key, mask=keep)
+        num_cand = num_top + num_cand * 0
     tl.debug_barrier()
     # Sort the smallest block that holds every candidate: MIN_BLOCK, twice that,
-    # ... below SPILL, then SPILL (a sort's cost grows as n log^2 n). The block
+    # ... below CAP, then CAP (a sort's cost grows as n log^2 n). The block
     # follows the candidates found, not num_top, so every num_top of a warp
     # class runs this one kernel.
     if num_cand <= MIN_BLOCK:
@@ -727,7 +743,7 @@ def _sort_top_kernel(
             tok_id_ptr,
             row,
             num_top,
-            SPILL,
+            CAP,
             INVALID,
         )
 
