@@ -20,6 +20,7 @@ from vllm.v1.spec_decode.dflash_tree_builder import (
     DDTree,
     _ranked_top_tokens,
     build_ddtree,
+    top_sort_max,
 )
 
 HAS_GPU = torch.cuda.is_available()
@@ -285,8 +286,9 @@ def _tied_logits(num_rows, vocab, dtype=torch.float32):
 # (shape, k, cap, spill, kind, path): each case runs ``path`` on at least one
 # position (other positions may take others). "row": whole-row sort (vocab <=
 # cap); "sort": at most cap tokens reach the chunk threshold; "spill": more, but
-# at most spill (crowded rows); "exact": more than spill, the radix select over
-# the row. The interpreter sorts 2048 keys in ~15 s, so the CPU cases lower spill.
+# at most the widest sort (crowded rows); "select": more, but at most spill,
+# the radix select over the buffer; "exact": more than spill, the radix select
+# over the row. The interpreter sorts 2048 keys in ~15 s, so the CPU cases lower spill.
 TOP_CASES_CPU = [
     ((2, 3, 7), 3, None, None, "randn", "row"),
     ((2, 3, 1000), 32, None, 64, "randn", "sort"),
@@ -300,6 +302,11 @@ TOP_CASES_CPU = [
     ((2, 2, 5000), 16, None, 512, "crowded", "spill"),  # sorts 128 of 512
     ((2, 2, 5000), 16, None, 32, "crowded", "exact"),
     ((1, 2, 5000), 31, None, 128, "crowded", "spill"),
+    # More candidates than the widest sort (256 keys, 512 in the wide class):
+    # the radix select keeps the best of the buffer first.
+    ((1, 2, 1000), 16, None, 512, "plateau300", "select"),  # 300 tied at the top
+    ((2, 2, 1000), 16, None, 512, "spread300", "select"),
+    ((1, 1, 2000), 200, None, 1024, "spread700", "select"),  # wide class
 ]
 TOP_CASES_GPU = (
     [
@@ -341,7 +348,21 @@ def _crowded_logits(shape, k, seed=0):
     return logits
 
 
+def _plateau_logits(shape, n, tied, seed=0):
+    """Low random logits but for the ``n`` lowest ids far above them, all
+    equal (``tied``) or distinct: crowded into few vocab chunks, so the chunk
+    search's threshold falls below all ``n`` and every one is a candidate."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 0.01 * _random_logits(*shape, seed=seed, device="cpu") - 8.0
+    high = 1.0 if tied else 1.0 + torch.rand(*shape[:-1], n, generator=gen)
+    logits[..., :n] = high
+    return logits
+
+
 def _top_case_logits(shape, kind, seed=0, k=1):
+    for prefix, tied in (("plateau", True), ("spread", False)):
+        if kind.startswith(prefix):
+            return _plateau_logits(shape, int(kind[len(prefix) :]), tied, seed)
     if kind == "tied":
         return _tied_logits(shape[0] * shape[1], shape[2]).reshape(shape)
     if kind == "crowded":
@@ -357,7 +378,8 @@ def _search_paths(monkeypatch, logits, k, cap, spill):
         return out, {"row"}
     plan = top_search_plan(logits.shape[-1], k, cap, spill)
     paths = {"sort": count <= plan.cap, "exact": count > plan.spill}
-    paths["spill"] = ~(paths["sort"] | paths["exact"])
+    paths["select"] = (count > top_sort_max(plan)) & ~paths["exact"]
+    paths["spill"] = ~(paths["sort"] | paths["exact"] | paths["select"])
     return out, {name for name, rows in paths.items() if rows.any()}
 
 

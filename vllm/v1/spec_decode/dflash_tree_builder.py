@@ -90,9 +90,10 @@ _TOP_MAX_PER_CHUNK = 64
 # 15-127) and 558 on bench_tree_ops' crowded rows (151936 ids, 128 tokens).
 _TOP_MIN_SPILL = 2048
 # The candidate sort's classes, each one compile for every num_top in it: 4
-# warps and sorts from 16 keys while ``cap`` is at most _TOP_NARROW_CAP
-# (num_top <= 128); above, 8 warps and sorts from a quarter of ``spill`` keys
-# (512 for num_top <= 512, 1024 above), never more than ``cap``.
+# warps and sorts of 16 to _TOP_NARROW_CAP keys while ``cap`` is at most
+# _TOP_NARROW_CAP (num_top <= 128); above, 8 warps and sorts of a quarter to
+# half of ``spill`` keys. A position with more candidates keeps its num_top
+# best by a radix select first.
 _TOP_NARROW_CAP = 256
 _TOP_NARROW_BLOCK = 16
 # Widest candidate block the tree selection sorts whole when more candidates
@@ -331,6 +332,14 @@ def top_search_plan(vocab: int, num_top: int) -> TopSearchPlan:
     return TopSearchPlan(cap, spill, chunk, num_chunks, per_chunk)
 
 
+def top_sort_max(plan: TopSearchPlan) -> int:
+    """The widest candidate sort of ``plan``'s search (one per warp class, not
+    per ``cap``): a position with more candidates, at most ``spill``, keeps its
+    ``num_top`` best by a radix select before it sorts."""
+    narrow = plan.cap <= _TOP_NARROW_CAP
+    return min(_TOP_NARROW_CAP if narrow else plan.spill // 2, plan.spill)
+
+
 def _ranked_top_tokens(
     draft_logits: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -351,14 +360,14 @@ def _ranked_top_tokens(
        counter) to a buffer of ``spill`` keys per position;
     4. per position: the buffered keys are sorted, in the smallest power of 2
        that holds them all, from 16 (``spill / 4`` past ``num_top`` 128, at
-       most ``cap``) up to ``cap``. Usually about ``num_top`` reach the
+       most ``cap``) up to 256 (``spill / 2`` past 128). Usually about ``num_top`` reach the
        threshold; more than
        ``cap`` reach it when a position's best tokens crowd into few chunks,
        as a trained model's do: a BPE vocabulary gives frequent tokens low
        ids (a small trained drafter: 68 % of positions at 15 tokens, with at
-       most a few hundred candidates). Those positions first keep their
-       ``num_top`` best buffered keys by a radix select over the buffer, so
-       that no sort is wider than ``cap``.
+       most a few hundred candidates). Positions with more candidates than
+       the widest sort first keep their ``num_top`` best buffered keys by a
+       radix select over the buffer.
        If even ``spill`` overflow (many tokens tied at the cut), the program
        finds the exact cut over the row instead: a radix select (four passes,
        one byte of the cut each), then one pass for the tokens above it and
@@ -440,7 +449,8 @@ def _ranked_top_tokens(
         INT32_MIN=_INT32_MIN,
     )
     narrow = cap <= _TOP_NARROW_CAP
-    min_block = min(cap, _TOP_NARROW_BLOCK if narrow else spill // 4)
+    sort_max = top_sort_max(TopSearchPlan(cap, spill, chunk, num_chunks, per_chunk))
+    min_block = min(_TOP_NARROW_BLOCK if narrow else spill // 4, sort_max)
     _sort_top_kernel[(rows,)](
         logits,
         logits.stride(0),
@@ -452,9 +462,11 @@ def _ranked_top_tokens(
         vocab,
         num_top,
         MIN_BLOCK=min_block,
-        CAP=cap,
+        SORT_MAX=sort_max,
         SPILL=spill,
-        NUM_MID_BLOCKS=(cap // min_block).bit_length() - 2 if cap > min_block else 0,
+        NUM_MID_BLOCKS=(sort_max // min_block).bit_length() - 2
+        if sort_max > min_block
+        else 0,
         CHUNK=chunk,
         INVALID=_INVALID_KEY,
         INT32_MIN=_INT32_MIN,
@@ -626,17 +638,17 @@ def _sort_top_kernel(
     tok_lp_ptr,  # [num_rows, num_top] out
     tok_id_ptr,  # [num_rows, num_top] out
     vocab,
-    num_top,  # <= CAP
+    num_top,  # <= SORT_MAX
     MIN_BLOCK: tl.constexpr,
-    CAP: tl.constexpr,
+    SORT_MAX: tl.constexpr,  # widest sort
     SPILL: tl.constexpr,
-    NUM_MID_BLOCKS: tl.constexpr,  # sizes MIN_BLOCK * 2**t, 0 < t <= this, below CAP
+    NUM_MID_BLOCKS: tl.constexpr,  # sizes MIN_BLOCK * 2**t, 0 < t <= this, below SORT_MAX
     CHUNK: tl.constexpr,
     INVALID: tl.constexpr,
     INT32_MIN: tl.constexpr,
 ):
-    tl.static_assert(CAP >= MIN_BLOCK << NUM_MID_BLOCKS)
-    tl.static_assert(SPILL >= CAP)
+    tl.static_assert(SORT_MAX >= MIN_BLOCK << NUM_MID_BLOCKS)
+    tl.static_assert(SPILL >= SORT_MAX)
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * logits_stride
     cand_ptr += row * SPILL
@@ -691,11 +703,11 @@ def _sort_top_kernel(
             seen_ties += tl.sum(tie.to(tl.int32), axis=0)
             taken += tl.sum(take.to(tl.int32), axis=0)
         num_cand = taken
-    elif num_cand > CAP:
-        # Spill path: keep the num_top best of the buffered keys (distinct:
-        # the id is in the low bits) by a radix select, in buffer order, so
-        # that no sort is wider than CAP (sorts of thousands of keys are what
-        # made this kernel slow to compile).
+    elif num_cand > SORT_MAX:
+        # Keep the num_top best of the buffered keys (distinct: the id is in
+        # the low bits) by a radix select, in buffer order, so that no sort is
+        # wider than SORT_MAX (sorts of thousands of keys are what made this
+        # kernel slow to compile).
         offs = tl.arange(0, SPILL)
         valid = offs < num_cand
         key = tl.load(cand_ptr + offs, mask=valid, other=INVALID)
@@ -706,7 +718,7 @@ def _sort_top_kernel(
         num_cand = num_top + num_cand * 0
     tl.debug_barrier()
     # Sort the smallest block that holds every candidate: MIN_BLOCK, twice that,
-    # ... below CAP, then CAP (a sort's cost grows as n log^2 n). The block
+    # ... below SORT_MAX, then SORT_MAX (a sort's cost grows as n log^2 n). The block
     # follows the candidates found, not num_top, so every num_top of a warp
     # class runs this one kernel.
     if num_cand <= MIN_BLOCK:
@@ -743,7 +755,7 @@ def _sort_top_kernel(
             tok_id_ptr,
             row,
             num_top,
-            CAP,
+            SORT_MAX,
             INVALID,
         )
 
