@@ -6,9 +6,11 @@ path, on the CPU.
 ``_ranked_top_tokens`` (vllm/v1/spec_decode/dflash_tree_builder.py) buffers the
 tokens at or above a threshold taken from each vocabulary chunk's few largest
 values and sorts ``cap`` of them; when more than ``cap`` tokens reach it,
-because a position's best tokens crowd into few chunks, the position sorts its
-whole ``spill`` buffer instead (the spill path), and past ``spill`` it takes the
-exact path (a full-row radix select, slow). Random logits spread the best
+because a position's best tokens crowd into few chunks, the position sorts a
+wider block of its ``spill`` buffer (the spill path; past the widest sort,
+``top_sort_max``, it first keeps its best by a radix select over the buffer:
+the select share), and past ``spill`` it takes the exact path (a full-row
+radix select, slow). Random logits spread the best
 tokens over the vocabulary and almost never leave the fast path; a trained
 model over a BPE vocabulary gives frequent tokens low ids. This script runs the
 trained pair's drafter (``benchmarks/models/pycode``, PyTorch on the CPU, the
@@ -35,7 +37,10 @@ from benchmarks.checkout import use_checkout  # noqa: E402
 
 use_checkout()
 
-from vllm.v1.spec_decode.dflash_tree_builder import top_search_plan  # noqa: E402
+from vllm.v1.spec_decode.dflash_tree_builder import (  # noqa: E402
+    top_search_plan,
+    top_sort_max,
+)
 
 PAIR = ROOT / "benchmarks" / "models" / "pycode"
 
@@ -65,15 +70,18 @@ def candidate_counts(logits: torch.Tensor, num_top: int) -> torch.Tensor:
 
 def search_paths(logits: torch.Tensor, num_top: int) -> dict[str, torch.Tensor]:
     """Per row of ``logits``: which path its search takes past the fast one,
-    ``spill`` (more than cap candidates) or ``exact`` (more than spill)."""
+    ``spill`` (more than cap candidates), of which ``select`` (more than the
+    widest sort), or ``exact`` (more than spill)."""
     vocab = logits.shape[-1]
     plan = top_search_plan(vocab, num_top)
     if vocab <= plan.cap:  # whole-row sort
         none = torch.zeros(logits.shape[0], dtype=torch.bool)
-        return {"spill": none, "exact": none}
+        return {"spill": none, "select": none, "exact": none}
     count = candidate_counts(logits, num_top)
+    spill = (count > plan.cap) & (count <= plan.spill)
     return {
-        "spill": (count > plan.cap) & (count <= plan.spill),
+        "spill": spill,
+        "select": spill & (count > top_sort_max(plan)),
         "exact": count > plan.spill,
     }
 
@@ -133,6 +141,7 @@ def main(argv=None) -> int:
                 "cap": plan.cap,
                 "spill": plan.spill,
                 "spill_path_share": round(float(paths["spill"].float().mean()), 4),
+                "select_share": round(float(paths["select"].float().mean()), 4),
                 "exact_path_share": round(float(paths["exact"].float().mean()), 4),
                 "max_candidates": int(candidate_counts(logits, num_top).max()),
             }
@@ -154,13 +163,14 @@ def main(argv=None) -> int:
         f"{args.pair.name}'s drafter, vocabulary {vocab}; "
         f"{100 * result['top15_ids_below_512']:.1f} % of their top-15 ids are < 512.",
         "",
-        "| budget | cap | spill | positions on the spill path | on the exact "
-        "path | most candidates of a position |",
-        "|---|---|---|---|---|---|",
+        "| budget | cap | spill | positions on the spill path | of which "
+        "select first | on the exact path | most candidates of a position |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['budget']} | {r['cap']} | {r['spill']} | "
         f"{100 * r['spill_path_share']:.1f} % | "
+        f"{100 * r['select_share']:.1f} % | "
         f"{100 * r['exact_path_share']:.1f} % | {r['max_candidates']} |"
         for r in rows
     ]

@@ -36,6 +36,8 @@ def test_counts_match_the_kernels(monkeypatch, kind, k):
     plan = builder.top_search_plan(5000, k)
     paths = ttc.search_paths(logits, k)
     assert torch.equal(paths["spill"], (want > plan.cap) & (want <= plan.spill))
+    widest = builder.top_sort_max(plan)
+    assert torch.equal(paths["select"], paths["spill"] & (want > widest))
     assert torch.equal(paths["exact"], want > plan.spill)
     if kind == "crowded":
         assert bool(paths["spill"].any())  # the case does exercise the path
