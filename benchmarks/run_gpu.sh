@@ -7,7 +7,7 @@
 #   bash benchmarks/run_gpu.sh MODE [args]
 #
 # MODE: tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|
-#       serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|mixed-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair
+#       serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|mixed-8b|profile-8b|bench-ops|top-search|bench-attn|bench-ddtree|train-pair
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see benchmarks/README.md). OUT: where logs and results go (default
 # build/gpu_results); LIMIT: seconds a mode may run (default 3600).
@@ -298,6 +298,12 @@ tests/v1/test_sm90_compile.py"
   bench-ops)
     timeout $LIMIT python3 benchmarks/bench_tree_ops.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_ops.log" | tail -30 ;;
+  top-search)
+    # The tree builder's top-token search: compile time (cold Triton cache)
+    # and speed per builder copy, e.g. --builder old=FILE --builder new=FILE.
+    timeout $LIMIT python3 benchmarks/bench_top_search.py --out "$OUT/top_search" "$@" \
+      2>&1 | tee "$OUT/bench_top_search.log" | grep -v -i warn | tail -30
+    exit "${PIPESTATUS[0]}" ;;
   bench-attn)
     timeout $LIMIT python3 benchmarks/bench_tree_attn.py --out "$OUT" "$@" 2>&1 \
       | tee "$OUT/bench_tree_attn.log" | tail -40 ;;
@@ -309,6 +315,6 @@ tests/v1/test_sm90_compile.py"
     timeout $LIMIT bash benchmarks/train_pair/run_all.sh "${1:-$((LIMIT - 20))}" \
       2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|mixed-8b|profile-8b|bench-ops|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|mixed-8b|profile-8b|bench-ops|top-search|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac
