@@ -24,7 +24,8 @@ the model runner then verifies fewer, in three parts:
    calibration what was accepted; after the next trees are built,
    :meth:`AdaptiveTreeBudget.observe_trees` estimates what each ladder budget
    would accept and starts copying it to the host, where a later step's plan
-   reads it (two steps late, so the host never waits for the GPU).
+   reads the newest copy that has landed (a few steps late on a GPU-bound
+   engine, so the host never waits for the GPU).
 
 ``b = 0`` is a plain decode step; when the controller expects the next step
 not to speculate either, the speculator skips the drafter's forward and keeps
