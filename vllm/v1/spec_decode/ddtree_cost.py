@@ -12,7 +12,7 @@ picks ``b``: the one that maximises expected tokens per second,
 
 where ``e(b)`` is the expected number of accepted nodes per request when the
 batch verifies ``num_reqs * b`` nodes (summed calibrated acceptance
-probabilities of the best nodes, read from the GPU one or two steps late) and
+probabilities of the best nodes, read from the GPU a few steps late) and
 ``cost`` is the step's period: what one decode step of that shape takes, as
 the user sees it (host and GPU together), plus the time per step that prompt
 chunks add whatever the budget (a running average of how much longer steps
