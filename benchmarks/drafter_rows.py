@@ -15,8 +15,6 @@ top-4 tokens hold the target's token, and a chain's accepted drafts per block.
     python benchmarks/drafter_rows.py --out benchmarks/results/drafter_rows
 """
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,54 +31,32 @@ PAIR = ROOT / "benchmarks" / "models" / "pycode"
 
 
 def measure(pair: Path, rows_list, num_prompts: int, max_tokens: int) -> dict:
-    from benchmarks.train_pair.dflash import draft_logits, load_pair, target_features
+    from benchmarks.tree_acceptance import drafted_blocks
 
-    tok, target, drafter = load_pair(pair)
-    block = drafter.shape.block_size
-    if any(not 2 <= r <= block for r in rows_list):
-        raise ValueError(f"rows must lie in [2, {block}]")
-    prompts = json.loads((pair / "eval_prompts.json").read_text())["prompts"]
-    depth = block - 1
+    depth = max(rows_list) - 1
     top1 = {r: torch.zeros(depth) for r in rows_list}
     top4 = {r: torch.zeros(depth) for r in rows_list}
     chain = dict.fromkeys(rows_list, 0.0)
     anchors_total, start = 0, time.monotonic()
-    with torch.no_grad():
-        for n, p in enumerate(prompts[:num_prompts], 1):
-            ids = tok(p["text"], return_tensors="pt").input_ids
-            seq = target.generate(
-                ids,
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id or 0,
-            )
-            first, last = ids.shape[1] - 1, seq.shape[1] - block
-            if last < first:  # ended within one block of the prompt
+    # One pass of the drafter per rows value (each generates the prompts'
+    # continuations again: the target is small, the drafter's mask differs).
+    for r in rows_list:
+        for n, block in enumerate(drafted_blocks(pair, num_prompts, max_tokens, r), 1):
+            if block is None:
                 continue
-            anchors = torch.arange(first, last + 1)[None]
-            feats = target_features(target, seq, drafter.shape.target_layer_ids)
-            for r in rows_list:
-                logits, labels = draft_logits(
-                    drafter,
-                    target.model.embed_tokens,
-                    target.lm_head.weight,
-                    seq,
-                    feats,
-                    anchors,
-                    None if r == block else r,
-                )
-                lg, lb = logits[0, :, 1:r].float(), labels[0, :, 1:r]
-                hit = lg.argmax(-1) == lb
-                top1[r][: r - 1] += hit.float().sum(0)
-                in4 = (lg.topk(4, -1).indices == lb[..., None]).any(-1)
-                top4[r][: r - 1] += in4.float().sum(0)
-                chain[r] += float(hit.long().cumprod(-1).sum())
-            anchors_total += anchors.shape[1]
-            print(
-                f"drafter_rows: prompt {n}/{num_prompts}, {anchors_total} "
-                f"anchors, {time.monotonic() - start:.0f} s",
-                flush=True,
-            )
+            lg, lb = block
+            hit = lg.argmax(-1) == lb
+            top1[r][: r - 1] += hit.float().sum(0)
+            in4 = (lg.topk(4, -1).indices == lb[..., None]).any(-1)
+            top4[r][: r - 1] += in4.float().sum(0)
+            chain[r] += float(hit.long().cumprod(-1).sum())
+            if r == rows_list[0]:
+                anchors_total += lg.shape[0]
+        print(
+            f"drafter_rows: rows {r}, {anchors_total} anchors, "
+            f"{time.monotonic() - start:.0f} s",
+            flush=True,
+        )
     if anchors_total == 0:
         raise RuntimeError("no prompt left a full block to draft")
     return {
@@ -124,21 +100,16 @@ def markdown(result: dict, shown: int = 7) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--pair", type=Path, default=PAIR)
+    from benchmarks.tree_acceptance import pair_parser, write_result
+
+    p = pair_parser(__doc__, budgets=None, num_prompts=12, max_tokens=128)
     p.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16])
-    p.add_argument("--num-prompts", type=int, default=12)
-    p.add_argument("--max-tokens", type=int, default=128)
     args = p.parse_args(argv)
-    result = measure(
-        args.pair, sorted(set(args.rows)), args.num_prompts, args.max_tokens
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "drafter_rows.json").write_text(json.dumps(result, indent=1))
-    text = markdown(result)
-    (args.out / "drafter_rows.md").write_text(text)
-    print(text)
+    if min(args.rows) < 2:
+        p.error("--rows must be >= 2")
+    rows = sorted(set(args.rows))
+    result = measure(args.pair, rows, args.num_prompts, args.max_tokens)
+    write_result(args.out, "drafter_rows", result, markdown(result))
     return 0
 
 

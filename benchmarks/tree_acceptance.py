@@ -94,18 +94,16 @@ def walk(commits: torch.Tensor) -> tuple[int, int]:
     return tokens, steps
 
 
-def drafted_blocks(pair: Path, num_prompts: int, max_tokens: int):
-    """Per held-out prompt, ``(logits [anchors, depth, vocab], labels [anchors,
-    depth])`` over its greedy continuation, or None for a prompt that ended
-    within one block."""
-    from benchmarks.train_pair.dflash import (
-        draft_logits,
-        load_pair,
-        target_features,
-    )
+def greedy_anchors(pair: Path, num_prompts: int, max_tokens: int):
+    """Per held-out prompt, ``(drafter parts, seq [1, L], features, anchors [1,
+    A])`` over the target's greedy continuation of it, or None for a prompt
+    that ended within one block; ``drafter parts`` is ``(drafter, embed,
+    lm_head_weight)``, the arguments :func:`draft_logits` takes first."""
+    from benchmarks.train_pair.dflash import load_pair, target_features
 
     tok, target, drafter = load_pair(pair)
     block = drafter.shape.block_size
+    parts = (drafter, target.model.embed_tokens, target.lm_head.weight)
     prompts = json.loads((pair / "eval_prompts.json").read_text())["prompts"]
     with torch.no_grad():
         for p in prompts[:num_prompts]:
@@ -125,15 +123,38 @@ def drafted_blocks(pair: Path, num_prompts: int, max_tokens: int):
                 continue
             anchors = torch.arange(first, last + 1)[None]
             feats = target_features(target, seq, drafter.shape.target_layer_ids)
+            yield parts, seq, feats, anchors
+
+
+def drafted_blocks(
+    pair: Path, num_prompts: int, max_tokens: int, rows: int | None = None
+):
+    """Per held-out prompt, ``(logits [anchors, depth, vocab], labels [anchors,
+    depth])`` over its greedy continuation, or None for a prompt that ended
+    within one block. With ``rows``, the drafter runs each block's first
+    ``rows`` positions only and ``depth = rows - 1``."""
+    from benchmarks.train_pair.dflash import draft_logits
+
+    for item in greedy_anchors(pair, num_prompts, max_tokens):
+        if item is None:
+            yield None
+            continue
+        parts, seq, feats, anchors = item
+        block = parts[0].shape.block_size
+        r = block if rows is None else rows
+        with torch.no_grad():
             logits, labels = draft_logits(
-                drafter,
-                target.model.embed_tokens,
-                target.lm_head.weight,
-                seq,
-                feats,
-                anchors,
+                *parts, seq, feats, anchors, None if r == block else r
             )
-            yield logits[0, :, 1:].float(), labels[0, :, 1:]
+        yield logits[0, :, 1:r].float(), labels[0, :, 1:r]
+
+
+def write_result(out: Path, name: str, result: dict, text: str) -> None:
+    """``out/<name>.json`` and ``out/<name>.md``, and the table printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(text)
+    print(text)
 
 
 def simulate(args) -> dict:
@@ -201,14 +222,18 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pair_parser(doc: str, budgets, num_prompts: int) -> argparse.ArgumentParser:
-    """The options of a simulation over the pair's held-out prompts."""
+def pair_parser(
+    doc: str, budgets, num_prompts: int, max_tokens: int = 256
+) -> argparse.ArgumentParser:
+    """The options of a simulation over the pair's held-out prompts
+    (``--budgets`` unless ``budgets`` is None)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--pair", type=Path, default=PAIR)
-    p.add_argument("--budgets", type=int, nargs="+", default=list(budgets))
+    if budgets is not None:
+        p.add_argument("--budgets", type=int, nargs="+", default=list(budgets))
     p.add_argument("--num-prompts", type=int, default=num_prompts)
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
     return p
 
 
@@ -219,11 +244,7 @@ def main(argv=None) -> int:
         p.error("--budgets must be >= 1")
     args.argv = argv
     result = simulate(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tree_acceptance.json").write_text(json.dumps(result, indent=1))
-    text = markdown(result)
-    (args.out / "tree_acceptance.md").write_text(text)
-    print(text)
+    write_result(args.out, "tree_acceptance", result, markdown(result))
     return 0
 
 

@@ -45,3 +45,24 @@ def test_walk_starts_each_step_where_the_last_ended():
     commits = torch.tensor([3, 9, 9, 1, 2, 9])
     assert ta.walk(commits) == (6, 3)
     assert ta.walk(torch.ones(5, dtype=torch.long)) == (5, 5)
+
+
+def test_drafted_blocks_on_fewer_rows():
+    """The trained pair's drafter on its whole block (``rows`` None or the
+    block size: the same logits) and on its first 4 rows (depths 1-3 only,
+    drafted without the later masks, so other logits)."""
+    blocks = [
+        [b for b in ta.drafted_blocks(ta.PAIR, 2, 40, rows) if b is not None]
+        for rows in (None, 16, 4)
+    ]
+    whole, sixteen, four = blocks
+    assert len(whole) == len(sixteen) == len(four) >= 1
+    compared = 0
+    for (lw, bw), (l16, b16), (l4, b4) in zip(whole, sixteen, four):
+        assert lw.shape[1] == 15 and l4.shape[1] == 3
+        assert torch.equal(lw, l16) and torch.equal(bw, b16)
+        assert torch.equal(b4, bw[:, :3])
+        assert not torch.allclose(l4, lw[:, :3])
+        compared += lw.shape[0]
+    print(f"{compared} anchors compared")
+    assert compared >= 20
