@@ -87,6 +87,8 @@ def time_builder(path: Path, rows: int, depth: int, vocab: int, budgets, iters):
 
 
 def main(argv=None) -> int:
+    from benchmarks.tree_acceptance import write_result
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
@@ -108,7 +110,6 @@ def main(argv=None) -> int:
         print(json.dumps(time_builder(args.child, *shape)))
         return 0
     builders = args.builder or [f"checkout={CHECKOUT_BUILDER}"]
-    args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for spec in builders:
         tag, sep, path = spec.partition("=")
@@ -127,7 +128,6 @@ def main(argv=None) -> int:
                 sys.stderr.write(done.stderr[-4000:])
                 return done.returncode
             results[tag] = json.loads(done.stdout.strip().splitlines()[-1])
-    (args.out / "top_search.json").write_text(json.dumps(results, indent=1))
     lines = [
         f"[{args.rows}, {args.depth}, {args.vocab}] float16 logits; first call "
         "(compiles, cold Triton cache) and mean of later calls",
@@ -141,9 +141,7 @@ def main(argv=None) -> int:
             f"{r['us_per_call']} | {r['equal_to_stable_sort']} |"
             for r in rows
         ]
-    text = "\n".join(lines) + "\n"
-    (args.out / "top_search.md").write_text(text)
-    print(text)
+    write_result(args.out, "top_search", results, "\n".join(lines) + "\n")
     ok = all(r["equal_to_stable_sort"] for rows in results.values() for r in rows)
     return 0 if ok else 1
 
