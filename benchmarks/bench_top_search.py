@@ -86,6 +86,35 @@ def time_builder(path: Path, rows: int, depth: int, vocab: int, budgets, iters):
     return out
 
 
+def run_per_builder(
+    parser, script, builders, out: Path, child_args, interpret: bool = True
+) -> dict:
+    """``script --child PATH child_args`` for each ``TAG=PATH`` of ``builders``
+    (default: this checkout's builder), each in its own process with an empty
+    Triton cache (every kernel compiles), and without Triton's interpreter
+    unless ``interpret``; returns each child's last stdout line, parsed as
+    JSON, by tag."""
+    results = {}
+    for spec in builders or [f"checkout={CHECKOUT_BUILDER}"]:
+        tag, sep, path = spec.partition("=")
+        if not sep or not Path(path).is_file():
+            parser.error(f"--builder wants TAG=PATH of an existing file, got {spec!r}")
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TRITON_CACHE_DIR": cache}
+            if not interpret:
+                env.pop("TRITON_INTERPRET", None)
+            cmd = [sys.executable, script, "--out", str(out), "--child", path]
+            print(f"{Path(script).stem}: {tag} ({path})", flush=True)
+            done = subprocess.run(
+                cmd + child_args, env=env, capture_output=True, text=True
+            )
+            if done.returncode:
+                sys.stderr.write(done.stderr[-4000:])
+                raise SystemExit(done.returncode)
+            results[tag] = json.loads(done.stdout.strip().splitlines()[-1])
+    return results
+
+
 def main(argv=None) -> int:
     from benchmarks.tree_acceptance import write_result
 
@@ -109,25 +138,10 @@ def main(argv=None) -> int:
     if args.child is not None:
         print(json.dumps(time_builder(args.child, *shape)))
         return 0
-    builders = args.builder or [f"checkout={CHECKOUT_BUILDER}"]
-    results = {}
-    for spec in builders:
-        tag, sep, path = spec.partition("=")
-        if not sep or not Path(path).is_file():
-            p.error(f"--builder wants TAG=PATH of an existing file, got {spec!r}")
-        with tempfile.TemporaryDirectory() as cache:
-            # A cold Triton cache per builder: its first calls compile.
-            env = {**os.environ, "TRITON_CACHE_DIR": cache}
-            cmd = [sys.executable, __file__, "--out", str(args.out), "--child", path]
-            cmd += ["--rows", str(args.rows), "--depth", str(args.depth)]
-            cmd += ["--vocab", str(args.vocab), "--iters", str(args.iters)]
-            cmd += ["--budgets", *map(str, args.budgets)]
-            print(f"bench_top_search: {tag} ({path})", flush=True)
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if done.returncode:
-                sys.stderr.write(done.stderr[-4000:])
-                return done.returncode
-            results[tag] = json.loads(done.stdout.strip().splitlines()[-1])
+    child_args = ["--rows", str(args.rows), "--depth", str(args.depth)]
+    child_args += ["--vocab", str(args.vocab), "--iters", str(args.iters)]
+    child_args += ["--budgets", *map(str, args.budgets)]
+    results = run_per_builder(p, __file__, args.builder, args.out, child_args)
     lines = [
         f"[{args.rows}, {args.depth}, {args.vocab}] float16 logits; first call "
         "(compiles, cold Triton cache) and mean of later calls",

@@ -21,8 +21,6 @@ CPU interpreter never checks.
 import argparse
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -136,26 +134,14 @@ def main(argv=None) -> int:
         rows = [compile_sort(module, v, k, args.arch) for v, k in cases]
         print(json.dumps(rows))
         return 0
-    # Not in the child: it sets Triton's interpreter up on a machine without a GPU.
+    # Not in the child: these set Triton's interpreter up without a GPU.
+    from benchmarks.bench_top_search import run_per_builder
     from benchmarks.tree_acceptance import write_result
 
-    results = {}
-    for spec in args.builder or [f"checkout={CHECKOUT_BUILDER}"]:
-        tag, sep, path = spec.partition("=")
-        if not sep or not Path(path).is_file():
-            p.error(f"--builder wants TAG=PATH of an existing file, got {spec!r}")
-        with tempfile.TemporaryDirectory() as cache:
-            # Real Triton, a cold cache: every case compiles.
-            env = {**os.environ, "TRITON_CACHE_DIR": cache}
-            env.pop("TRITON_INTERPRET", None)
-            cmd = [sys.executable, __file__, "--out", str(args.out), "--child", path]
-            cmd += ["--arch", str(args.arch), "--cases", *args.cases]
-            print(f"top_sort_compile: {tag} ({path})", flush=True)
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if done.returncode:
-                sys.stderr.write(done.stderr[-4000:])
-                return done.returncode
-            results[tag] = json.loads(done.stdout.strip().splitlines()[-1])
+    child_args = ["--arch", str(args.arch), "--cases", *args.cases]
+    results = run_per_builder(
+        p, __file__, args.builder, args.out, child_args, interpret=False
+    )
     lines = [
         f"`_sort_top_kernel` compiled for sm_{args.arch} on this host "
         "(cold Triton cache, one process per builder)",
