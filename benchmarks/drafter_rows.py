@@ -41,7 +41,7 @@ def measure(pair: Path, rows_list, num_prompts: int, max_tokens: int) -> dict:
     # One pass of the drafter per rows value (each generates the prompts'
     # continuations again: the target is small, the drafter's mask differs).
     for r in rows_list:
-        for n, block in enumerate(drafted_blocks(pair, num_prompts, max_tokens, r), 1):
+        for block in drafted_blocks(pair, num_prompts, max_tokens, r):
             if block is None:
                 continue
             lg, lb = block

@@ -94,16 +94,22 @@ def walk(commits: torch.Tensor) -> tuple[int, int]:
     return tokens, steps
 
 
-def greedy_anchors(pair: Path, num_prompts: int, max_tokens: int):
-    """Per held-out prompt, ``(drafter parts, seq [1, L], features, anchors [1,
-    A])`` over the target's greedy continuation of it, or None for a prompt
-    that ended within one block; ``drafter parts`` is ``(drafter, embed,
-    lm_head_weight)``, the arguments :func:`draft_logits` takes first."""
-    from benchmarks.train_pair.dflash import load_pair, target_features
+def drafted_blocks(
+    pair: Path, num_prompts: int, max_tokens: int, rows: int | None = None
+):
+    """Per held-out prompt, ``(logits [anchors, depth, vocab], labels [anchors,
+    depth])`` over its greedy continuation, or None for a prompt that ended
+    within one block. With ``rows``, the drafter runs each block's first
+    ``rows`` positions only and ``depth = rows - 1``."""
+    from benchmarks.train_pair.dflash import (
+        draft_logits,
+        load_pair,
+        target_features,
+    )
 
     tok, target, drafter = load_pair(pair)
     block = drafter.shape.block_size
-    parts = (drafter, target.model.embed_tokens, target.lm_head.weight)
+    r = block if rows is None else rows
     prompts = json.loads((pair / "eval_prompts.json").read_text())["prompts"]
     with torch.no_grad():
         for p in prompts[:num_prompts]:
@@ -123,30 +129,16 @@ def greedy_anchors(pair: Path, num_prompts: int, max_tokens: int):
                 continue
             anchors = torch.arange(first, last + 1)[None]
             feats = target_features(target, seq, drafter.shape.target_layer_ids)
-            yield parts, seq, feats, anchors
-
-
-def drafted_blocks(
-    pair: Path, num_prompts: int, max_tokens: int, rows: int | None = None
-):
-    """Per held-out prompt, ``(logits [anchors, depth, vocab], labels [anchors,
-    depth])`` over its greedy continuation, or None for a prompt that ended
-    within one block. With ``rows``, the drafter runs each block's first
-    ``rows`` positions only and ``depth = rows - 1``."""
-    from benchmarks.train_pair.dflash import draft_logits
-
-    for item in greedy_anchors(pair, num_prompts, max_tokens):
-        if item is None:
-            yield None
-            continue
-        parts, seq, feats, anchors = item
-        block = parts[0].shape.block_size
-        r = block if rows is None else rows
-        with torch.no_grad():
             logits, labels = draft_logits(
-                *parts, seq, feats, anchors, None if r == block else r
+                drafter,
+                target.model.embed_tokens,
+                target.lm_head.weight,
+                seq,
+                feats,
+                anchors,
+                None if r == block else r,
             )
-        yield logits[0, :, 1:r].float(), labels[0, :, 1:r]
+            yield logits[0, :, 1:r].float(), labels[0, :, 1:r]
 
 
 def write_result(out: Path, name: str, result: dict, text: str) -> None:

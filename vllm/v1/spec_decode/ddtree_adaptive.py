@@ -72,6 +72,10 @@ logger = init_logger(__name__)
 _PROFILE_REPLAYS = 3
 # A graph timed this many times slower than a larger one's is reported.
 _SLOW_FACTOR = 4
+# Host copies of the acceptance estimate (AdaptiveTreeBudget._read_estimate):
+# enough that one made a few steps before a plan has landed while the GPU runs
+# behind the host.
+_NUM_ESTIMATE_COPIES = 4
 
 
 class BudgetReport(NamedTuple):
@@ -605,12 +609,6 @@ class AdaptiveTreeBudget:
                 tuple(values[num_ladder:]),
             )
         )
-
-
-# Host copies of the acceptance estimate (AdaptiveTreeBudget._read_estimate):
-# enough that one made a few steps before a plan has landed while the GPU runs
-# behind the host.
-_NUM_ESTIMATE_COPIES = 4
 
 
 def _dummy_draft_inputs(spec, desc) -> None:

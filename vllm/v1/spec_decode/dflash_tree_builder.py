@@ -360,9 +360,8 @@ def _ranked_top_tokens(
        counter) to a buffer of ``spill`` keys per position;
     4. per position: the buffered keys are sorted, in the smallest power of 2
        that holds them all, from 16 (``spill / 4`` past ``num_top`` 128, at
-       most ``cap``) up to 256 (``spill / 2`` past 128). Usually about ``num_top`` reach the
-       threshold; more than
-       ``cap`` reach it when a position's best tokens crowd into few chunks,
+       most ``cap``) up to 256 (``spill / 2`` past 128). Usually about
+       ``num_top`` reach the threshold; more than ``cap`` reach it when a position's best tokens crowd into few chunks,
        as a trained model's do: a BPE vocabulary gives frequent tokens low
        ids (a small trained drafter: 68 % of positions at 15 tokens, with at
        most a few hundred candidates). Positions with more candidates than
@@ -382,7 +381,8 @@ def _ranked_top_tokens(
     logits = draft_logits.reshape(rows, vocab)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    cap, spill, chunk, num_chunks, per_chunk = top_search_plan(vocab, num_top)
+    plan = top_search_plan(vocab, num_top)
+    cap, spill, chunk, num_chunks, per_chunk = plan
     tok_lp = torch.empty(num_reqs, depth, num_top, dtype=torch.float32, device=device)
     tok_id = torch.empty(num_reqs, depth, num_top, dtype=torch.int64, device=device)
     lse = torch.empty(num_reqs, depth, dtype=torch.float32, device=device)
@@ -449,7 +449,7 @@ def _ranked_top_tokens(
         INT32_MIN=_INT32_MIN,
     )
     narrow = cap <= _TOP_NARROW_CAP
-    sort_max = top_sort_max(TopSearchPlan(cap, spill, chunk, num_chunks, per_chunk))
+    sort_max = top_sort_max(plan)
     min_block = min(_TOP_NARROW_BLOCK if narrow else spill // 4, sort_max)
     _sort_top_kernel[(rows,)](
         logits,
@@ -642,7 +642,8 @@ def _sort_top_kernel(
     MIN_BLOCK: tl.constexpr,
     SORT_MAX: tl.constexpr,  # widest sort
     SPILL: tl.constexpr,
-    NUM_MID_BLOCKS: tl.constexpr,  # sizes MIN_BLOCK * 2**t, 0 < t <= this, below SORT_MAX
+    # sizes MIN_BLOCK * 2**t, 0 < t <= this, below SORT_MAX
+    NUM_MID_BLOCKS: tl.constexpr,
     CHUNK: tl.constexpr,
     INVALID: tl.constexpr,
     INT32_MIN: tl.constexpr,
