@@ -358,6 +358,24 @@ def summarize(records):
             f"cap values {caps}"
         )
         print(_prompt_steps(rs))
+        print(_estimate_updates(rs))
+
+
+def _estimate_updates(rs) -> str:
+    """How often a drafted step was planned on the same acceptance estimate as
+    the decision before it: each drafted step's verification should reach the
+    estimate within a few steps, so a long run of unchanged estimates while the
+    batch drafts means the estimate stopped following the steps."""
+    drafted = [i for i, r in enumerate(rs) if i and r.get("drafted")]
+    same = sum(1 for i in drafted if rs[i]["e"] == rs[i - 1]["e"])
+    run = longest = 0
+    for i in range(1, len(rs)):
+        run = run + 1 if rs[i]["e"] == rs[i - 1]["e"] else 0
+        longest = max(longest, run)
+    return (
+        f"   estimate unchanged from the decision before: {same} of "
+        f"{len(drafted)} drafted steps; longest run of unchanged decisions {longest}"
+    )
 
 
 def _prompt_steps(rs) -> str:

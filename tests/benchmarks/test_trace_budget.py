@@ -46,6 +46,24 @@ def test_draft_decisions_are_summarized(capsys):
     assert "plain step predicted 6.00 ms" in out
 
 
+def test_estimate_updates_count_drafted_steps_on_an_unchanged_estimate(capsys):
+    """A drafted step planned on the same estimate as the decision before it
+    is counted, and the longest run of unchanged decisions is reported: the
+    trace's check that the estimate follows the steps."""
+    records = [_record("c64T1", 64, 3, True, 10.0) for _ in range(6)]
+    for i, e in enumerate([0.5, 0.5, 0.6, 0.6, 0.6, 0.7]):
+        records[i]["e"] = {0: 0.0, 3: e}
+    records[3]["drafted"] = False
+    tb.summarize(records)
+    out = capsys.readouterr().out
+    # Steps 1 and 4 drafted on the estimate of the decision before (step 3
+    # did too, but did not draft); step 0 has no decision before it.
+    assert (
+        "estimate unchanged from the decision before: 2 of 4 drafted steps; "
+        "longest run of unchanged decisions 2" in out
+    )
+
+
 def test_phases_and_model_paths_parse():
     args = tb.parse_args(["adaptive", "/tmp/o", "--phases", "64:1:256,8:0:32"])
     assert args.phases == [(64, 1.0, 256), (8, 0.0, 32)]
