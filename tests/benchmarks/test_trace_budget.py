@@ -47,20 +47,21 @@ def test_draft_decisions_are_summarized(capsys):
 
 
 def test_estimate_updates_count_drafted_steps_on_an_unchanged_estimate(capsys):
-    """A drafted step planned on the same estimate as the decision before it
-    is counted, and the longest run of unchanged decisions is reported: the
-    trace's check that the estimate follows the steps."""
-    records = [_record("c64T1", 64, 3, True, 10.0) for _ in range(6)]
-    for i, e in enumerate([0.5, 0.5, 0.6, 0.6, 0.6, 0.7]):
+    """A step drafted right after a drafted step and planned on the same
+    estimate as the decision before it is counted (the trace's check that the
+    estimate follows the steps); the longest run of unchanged decisions too."""
+    records = [_record("c64T1", 64, 3, True, 10.0) for _ in range(7)]
+    for i, e in enumerate([0.5, 0.5, 0.6, 0.6, 0.6, 0.6, 0.7]):
         records[i]["e"] = {0: 0.0, 3: e}
     records[3]["drafted"] = False
     tb.summarize(records)
     out = capsys.readouterr().out
-    # Steps 1 and 4 drafted on the estimate of the decision before (step 3
-    # did too, but did not draft); step 0 has no decision before it.
+    # Drafted after a drafted step: 1, 2, 5, 6 (4 follows the plain step 3).
+    # Of those, 1 and 5 kept the estimate of the decision before; 3-5 are
+    # the longest run of unchanged decisions.
     assert (
-        "estimate unchanged from the decision before: 2 of 4 drafted steps; "
-        "longest run of unchanged decisions 2" in out
+        "estimate unchanged from the decision before: 2 of 4 steps drafted after "
+        "a drafted step; longest run of unchanged decisions 3" in out
     )
 
 

@@ -144,8 +144,10 @@ def test_no_trees_no_speculation_and_the_drafter_probes():
     controller.set_curve(AcceptanceCurve(1, (0.0, 0.5, 1.0, 1.5, 2.0)))
     assert controller.best_budget(1, 15) == 0
     assert controller.choose(1, 15, has_trees=True, timed=True) == 0
-    drafted = [controller.should_draft(1, 15) for _ in range(12)]
-    assert drafted == [False] * 4 + [True] + [False] * 4 + [True] + [False] * 2
+    # A probe after 5 undrafted steps; while probes find that speculation
+    # does not pay, each waits twice as long, up to 8 x 5 steps.
+    drafted = [controller.should_draft(1, 15) for _ in range(160)]
+    assert [i for i, d in enumerate(drafted) if d] == [4, 14, 34, 74, 114, 154]
     # Speculation pays: draft every step, and without trees verify none.
     controller.set_curve(AcceptanceCurve(1, (0.0, 5.0, 9.0, 12.0, 14.0)))
     cheap = StepCostModel({1: 1.0}, {1: 0.1})
@@ -153,6 +155,11 @@ def test_no_trees_no_speculation_and_the_drafter_probes():
     assert all(controller.should_draft(1, 15) for _ in range(3))
     assert controller.choose(1, 15, has_trees=False, timed=True) == 0
     assert controller.choose(1, 15, has_trees=True, timed=True) > 0
+    # Once it stops paying again, probes start over from 5 steps.
+    controller.cost = cost
+    controller.set_curve(AcceptanceCurve(1, (0.0, 0.5, 1.0, 1.5, 2.0)))
+    drafted = [controller.should_draft(1, 15) for _ in range(20)]
+    assert [i for i, d in enumerate(drafted) if d] == [4, 14]
 
 
 def test_the_prior_acceptance_is_used_until_a_curve_arrives():

@@ -83,6 +83,11 @@ _IDLE_SECONDS = 0.5
 # Steps without drafting before one drafted step re-measures what the drafter
 # would gain (the acceptance estimate does not move while nothing is drafted).
 _PROBE_INTERVAL = 32
+# While probes keep finding that speculation does not pay, each waits twice as
+# long as the one before, up to this many times the interval: a probe's drafter
+# forward is a plain step's extra work that verifies nothing, so a large batch
+# sampling at high temperature would otherwise pay it every 32 steps.
+_PROBE_BACKOFF = 8
 # How much more tokens per second speculating (or not) must promise before
 # should_draft switches to it: each switch costs steps that carry the other
 # mode's work (the trees' last verification and drafter forward drain into
@@ -423,6 +428,9 @@ class TreeBudgetController:
         self._log_interval = log_interval
         self._curve: AcceptanceCurve | None = None
         self._undrafted_steps = 0
+        # Undrafted steps before the next probe (probe_interval, doubled after
+        # each probe that did not bring speculation back).
+        self._probe_wait = probe_interval
         # Whether should_draft last chose to speculate (probes aside).
         self._speculating = True
         # The budget should_draft found best for its batch: what the
@@ -542,9 +550,11 @@ class TreeBudgetController:
 
     def should_draft(self, num_reqs: int, max_budget: int) -> bool:
         """At the end of a step: whether the drafter runs for the next one.
-        False while speculation would not pay, except for one probe every
-        ``probe_interval`` steps, which refreshes the acceptance estimate
-        (none where the scheduler gives no draft slots). Switching between
+        False while speculation would not pay, except for probes, which
+        refresh the acceptance estimate (none where the scheduler gives no
+        draft slots): the first ``probe_interval`` steps after the batch
+        stopped speculating, each later one twice as many steps after the one
+        before, up to ``_PROBE_BACKOFF`` times the interval. Switching between
         speculating and not takes a margin (_SWITCH_MARGIN)."""
         margin = 1.0 + _SWITCH_MARGIN
         weight = 1.0 / margin if self._speculating else margin
@@ -558,10 +568,14 @@ class TreeBudgetController:
         self._speculating = self.last_best > 0
         if self.last_best > 0:
             self._undrafted_steps = 0
+            self._probe_wait = self.probe_interval
             return True
         self._undrafted_steps += 1
-        if self._undrafted_steps >= self.probe_interval:
+        if self._undrafted_steps >= self._probe_wait:
             self._undrafted_steps = 0
+            self._probe_wait = min(
+                2 * self._probe_wait, _PROBE_BACKOFF * self.probe_interval
+            )
             return True
         return False
 
