@@ -718,4 +718,8 @@ def setup_of(args) -> dict:
         # ddtree-schedule rows mean this schedule; another one needs another --out.
         setup["schedule"] = args.schedule
     setup.update(pin_cpus_field(args))
+    if getattr(args, "budget_trace", False):
+        # Recording every decision costs the DDTree servers host time: such
+        # rows never merge with unrecorded ones.
+        setup["budget_trace"] = True
     return setup

@@ -7,6 +7,7 @@ by vLLM's own ``vllm bench serve``, one server after another or side by side
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -87,11 +88,40 @@ def start_server(args, config, max_batch, log, env) -> tuple[subprocess.Popen, s
         serve_command(args, config, max_batch, port),
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=env,
+        env=budget_trace_env(args, config, env),
         cwd=ROOT,
         start_new_session=True,
     )
     return server, f"http://127.0.0.1:{port}"
+
+
+def budget_trace_env(args, config, env: dict) -> dict:
+    """``env`` for ``config``'s server; with ``--budget-trace`` a DDTree
+    server's processes record the adaptive budget's decisions
+    (``serve_trace/sitecustomize.py``) into ``OUT/logs/budget_trace_<config>``."""
+    if not getattr(args, "budget_trace", False) or not config.startswith("ddtree"):
+        return env
+    from benchmarks.budget_recorder import TRACE_ENV
+
+    hook = str(Path(__file__).resolve().parent / "serve_trace")
+    path = [hook] + [p for p in [env.get("PYTHONPATH")] if p]
+    folder = Path(args.out) / "logs" / f"budget_trace_{config}"
+    return {**env, "PYTHONPATH": os.pathsep.join(path), TRACE_ENV: str(folder)}
+
+
+def record_slice_window(out, config, batch, temperature, j, start, end) -> None:
+    """A timed slice's wall-clock window, in ``OUT/logs/slice_windows.jsonl``:
+    what labels a server's budget records by cell."""
+    window = {
+        "config": config,
+        "batch": batch,
+        "temperature": float(temperature),
+        "slice": j,
+        "start": start,
+        "end": end,
+    }
+    with (Path(out) / "logs" / "slice_windows.jsonl").open("a") as f:
+        f.write(json.dumps(window) + "\n")
 
 
 def serve_row_labels(args, config, rid, batch, temperature) -> dict:
@@ -665,10 +695,14 @@ def _measure_interleaved_cell(
             out, cmd = plans[config][1][j]
             client = servers[config][2]
             kv[config].start()
+            start = time.time()
             try:
                 ran = client.run(cmd, deadline - time.monotonic())
             finally:
                 kv[config].stop()
+            record_slice_window(
+                args.out, config, batch, temperature, j, start, time.time()
+            )
             if not ran or not out.is_file():
                 return [], config
             result = json.loads(out.read_text())

@@ -17,9 +17,13 @@ engine was ready: where a cold start's compile time goes.
         --drafter D/drafter --phases 64:1:256 --kv-gib 6
     # the summary of a recorded trace again:
     python benchmarks/trace_budget.py --summarize OUTDIR/trace.jsonl.gz
+    # a server's decisions (bench_ddtree.py serve --budget-trace), by cell:
+    python benchmarks/trace_budget.py --summarize OUT/logs/budget_trace_CONFIG \
+        OUT/logs/slice_windows.jsonl CONFIG
 """
 
 import argparse
+import glob
 import gzip
 import json
 import os
@@ -27,6 +31,9 @@ import statistics
 import sys
 import time
 from collections import Counter, defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.budget_recorder import install as install_recorder
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -133,11 +140,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def summarize_file(path: str) -> None:
-    """The summary of a recorded ``trace.jsonl`` (or ``.jsonl.gz``)."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        summarize([json.loads(line) for line in f])
+def read_records(path: str) -> list[dict]:
+    """A recorded ``trace.jsonl`` (or ``.jsonl.gz``), or a server's folder of
+    ``budget_trace.<pid>.jsonl`` (``bench_ddtree.py serve --budget-trace``)."""
+    paths = (
+        sorted(glob.glob(os.path.join(path, "budget_trace.*.jsonl")))
+        if os.path.isdir(path)
+        else [path]
+    )
+    records = []
+    for p in paths:
+        opener = gzip.open if p.endswith(".gz") else open
+        with opener(p, "rt") as f:
+            records += [json.loads(line) for line in f]
+    return records
+
+
+def label_by_windows(records: list[dict], windows: list[dict], config: str) -> None:
+    """Each record's phase from the serve cell whose timed slice of ``config``
+    it fell in (``slice_windows.jsonl``): ``c<batch>T<temperature>``; records
+    outside every slice (warm-up requests) are ``between slices``."""
+    spans = [
+        (w["start"], w["end"], f"c{w['batch']}T{w['temperature']:g}")
+        for w in windows
+        if w["config"] == config
+    ]
+    for r in records:
+        wall = r.get("wall")
+        r["ph"] = next(
+            (name for a, b, name in spans if wall is not None and a <= wall <= b),
+            "between slices",
+        )
+
+
+def summarize_file(path: str, windows: str | None = None, config: str = "") -> None:
+    """The summary of recorded decisions, by phase; with ``windows`` (a serve
+    run's ``slice_windows.jsonl``) by the cells of ``config``."""
+    records = read_records(path)
+    if windows is not None:
+        with open(windows) as f:
+            label_by_windows(records, [json.loads(line) for line in f], config)
+    summarize(records)
 
 
 def main(argv=None):
@@ -155,64 +198,7 @@ def main(argv=None):
     records = []
     phase_name = ["warmup"]
     if config == "adaptive":
-        from vllm.v1.spec_decode import ddtree_cost as dc
-
-        C = dc.TreeBudgetController
-        orig_choose, orig_started = C.choose, C.step_started
-        orig_observe = dc.StepCostModel.observe
-
-        def choose(self, num_reqs, max_budget, has_trees, timed):
-            b = orig_choose(self, num_reqs, max_budget, has_trees, timed)
-            lad = [x for x in self.ladder if x <= max_budget]
-            records.append(
-                {
-                    "t": time.perf_counter(),
-                    "ph": phase_name[0],
-                    "n": num_reqs,
-                    "cap": max_budget,
-                    "has": has_trees,
-                    "timed": timed,
-                    "b": b,
-                    "pred": {
-                        x: self.cost.predict(num_reqs, x, x > 0) * 1e3 for x in lad
-                    },
-                    "pred0d": self.cost.predict(num_reqs, 0, True) * 1e3,
-                    "e": {x: self.expected_accepted(x) for x in lad},
-                }
-            )
-            return b
-
-        def step_started(self):
-            step = self._step
-            if records and step is not None:
-                records[-1]["drafted"] = step.drafted
-                records[-1]["period"] = (self._clock() - self._step_start) * 1e3
-            orig_started(self)
-
-        def observe(self, num_reqs, budget, drafted, seconds):
-            ok = orig_observe(self, num_reqs, budget, drafted, seconds)
-            if records:
-                records[-1]["learned"] = ok
-            return ok
-
-        orig_should_draft = C.should_draft
-
-        def should_draft(self, num_reqs, max_budget):
-            did = orig_should_draft(self, num_reqs, max_budget)
-            if records:
-                # What the draft decision weighed: every budget's cost with
-                # the drafter, and the plain step's without.
-                records[-1]["draft"] = {
-                    "did": did,
-                    "best": self.last_best,
-                    "cap": max_budget,
-                    "plain": self.cost.predict(num_reqs, 0, False) * 1e3,
-                }
-            return did
-
-        C.choose, C.step_started = choose, step_started
-        C.should_draft = should_draft
-        dc.StepCostModel.observe = observe
+        install_recorder(records, lambda: phase_name[0])
 
     spec = None
     if config in ("adaptive", "auto"):
@@ -404,7 +390,7 @@ def _prompt_steps(rs) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--summarize"] and len(sys.argv) == 3:
-        summarize_file(sys.argv[2])
+    if sys.argv[1:2] == ["--summarize"] and len(sys.argv) in (3, 5):
+        summarize_file(*sys.argv[2:])
     else:
         main()

@@ -166,6 +166,14 @@ def test_min_waves_in_setup_only_when_set(tmp_path):
     assert len(spec["requests"]["8"]) == 4 * 8
 
 
+def test_budget_trace_is_part_of_the_serve_setup(tmp_path):
+    """Recorded servers pay host time for it: their rows are set apart."""
+    base = ["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
+    assert "budget_trace" not in bdc.setup_of(bd.parse_args(base))
+    args = bd.parse_args([*base, "--budget-trace"])
+    assert args.budget_trace and bdc.setup_of(args)["budget_trace"] is True
+
+
 def test_serve_cells_are_long_enough(tmp_path, capsys):
     """Serve cells: 32 waves of the concurrency, at most --max-prompts requests,
     never fewer than --num-prompts; the cap is part of the setup."""

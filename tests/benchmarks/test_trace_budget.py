@@ -2,6 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """benchmarks/trace_budget.py's summary of recorded controller decisions."""
 
+import json
+
 import pytest
 
 from benchmarks import trace_budget as tb
@@ -144,3 +146,70 @@ def test_prompt_steps_are_split_by_trees(capsys, tmp_path):
         f.writelines(json.dumps(r) + "\n" for r in records)
     tb.summarize_file(str(path))
     assert want in capsys.readouterr().out.splitlines()
+
+
+def test_server_records_are_labelled_by_the_cells_of_their_config(tmp_path, capsys):
+    """A server's records (a folder of budget_trace.<pid>.jsonl) take the
+    phase of the timed slice of their config they fell in; the two slices of
+    one cell are one phase, and what ran between slices is set apart."""
+    folder = tmp_path / "budget_trace_ddtree"
+    folder.mkdir()
+    walls = [1.0, 10.5, 11.0, 20.5, 30.2, 40.0]
+    records = [_record("serve", 32, 3, True, 7.0) for _ in walls]
+    for r, wall in zip(records, walls):
+        r["wall"] = wall
+    with (folder / "budget_trace.123.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records[:4])
+    with (folder / "budget_trace.456.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records[4:])
+    windows = [
+        {
+            "config": "ddtree",
+            "batch": 32,
+            "temperature": 1.0,
+            "slice": 0,
+            "start": 10.0,
+            "end": 12.0,
+        },
+        {
+            "config": "none",
+            "batch": 32,
+            "temperature": 1.0,
+            "slice": 0,
+            "start": 12.0,
+            "end": 20.0,
+        },
+        {
+            "config": "ddtree",
+            "batch": 32,
+            "temperature": 1.0,
+            "slice": 1,
+            "start": 20.0,
+            "end": 21.0,
+        },
+        {
+            "config": "ddtree",
+            "batch": 64,
+            "temperature": 0.0,
+            "slice": 0,
+            "start": 30.0,
+            "end": 31.0,
+        },
+    ]
+    path = tmp_path / "slice_windows.jsonl"
+    path.write_text("".join(json.dumps(w) + "\n" for w in windows))
+    got = tb.read_records(str(folder))
+    assert [r["wall"] for r in got] == walls
+    tb.label_by_windows(got, windows, "ddtree")
+    assert [r["ph"] for r in got] == [
+        "between slices",
+        "c32T1",
+        "c32T1",
+        "c32T1",
+        "c64T0",
+        "between slices",
+    ]
+    tb.summarize_file(str(folder), str(path), "ddtree")
+    out = capsys.readouterr().out
+    assert "== c32T1: 3 steps" in out and "== c64T0: 1 steps" in out
+    assert "== between slices: 2 steps" in out
