@@ -112,10 +112,17 @@ COST_TABLES = {
 }
 
 
-def simulate(strength, steps=3000, seed=0, costs=StepCosts()):
+def simulate(strength, steps=3000, seed=0, costs=StepCosts(), switch=None):
     """Runs ``steps`` steps; returns the share of steps by budget, the share
     of steps whose drafted trees were not verified, and output tokens per ms
-    after the first 300 steps."""
+    after the first 300 steps. ``switch``: (step, strength) from which the
+    trees accept as at that strength (the traffic changed)."""
+    return _simulate(strength, steps, seed, costs, switch)[:3]
+
+
+def _simulate(strength, steps, seed, costs, switch):
+    """:func:`simulate`'s results, and the first step at or after the switch
+    that verified trees (None: none did, or no switch)."""
     rng = random.Random(seed)
     clock = _Clock()
     controller = TreeBudgetController(
@@ -127,7 +134,10 @@ def simulate(strength, steps=3000, seed=0, costs=StepCosts()):
     n, has_trees, last_ms = 49, True, 0.0
     advice, curves = [None, None], []
     budgets, discarded, tokens, ms = Counter(), 0, 0.0, 0.0
+    resumed = None
     for k in range(steps):
+        if switch is not None and k == switch[0]:
+            accept = {b: switch[1] * e for b, e in ACCEPTANCE.items()}
         n = min(54, max(44, n + rng.choice((-1, 0, 0, 1))))
         prompt = rng.random() < 0.2
         slots = 15 if advice[-2] is None else slots_for_budget(SLOT_LADDER, advice[-2])
@@ -142,6 +152,8 @@ def simulate(strength, steps=3000, seed=0, costs=StepCosts()):
             noise = rng.uniform(0.75, 1.25)
             curve = tuple(noise * accept[x] for x in LADDER)
             curves.append((k + 2, AcceptanceCurve(n, curve)))
+        if switch is not None and resumed is None and k >= switch[0] and b > 0:
+            resumed = k
         step_ms = costs.period(n, b, drafted) + (costs.prompt_ms(b) if prompt else 0.0)
         clock.now += 1e-3 * last_ms  # the period measured is the step before's
         last_ms = step_ms
@@ -153,7 +165,15 @@ def simulate(strength, steps=3000, seed=0, costs=StepCosts()):
         has_trees = drafted
     total = sum(budgets.values())
     shares = {b: round(c / total, 2) for b, c in sorted(budgets.items())}
-    return shares, round(discarded / total, 2), tokens / ms
+    return shares, round(discarded / total, 2), tokens / ms, resumed
+
+
+def switch_lag(low, high, at=1500, steps=3000, seed=0, costs=StepCosts()):
+    """After ``at`` steps at ``low`` strength (speculation does not pay), the
+    trees accept as at ``high``: steps until a step verifies trees again, and
+    tokens per ms over the run."""
+    _, _, rate, resumed = _simulate(low, steps, seed, costs, (at, high))
+    return (None if resumed is None else resumed - at), rate
 
 
 def steady_rate(strength, b, n=49, costs=StepCosts()) -> float:
@@ -177,8 +197,29 @@ def main(argv=None) -> None:
         "fitted to the real-size record's learned periods at 33-64 requests "
         "(a plain step 5.7 ms, a 3-node step with the drafter 10.2 ms)",
     )
+    p.add_argument(
+        "--switch",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        default=None,
+        help="also: LOW strength for 1500 steps, then HIGH (a batch that "
+        "stopped speculating meets traffic where it pays): the steps until "
+        "trees are verified again, per seed",
+    )
+    p.add_argument(
+        "--probe-backoff",
+        type=int,
+        default=None,
+        help="the controller's _PROBE_BACKOFF (1: a probe every 32 steps, "
+        "as before the back-off)",
+    )
     args = p.parse_args(argv)
     costs = COST_TABLES[args.costs]
+    if args.probe_backoff is not None:
+        import vllm.v1.spec_decode.ddtree_cost as dc
+
+        dc._PROBE_BACKOFF = args.probe_backoff
     print(
         f"costs {args.costs}: at 49 requests a plain step "
         f"{costs.period(49, 0, False):.2f} ms, a 3-node step with the drafter "
@@ -194,6 +235,14 @@ def main(argv=None) -> None:
             print(
                 f"  seed {seed}: budgets {shares}, drafted and not verified "
                 f"{discarded:.2f}, {rate:.2f} tokens/ms"
+            )
+    if args.switch:
+        low, high = args.switch
+        for seed in range(args.seeds):
+            lag, rate = switch_lag(low, high, seed=seed, costs=costs)
+            print(
+                f"switch {low} -> {high}, seed {seed}: trees verified again "
+                f"{lag} steps after the switch, {rate:.2f} tokens/ms over the run"
             )
 
 

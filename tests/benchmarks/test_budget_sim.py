@@ -60,3 +60,14 @@ def test_cost_table_option(capsys):
     out = capsys.readouterr().out
     assert "costs h200: at 49 requests a plain step 5.67 ms" in out
     assert "seed 0: budgets {" in out
+
+
+def test_speculation_resumes_when_the_traffic_changes():
+    """A batch that stopped speculating (3-node trees accepting 0.40 nodes a
+    request) meets traffic where trees pay (1.6): a probe finds it within the
+    probes' back-off (at most 8 x 32 steps after the last probe), and the
+    batch then verifies trees."""
+    lag, rate = budget_sim.switch_lag(0.25, 1.0, seed=0)
+    assert lag is not None and 0 <= lag <= 8 * 32
+    low = budget_sim.steady_rate(0.25, 0)
+    assert rate > 1.2 * low  # the second half ran trees
