@@ -268,12 +268,12 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
         p.add_argument(
             "--budget-trace",
             action="store_true",
-            help="a diagnostic: DDTree servers record every decision of the "
-            "adaptive budget (benchmarks/serve_trace/) into "
-            "OUT/logs/budget_trace_<config>/, and each slice's wall-clock "
-            "window goes to OUT/logs/slice_windows.jsonl; read them with "
-            "trace_budget.py --summarize TRACE WINDOWS CONFIG. The recording "
-            "costs host time on every step",
+            help="a diagnostic, with --interleave: DDTree servers record every "
+            "decision of the adaptive budget (benchmarks/serve_trace/) into "
+            "OUT/logs/budget_trace_<config>/, and each measured cell's slices' "
+            "wall-clock windows go to OUT/logs/slice_windows.jsonl; read them "
+            "with trace_budget.py --summarize TRACE WINDOWS CONFIG. The "
+            "recording costs host time on every step",
         )
         p.add_argument(
             "--request-rate",

@@ -217,6 +217,11 @@ def check_interleave(args) -> None:
     slices = interleave_of(args)
     if slices < 0:
         raise ValueError("--interleave must be >= 0 (0: one server at a time)")
+    if getattr(args, "budget_trace", False) and not slices:
+        raise ValueError(
+            "--budget-trace labels a server's decisions by the windows of the "
+            "timed slices, which --interleave runs: give --interleave"
+        )
     if not slices:
         return
     if slices < 2 or slices % 2:

@@ -688,6 +688,7 @@ def _measure_interleaved_cell(
         plans[config] = (result, slices)
     results = {c: [] for c in who}
     usages = {c: [] for c in who}
+    windows = []  # (config, slice, start, end) of each timed slice
     # KV blocks held, from each server's /metrics while its slices run.
     kv = {c: KvSampler(servers[c][1]) for c in who}
     for j in range(len(plans[who[0]][1])):
@@ -700,9 +701,7 @@ def _measure_interleaved_cell(
                 ran = client.run(cmd, deadline - time.monotonic())
             finally:
                 kv[config].stop()
-            record_slice_window(
-                args.out, config, batch, temperature, j, start, time.time()
-            )
+            windows.append((config, j, start, time.time()))
             if not ran or not out.is_file():
                 return [], config
             result = json.loads(out.read_text())
@@ -710,6 +709,10 @@ def _measure_interleaved_cell(
                 return [], config
             results[config].append(result)
             usages[config].append(client.last_usage)
+    if getattr(args, "budget_trace", False):
+        # The cell's, once all its slices ran (a failed attempt's are not).
+        for config, j, start, end in windows:
+            record_slice_window(args.out, config, batch, temperature, j, start, end)
     # Only greedy cells keep their texts (bench_command).
     same = greedy_agreement(results)
     rows = []

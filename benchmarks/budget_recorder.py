@@ -90,30 +90,41 @@ def install(records: list, phase: Callable[[], str]) -> Callable[[], None]:
 
 
 class TraceFile(list):
-    """Records appended as to a list, written to ``folder/budget_trace.<pid>.jsonl``
-    every ``every`` records (a server is stopped, not ended: at most that many
-    are lost with it) and by :meth:`flush`. Nothing is written before the first
-    record: a process that never decides (a server's front end) leaves no file."""
+    """Records appended as to a list and written to
+    ``folder/budget_trace.<pid>.jsonl``: all but the newest (whose step's
+    period is not known yet) once ``every`` have gathered or ``seconds`` have
+    passed since the last write, the rest by :meth:`flush` (at the process's
+    exit). Written records leave the list. A server stopped without its exit
+    handlers loses what was not written yet. Nothing is written before the
+    first record: a process that never decides (a server's front end) leaves
+    no file."""
 
-    def __init__(self, folder: str | os.PathLike, every: int = 256):
+    def __init__(self, folder: str | os.PathLike, every: int = 256, seconds=1.0):
         super().__init__()
-        self.path = Path(folder) / f"budget_trace.{os.getpid()}.jsonl"
+        self.folder = Path(folder)
         self.every = every
-        self._written = 0
+        self.seconds = seconds
+        self._last_write = time.monotonic()
+
+    @property
+    def path(self) -> Path:
+        # The writing process's: a forked child writes its own file.
+        return self.folder / f"budget_trace.{os.getpid()}.jsonl"
 
     def append(self, record: dict) -> None:
         super().append(record)
-        # The record before this one is complete (its step's period is known).
-        if len(self) - 1 - self._written >= self.every:
+        due = time.monotonic() - self._last_write >= self.seconds
+        if len(self) - 1 >= self.every or (due and len(self) > 1):
             self._write(len(self) - 1)
 
     def flush(self) -> None:
         self._write(len(self))
 
     def _write(self, upto: int) -> None:
-        if upto <= self._written:
+        if upto <= 0:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self[self._written : upto])
-        self._written = upto
+            f.writelines(json.dumps(r) + "\n" for r in self[:upto])
+        del self[:upto]
+        self._last_write = time.monotonic()

@@ -215,11 +215,19 @@ def main(argv=None) -> None:
         "as before the back-off)",
     )
     args = p.parse_args(argv)
-    costs = COST_TABLES[args.costs]
-    if args.probe_backoff is not None:
-        import vllm.v1.spec_decode.ddtree_cost as dc
+    import vllm.v1.spec_decode.ddtree_cost as dc
 
+    backoff = dc._PROBE_BACKOFF
+    if args.probe_backoff is not None:
         dc._PROBE_BACKOFF = args.probe_backoff
+    try:
+        _report(args)
+    finally:
+        dc._PROBE_BACKOFF = backoff
+
+
+def _report(args) -> None:
+    costs = COST_TABLES[args.costs]
     print(
         f"costs {args.costs}: at 49 requests a plain step "
         f"{costs.period(49, 0, False):.2f} ms, a 3-node step with the drafter "

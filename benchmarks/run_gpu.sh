@@ -209,7 +209,7 @@ tests/v1/test_sm90_compile.py"
       --num-prompts "${NUM_PROMPTS:-16}" --min-waves "${MIN_WAVES:-4}" \
       --max-prompts "${MAX_PROMPTS:-256}" \
       --engine-arg kv_cache_memory_bytes=$(( ${KV_GIB:-6} << 30 )) \
-      ${BUDGET_TRACE:+--budget-trace} \
+      $([ "${BUDGET_TRACE:-0}" != 0 ] && echo --budget-trace) \
       ${RESUME:+--resume-from "$RESUME"} --limit-seconds $((LIMIT - 30)) 2>&1 \
       | tee -a "$OUT/${OUT_NAME:-serve_8b}.log" | grep -v -i warn | tail -40
     exit "${PIPESTATUS[0]}" ;;

@@ -153,6 +153,11 @@ def read_records(path: str) -> list[dict]:
         opener = gzip.open if p.endswith(".gz") else open
         with opener(p, "rt") as f:
             records += [json.loads(line) for line in f]
+    if len(paths) > 1:
+        # Engine cores one after another (a server restarted into the same
+        # folder), in time order. With tensor parallelism every rank decides
+        # and writes its own file: summarize one of them.
+        records.sort(key=lambda r: r.get("wall", 0.0))
     return records
 
 
@@ -358,10 +363,16 @@ def _estimate_updates(rs) -> str:
         for i in range(1, len(rs))
         if rs[i].get("drafted") and rs[i - 1].get("drafted")
     ]
-    same = sum(1 for i in follow if rs[i]["e"] == rs[i - 1]["e"])
+
+    def unchanged(i):
+        # On the budgets both decisions weighed (each stops at its cap).
+        a, b = rs[i]["e"], rs[i - 1]["e"]
+        return all(a[k] == b[k] for k in a.keys() & b.keys())
+
+    same = sum(1 for i in follow if unchanged(i))
     run = longest = 0
     for i in range(1, len(rs)):
-        run = run + 1 if rs[i]["e"] == rs[i - 1]["e"] else 0
+        run = run + 1 if unchanged(i) else 0
         longest = max(longest, run)
     return (
         f"   estimate unchanged from the decision before: {same} of {len(follow)} "

@@ -5,14 +5,17 @@
 With this folder first on ``PYTHONPATH`` and ``DDTREE_BUDGET_TRACE`` naming a
 folder, every Python process started so (``vllm serve`` and the engine core it
 spawns) wraps ``TreeBudgetController`` once ``vllm.v1.spec_decode.ddtree_cost``
-is imported (``benchmarks/budget_recorder.py``); the engine core, the one
-process that decides, writes ``budget_trace.<pid>.jsonl`` there. Without the
-variable nothing happens. A ``sitecustomize`` further along ``sys.path`` (the
-environment's own) still runs. ``bench_ddtree.py serve --budget-trace`` sets
-both for its DDTree servers; ``trace_budget.py --summarize`` reads the records.
+is imported (``benchmarks/budget_recorder.py``); the process that decides (the
+engine core) writes ``budget_trace.<pid>.jsonl`` there. Without the variable
+nothing happens. A ``sitecustomize`` further along ``sys.path`` (the
+environment's own) still runs. Should the recorder fail to install, the server
+runs unrecorded and says so on stderr. With tensor parallelism every rank
+decides, and each writes its own file. ``bench_ddtree.py serve --budget-trace``
+sets both for its DDTree servers; ``trace_budget.py --summarize`` reads them.
 """
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -36,7 +39,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_and_record(module):
             exec_module(module)
-            _install()
+            try:
+                _install()
+            except Exception as e:  # noqa: BLE001 - a diagnostic never stops a server
+                print(f"budget trace: not recording ({e!r})", file=sys.stderr)
 
         loader.exec_module = exec_and_record
         return spec
@@ -56,18 +62,12 @@ def _install() -> None:
 
 
 def _chain() -> None:
-    """Run the next ``sitecustomize`` on ``sys.path``, which this one hides."""
-    for entry in sys.path:
-        if os.path.realpath(entry or ".") == _HERE:
-            continue
-        candidate = os.path.join(entry or ".", "sitecustomize.py")
-        if os.path.isfile(candidate):
-            spec = importlib.util.spec_from_file_location(
-                "_next_sitecustomize", candidate
-            )
-            if spec is not None and spec.loader is not None:
-                spec.loader.exec_module(importlib.util.module_from_spec(spec))
-            return
+    """Run the ``sitecustomize`` further along ``sys.path``, which this one
+    hides (a module, a package or bytecode alike)."""
+    path = [p for p in sys.path if os.path.realpath(p or ".") != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 if os.environ.get("DDTREE_BUDGET_TRACE"):

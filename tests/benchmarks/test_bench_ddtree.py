@@ -166,12 +166,17 @@ def test_min_waves_in_setup_only_when_set(tmp_path):
     assert len(spec["requests"]["8"]) == 4 * 8
 
 
-def test_budget_trace_is_part_of_the_serve_setup(tmp_path):
+def test_budget_trace_is_part_of_the_serve_setup(tmp_path, capsys):
     """Recorded servers pay host time for it: their rows are set apart."""
     base = ["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
+    base += ["--configs", "none,ddtree-auto-adaptive"]
     assert "budget_trace" not in bdc.setup_of(bd.parse_args(base))
-    args = bd.parse_args([*base, "--budget-trace"])
+    args = bd.parse_args([*base, "--budget-trace", "--interleave", "2"])
     assert args.budget_trace and bdc.setup_of(args)["budget_trace"] is True
+    # Its records are labelled by the interleaved slices' windows.
+    with pytest.raises(SystemExit):
+        bd.parse_args([*base, "--budget-trace"])
+    assert "--budget-trace labels" in capsys.readouterr().err
 
 
 def test_serve_cells_are_long_enough(tmp_path, capsys):

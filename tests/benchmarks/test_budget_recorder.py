@@ -23,7 +23,7 @@ def _decide(controller, steps: int) -> None:
     for _ in range(steps):
         controller.step_started()
         controller.choose(8, 15, has_trees=True, timed=True)
-        controller.should_draft(8, 15)
+        controller.drafted(controller.should_draft(8, 15))
 
 
 def _controller():
@@ -48,9 +48,11 @@ def test_install_records_each_decision_and_uninstall_restores():
     first = records[0]
     assert first["ph"] == "c8T0" and first["n"] == 8 and first["cap"] == 15
     assert set(first["pred"]) == set(first["e"]) == {0, 1, 3, 7, 15}
-    assert first["draft"]["cap"] == 15 and first["draft"]["did"] in (True, False)
-    # A record's period and drafted flag arrive when the next step starts.
+    assert first["draft"]["cap"] == 15
+    # A record's period and drafted flag arrive when the next step starts;
+    # the flag is what the record's own draft decision chose.
     assert all("period" in r and "drafted" in r for r in records[:-1])
+    assert all(r["drafted"] == r["draft"]["did"] for r in records[:-1])
     assert "period" not in records[-1]
     assert records[0]["wall"] <= records[-1]["wall"]
     after = (
@@ -65,18 +67,34 @@ def test_install_records_each_decision_and_uninstall_restores():
 
 
 def test_trace_file_writes_complete_records_in_batches(tmp_path):
-    trace = br.TraceFile(tmp_path / "t", every=3)
-    assert not trace.path.parent.exists()  # nothing written before a record
+    trace = br.TraceFile(tmp_path / "t", every=3, seconds=3600.0)
+    assert not trace.folder.exists()  # nothing written before a record
     for i in range(5):
         trace.append({"i": i})
-    # After 4 records the first 3 were complete: written; the 4th and 5th wait.
+    # After 4 records the first 3 were complete: written, and out of the list;
+    # the 4th and 5th wait.
     lines = trace.path.read_text().splitlines()
     assert [json.loads(x)["i"] for x in lines] == [0, 1, 2]
+    assert [r["i"] for r in trace] == [3, 4]
     trace.flush()
     trace.flush()  # nothing twice
     lines = trace.path.read_text().splitlines()
     assert [json.loads(x)["i"] for x in lines] == [0, 1, 2, 3, 4]
     assert trace.path.name == f"budget_trace.{os.getpid()}.jsonl"
+    assert not trace
+
+
+def test_trace_file_writes_after_its_interval(tmp_path):
+    """A slow trickle of records still reaches the file: all but the newest
+    once the interval has passed."""
+    trace = br.TraceFile(tmp_path / "t", every=1000, seconds=0.0)
+    trace.append({"i": 0})
+    assert not trace.path.exists()  # the newest waits for its period
+    trace.append({"i": 1})
+    trace.append({"i": 2})
+    lines = trace.path.read_text().splitlines()
+    assert [json.loads(x)["i"] for x in lines] == [0, 1]
+    assert [r["i"] for r in trace] == [2]
 
 
 SERVER_SCRIPT = textwrap.dedent(

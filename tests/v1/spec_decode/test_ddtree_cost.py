@@ -144,7 +144,7 @@ def test_no_trees_no_speculation_and_the_drafter_probes():
     controller.set_curve(AcceptanceCurve(1, (0.0, 0.5, 1.0, 1.5, 2.0)))
     assert controller.best_budget(1, 15) == 0
     assert controller.choose(1, 15, has_trees=True, timed=True) == 0
-    # A probe after 5 undrafted steps; while probes find that speculation
+    # The 5th step without speculation probes; while probes find that it
     # does not pay, each waits twice as long, up to 8 x 5 steps.
     drafted = [controller.should_draft(1, 15) for _ in range(160)]
     assert [i for i, d in enumerate(drafted) if d] == [4, 14, 34, 74, 114, 154]
@@ -380,6 +380,37 @@ def test_log_reports_budgets_and_calibration():
         "steps took 0.00 ms (plain) and 0.00 ms (trees) more than those periods "
         "(prompt chunks)"
     )
+
+
+def test_probes_start_over_after_an_idle_gap():
+    """Once probes have backed off, an idle engine's next traffic is probed
+    at the first interval again, unless periods are not learned (tensor
+    parallelism: no rank's clock may steer a choice)."""
+    for learn in (True, False):
+        clock = FakeClock()
+        controller = TreeBudgetController(
+            budget_ladder(15),
+            15,
+            StepCostModel({1: 1.0}, {1: 10.0}),
+            probe_interval=5,
+            clock=clock,
+            learn=learn,
+        )
+        controller.set_curve(AcceptanceCurve(1, (0.0, 0.5, 1.0, 1.5, 2.0)))
+
+        def steps(count, gap=0.01):
+            drafted = []
+            for _ in range(count):
+                clock.now += gap
+                controller.step_started()
+                drafted.append(controller.should_draft(1, 15))
+            return [i for i, d in enumerate(drafted) if d]
+
+        assert steps(40) == [4, 14, 34]  # backed off to 40 steps
+        clock.now += 5.0  # idle
+        # 5 + 1 steps since the last probe: with learning a probe at once,
+        # then 10 steps later; without, none before 40 steps since the last.
+        assert steps(12) == ([0, 10] if learn else [])
 
 
 def test_no_probe_where_the_scheduler_gives_no_slots():

@@ -329,8 +329,9 @@ TOP_CASES_GPU = (
         ((4, 15, 151936), k, None, spill, "crowded", path)
         for k in (15, 31, 127)
         for spill, path in [
-            # 4 * 127 crowded candidates are more than the widest sort takes
-            # (top_sort_max): the radix select keeps the best first.
+            # A crowded row's 4 * k best tokens are its candidates here; at
+            # k = 127 they are more than the widest sort takes (top_sort_max):
+            # the radix select keeps the best first.
             (
                 None,
                 "spill"

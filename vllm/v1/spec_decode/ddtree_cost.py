@@ -554,7 +554,8 @@ class TreeBudgetController:
         refresh the acceptance estimate (none where the scheduler gives no
         draft slots): the first ``probe_interval`` steps after the batch
         stopped speculating, each later one twice as many steps after the one
-        before, up to ``_PROBE_BACKOFF`` times the interval. Switching between
+        before, up to ``_PROBE_BACKOFF`` times the interval (back to the
+        interval after an idle gap). Switching between
         speculating and not takes a margin (_SWITCH_MARGIN)."""
         margin = 1.0 + _SWITCH_MARGIN
         weight = 1.0 / margin if self._speculating else margin
@@ -620,6 +621,10 @@ class TreeBudgetController:
         self._last_kind = kind
         if step is not None:
             self.cost.tick()
+        if self.learn and seconds > _IDLE_SECONDS:
+            # New traffic after an idle engine: probes start over (not with
+            # tensor parallelism, where no rank's clock may steer a choice).
+            self._probe_wait = self.probe_interval
         self._last_shape = shape
         self._step = None
         self._step_start = now
