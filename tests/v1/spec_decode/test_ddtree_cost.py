@@ -413,6 +413,26 @@ def test_probes_start_over_after_an_idle_gap():
         assert steps(12) == ([0, 10] if learn else [])
 
 
+@pytest.mark.parametrize("speculating", [False, True])
+def test_a_probes_trees_skip_a_step_with_a_prompt(speculating):
+    """A probe's trees are verified on a pure decode step where that pays for
+    the target's extra work (their drafter is paid), but not on a step that
+    carries a prompt chunk, which next to trees costs several times what it
+    costs next to plain decodes (a plain batch's prompt time does not include
+    that). A speculating batch weighs its prompt steps' trees as before."""
+    # 3-node trees cost the target 0.5 ms over a 5 ms plain step and accept
+    # one node a request; the drafter costs 10 ms (speculating does not pay)
+    # or 0.1 ms (it does).
+    drafter = 0.1e-3 if speculating else 10e-3
+    cost = StepCostModel({8: 5e-3, 16: 5.2e-3, 32: 5.5e-3}, {8: drafter})
+    controller = TreeBudgetController(budget_ladder(3), 3, cost)
+    controller.set_curve(AcceptanceCurve(8, (0.0, 0.5, 1.0)))
+    assert controller.should_draft(8, 3) is speculating  # False: a probe's
+    assert controller.choose(8, 3, has_trees=True, timed=True) == 3
+    got = controller.choose(8, 3, has_trees=True, timed=False)
+    assert got == (3 if speculating else 0)
+
+
 def test_no_probe_where_the_scheduler_gives_no_slots():
     controller = TreeBudgetController(
         budget_ladder(15), 15, StepCostModel({1: 1.0}, {1: 10.0}), probe_interval=2

@@ -536,8 +536,15 @@ class TreeBudgetController:
         ``timed``: a pure decode step, whose period may teach the cost model.
         The trees' drafter is paid: verifying them pays unless the target's
         extra work outweighs what they are expected to accept (a tree thrown
-        away here wasted the drafter's forward)."""
-        b = self.best_budget(num_reqs, max_budget, drafted=True) if has_trees else 0
+        away here wasted the drafter's forward). A probe's trees are not
+        verified on a step that carries a prompt chunk."""
+        # A probe's trees (the batch is not speculating) ride on a step that
+        # carries a prompt chunk unverified: next to trees a prompt chunk costs
+        # several times what it costs next to plain decodes, which a plain
+        # batch's prompt time does not include, and the estimate the probe is
+        # for came with its drafting.
+        verify = has_trees and (timed or self._speculating)
+        b = self.best_budget(num_reqs, max_budget, drafted=True) if verify else 0
         self._step = _Step(num_reqs, b, timed)
         log = self._log
         log.steps += 1
