@@ -581,7 +581,9 @@ def test_prompt_time_is_learned_apart_for_tree_steps(tree_prompt_ms):
     prompt time); taking 20 ms (1.7 per 15.7 ms), plain steps serve more and
     the batch settles on them, retrying trees only when their estimate goes
     stale. With one prompt time for both kinds (the rule before), the batch
-    would keep the trees: 1 per 9.7 ms against 1.7 per 13.7 ms."""
+    would keep the trees: 1 per 9.7 ms against 1.7 per 13.7 ms. What a
+    prompt step takes beyond a decode step is learned per kind too (6 ms
+    plain, tree_prompt_ms with trees)."""
     import random
 
     rng = random.Random(0)
@@ -606,12 +608,67 @@ def test_prompt_time_is_learned_apart_for_tree_steps(tree_prompt_ms):
     )
     # Each kind's own: a third of 6 ms next to plain steps.
     assert plain == pytest.approx(2e-3, rel=0.3)
+    assert controller.prompt_step_seconds(False) == pytest.approx(6e-3, rel=0.2)
+    step_trees = controller.prompt_step_seconds(True)
+    assert step_trees == pytest.approx(1e-3 * tree_prompt_ms, rel=0.2)
     if tree_prompt_ms == 6.0:
         assert trees == pytest.approx(2e-3, rel=0.3)
         assert late.count(3) >= 0.9 * len(late)
     else:
-        assert trees > 2 * plain
         assert late.count(0) >= 0.9 * len(late)
+
+
+@pytest.mark.parametrize("weighed", [True, False])
+def test_a_step_with_a_prompt_is_weighed_on_its_own(monkeypatch, weighed):
+    """Trees that pay on decode steps (plain 5 ms, a 3-node tree with the
+    drafter 9 ms, 1.5 nodes accepted: 2.5 per 9 ms against 1 per 5 ms) but
+    not next to a prompt chunk, which costs 6 ms next to plain decodes and
+    40 ms next to trees (a third of the steps, at random). A speculating
+    batch verifies its trees on decode steps and leaves them on the prompt
+    steps, which then take 6 ms more instead of 40: 6 tokens per 31 ms over
+    three steps (0.19 per ms) against plain steps' 3 per 21 ms (0.14). With
+    every prompt step weighed as a decode step (the rule before), trees
+    next to prompts make speculating lose (7.5 per 67 ms), and the batch
+    settles on plain steps."""
+    import random
+
+    if not weighed:
+        monkeypatch.setattr(
+            TreeBudgetController, "prompt_step_budget", lambda self, n, b: None
+        )
+    rng = random.Random(0)
+    controller, clock, _ = _prompt_controller()
+    curve = AcceptanceCurve(8, (0.0, 0.7, 1.5))
+    controller.set_curve(curve)
+    prompts = [rng.random() < 1 / 3 for _ in range(3000)]
+    taken = []
+
+    def seconds(b, drafted, prompt):
+        taken.append(
+            _decode_seconds(b, drafted) + (1e-3 * (40 if b else 6) if prompt else 0)
+        )
+        return taken[-1]
+
+    budgets = _run_with_prompts(
+        controller, clock, curve, 3000, lambda k: prompts[k], seconds
+    )
+    late = list(zip(budgets, prompts, taken))[1000:]
+    decode = [b for b, p, _ in late if not p]
+    prompt = [b for b, p, _ in late if p]
+    tokens = sum(1 + (1.5 if b == 3 else 0.7 if b == 1 else 0.0) for b, _, _ in late)
+    rate = tokens / (1e3 * sum(t for _, _, t in late))
+    print(
+        f"weighed={weighed}: trees on {decode.count(3)} of {len(decode)} decode "
+        f"steps and {prompt.count(3)} of {len(prompt)} prompt steps, "
+        f"{rate:.3f} tokens per ms"
+    )
+    if weighed:
+        assert decode.count(3) >= 0.9 * len(decode)
+        assert prompt.count(0) >= 0.9 * len(prompt)
+        assert rate > 0.18
+    else:
+        assert decode.count(0) >= 0.9 * len(decode)
+        assert rate < 0.15
 
 
 @pytest.mark.parametrize("stale", [True, False])

@@ -113,6 +113,13 @@ _EXTRA_WEIGHT = 1 / 64
 # A step period this many times its shape's estimate is an idle gap, not a
 # prompt chunk's time (those reached 5.7x at real size, with trees).
 _EXTRA_OUTLIER = 8.0
+# A step that carries a prompt chunk is weighed on its own (choose): next to
+# trees the chunk costs several times what it costs next to plain decodes
+# (at real size, one H100, 32-64 requests: a median 34-88 ms for such steps
+# with trees against 16-37 ms without), so a speculating batch may verify no
+# trees there. What one such step takes beyond its shape's estimate is
+# averaged per kind with this weight a step: about the last sixteen.
+_PROMPT_STEP_WEIGHT = 1 / 16
 
 
 def budget_ladder(cap: int) -> tuple[int, ...]:
@@ -363,6 +370,9 @@ class _Step:
     budget: int
     timed: bool  # a pure decode step: its period may teach the cost model
     drafted: bool | None = None
+    # A step of a speculating batch (trees verified, or left for a prompt
+    # chunk): the kind its period's prompt time is averaged with.
+    trees: bool = False
 
     def shape(self) -> tuple[int, int, bool] | None:
         """What the cost model keys a timed step's period by (None: untimed)."""
@@ -396,6 +406,25 @@ class _PromptTime:
     def stale(self, other: "_PromptTime", now: int) -> bool:
         """Not renewed for _STALE_STEPS steps while ``other`` was."""
         return now - self.last > _STALE_STEPS and now - other.last <= _STALE_STEPS
+
+
+class _PromptStepTime:
+    """A running average (weight _PROMPT_STEP_WEIGHT a sample) of the seconds
+    a step that carried a prompt chunk took beyond its shape's estimate; None
+    until one was seen."""
+
+    def __init__(self) -> None:
+        self._sum = 0.0
+        self._weight = 0.0
+
+    @property
+    def seconds(self) -> float | None:
+        return self._sum / self._weight if self._weight else None
+
+    def observe(self, seconds: float) -> None:
+        keep = 1.0 - _PROMPT_STEP_WEIGHT
+        self._sum = keep * self._sum + _PROMPT_STEP_WEIGHT * seconds
+        self._weight = keep * self._weight + _PROMPT_STEP_WEIGHT
 
 
 class TreeBudgetController:
@@ -451,8 +480,16 @@ class TreeBudgetController:
         # Seconds per step beyond the step shapes' estimates (the prompt
         # chunks' time), for plain steps [False] and tree steps [True].
         self._prompt_time = {False: _PromptTime(), True: _PromptTime()}
-        # Whether the last step verified trees.
+        # What one step carrying a prompt chunk took beyond its shape's
+        # estimate, plain [False] and verifying trees [True].
+        self._prompt_step = {False: _PromptStepTime(), True: _PromptStepTime()}
+        # Share of a speculating batch's steps whose trees were left for a
+        # prompt chunk (they serve one token a request): a running average.
+        self._left_share = 0.0
+        # Whether the last step was a speculating batch's.
         self._last_kind = False
+        # The step before ``_step`` (its work shows in ``_step``'s period).
+        self._prev_step: _Step | None = None
 
     # -- acceptance -----------------------------------------------------------
 
@@ -504,20 +541,62 @@ class TreeBudgetController:
         every tree step's cost (at most its start-up time, so that a tree step
         is charged at least its own verification). Otherwise a tree step costs
         its drafter too: the steady choice between speculating and not."""
+        return self._best(num_reqs, max_budget, drafted, plain_weight)[0]
+
+    def _best(
+        self, num_reqs: int, max_budget: int, drafted: bool, plain_weight: float
+    ) -> tuple[int, float]:
+        """best_budget's choice and its rate (tokens per request per second).
+        Steady (not ``drafted``), a speculating batch's steps whose trees were
+        left for a prompt chunk serve one token a request."""
         # A stale plain estimate is retaken by not drafting (should_draft),
         # never by throwing away trees already drafted.
         plain = self.cost.predict(num_reqs, 0, False, stale_ok=drafted)
         paid = self.cost.drafter_prior(num_reqs) if drafted else 0.0
         extra = max(self.prompt_seconds(trees=True), 0.0)
+        kept = 1.0 if drafted else 1.0 - self._left_share
         best = 0
         best_rate = plain_weight / (plain + max(self.prompt_seconds(trees=False), 0.0))
         for b in self.ladder[1:]:
             if b > max_budget:
                 break
             seconds = max(plain, self.cost.predict(num_reqs, b, True) - paid)
-            rate = (1.0 + self.expected_accepted(b)) / (seconds + extra)
+            rate = (1.0 + kept * self.expected_accepted(b)) / (seconds + extra)
             if rate > best_rate:
                 best, best_rate = b, rate
+        return best, best_rate
+
+    def prompt_step_seconds(self, trees: bool) -> float | None:
+        """What one step carrying a prompt chunk took beyond its shape's
+        estimate, verifying trees or plain (None: not yet timed)."""
+        return self._prompt_step[trees].seconds
+
+    def prompt_step_budget(self, num_reqs: int, budget: int) -> int | None:
+        """At most ``budget``: what a step that carries a prompt chunk
+        verifies of trees already drafted, or None before such a step with
+        trees was timed.
+
+        A step is weighed by what it takes from the others: the nodes a
+        budget is expected to accept against what its extra time (the
+        target's over a plain step's, and the prompt chunk's next to trees
+        over next to plain decodes) would serve at the batch's steady rate."""
+        tree_extra = self._prompt_step[True].seconds
+        if tree_extra is None:
+            return None
+        # Plain ones not yet timed are charged nothing.
+        plain_extra = self._prompt_step[False].seconds or 0.0
+        _, rate = self._best(num_reqs, budget, drafted=False, plain_weight=1.0)
+        plain = self.cost.predict(num_reqs, 0, False, stale_ok=True)
+        paid = self.cost.drafter_prior(num_reqs)
+        best, best_gain = 0, 0.0
+        for b in self.ladder[1:]:
+            if b > budget:
+                break
+            seconds = max(plain, self.cost.predict(num_reqs, b, True) - paid)
+            more = seconds - plain + max(tree_extra - plain_extra, 0.0)
+            gain = self.expected_accepted(b) - rate * more
+            if gain > best_gain:
+                best, best_gain = b, gain
         return best
 
     def prompt_seconds(self, trees: bool) -> float:
@@ -536,8 +615,9 @@ class TreeBudgetController:
         ``timed``: a pure decode step, whose period may teach the cost model.
         The trees' drafter is paid: verifying them pays unless the target's
         extra work outweighs what they are expected to accept (a tree thrown
-        away here wasted the drafter's forward). A probe's trees are not
-        verified on a step that carries a prompt chunk."""
+        away here wasted the drafter's forward). On a step that carries a
+        prompt chunk a probe's trees are not verified, and a speculating
+        batch's as :meth:`prompt_step_budget` weighs them."""
         # A probe's trees (the batch is not speculating) ride on a step that
         # carries a prompt chunk unverified: next to trees a prompt chunk costs
         # several times what it costs next to plain decodes, which a plain
@@ -545,7 +625,15 @@ class TreeBudgetController:
         # for came with its drafting.
         verify = has_trees and (timed or self._speculating)
         b = self.best_budget(num_reqs, max_budget, drafted=True) if verify else 0
-        self._step = _Step(num_reqs, b, timed)
+        left = False
+        if b and not timed:
+            weighed = self.prompt_step_budget(num_reqs, b)
+            if weighed is not None:
+                b, left = weighed, weighed == 0
+        if verify and self._speculating:
+            keep = 1.0 - _EXTRA_WEIGHT
+            self._left_share = keep * self._left_share + _EXTRA_WEIGHT * left
+        self._step = _Step(num_reqs, b, timed, trees=b > 0 or left)
         log = self._log
         log.steps += 1
         log.reqs += num_reqs
@@ -616,7 +704,7 @@ class TreeBudgetController:
             and (not plain or self._plain_run > _PLAIN_SETTLE_STEPS)
         ):
             self.cost.observe(step.num_reqs, step.budget, step.drafted, seconds)
-        kind = step is not None and step.budget > 0
+        kind = step is not None and step.trees
         if (
             self.learn
             and step is not None
@@ -625,6 +713,10 @@ class TreeBudgetController:
         ):
             # Between steps of one kind only: the period mixes two steps' work.
             self._observe_extra(step, kind, seconds)
+        prev = self._prev_step
+        if self.learn and step is not None and prev is not None and not prev.timed:
+            self._observe_prompt_step(prev, seconds)
+        self._prev_step = step
         self._last_kind = kind
         if step is not None:
             self.cost.tick()
@@ -636,6 +728,18 @@ class TreeBudgetController:
         self._step = None
         self._step_start = now
         self._maybe_log(now)
+
+    def _observe_prompt_step(self, step: _Step, seconds: float) -> None:
+        """What ``step``, which carried a prompt chunk, took beyond its
+        shape's estimate as a pure decode step: with async scheduling its
+        work shows in the period of the step after it, ``seconds``. Idle gaps
+        and periods past _EXTRA_OUTLIER times the estimate are left out."""
+        if step.drafted is None or seconds > _IDLE_SECONDS:
+            return
+        expected = self.cost.predict(step.num_reqs, step.budget, step.drafted)
+        if seconds > _EXTRA_OUTLIER * expected:
+            return
+        self._prompt_step[step.budget > 0].observe(seconds - expected)
 
     def _observe_extra(self, step: _Step, trees: bool, seconds: float) -> None:
         """Running average, per kind of step (trees verified or not), of how
