@@ -671,6 +671,40 @@ def test_a_step_with_a_prompt_is_weighed_on_its_own(monkeypatch, weighed):
         assert rate < 0.15
 
 
+def test_a_prompt_steps_cost_with_trees_is_retaken():
+    """Once a speculating batch leaves its trees on prompt steps nothing
+    renews what such a step costs with trees: the estimate goes stale and is
+    retaken, so when prompt chunks become cheap next to trees (40 ms, then 6
+    ms as next to plain decodes) the batch verifies trees there again."""
+    import random
+
+    rng = random.Random(1)
+    controller, clock, _ = _prompt_controller()
+    curve = AcceptanceCurve(8, (0.0, 0.7, 1.5))
+    controller.set_curve(curve)
+    prompts = [rng.random() < 1 / 3 for _ in range(4000)]
+    count = [0]
+
+    def seconds(b, drafted, prompt):
+        count[0] += 1
+        tree_ms = 40 if count[0] <= 1500 else 6
+        return _decode_seconds(b, drafted) + (
+            1e-3 * (tree_ms if b else 6) if prompt else 0
+        )
+
+    budgets = _run_with_prompts(
+        controller, clock, curve, 4000, lambda k: prompts[k], seconds
+    )
+    before = [b for b, p in zip(budgets[500:1500], prompts[500:1500]) if p]
+    after = [b for b, p in zip(budgets[3000:], prompts[3000:]) if p]
+    print(
+        f"trees on {before.count(3)} of {len(before)} prompt steps, then "
+        f"{after.count(3)} of {len(after)}"
+    )
+    assert before.count(0) >= 0.9 * len(before)
+    assert after.count(3) >= 0.9 * len(after)
+
+
 @pytest.mark.parametrize("stale", [True, False])
 def test_a_plain_estimate_taken_too_high_is_retaken(monkeypatch, stale):
     """After a run of trees, plain steps still carry the trees' work for a

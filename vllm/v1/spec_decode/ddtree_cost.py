@@ -114,11 +114,10 @@ _EXTRA_WEIGHT = 1 / 64
 # prompt chunk's time (those reached 5.7x at real size, with trees).
 _EXTRA_OUTLIER = 8.0
 # A step that carries a prompt chunk is weighed on its own (choose): next to
-# trees the chunk costs several times what it costs next to plain decodes
-# (at real size, one H100, 32-64 requests: a median 34-88 ms for such steps
-# with trees against 16-37 ms without), so a speculating batch may verify no
-# trees there. What one such step takes beyond its shape's estimate is
-# averaged per kind with this weight a step: about the last sixteen.
+# trees the chunk costs several times what it costs next to plain decodes, so
+# a speculating batch may verify no trees there. What one such step takes
+# beyond its shape's estimate is averaged per kind with this weight a step:
+# about the last sixteen.
 _PROMPT_STEP_WEIGHT = 1 / 16
 
 
@@ -370,8 +369,8 @@ class _Step:
     budget: int
     timed: bool  # a pure decode step: its period may teach the cost model
     drafted: bool | None = None
-    # A step of a speculating batch (trees verified, or left for a prompt
-    # chunk): the kind its period's prompt time is averaged with.
+    # Trees verified (a probe's too), or a speculating batch's left for a
+    # prompt chunk: the kind its period's prompt time is averaged with.
     trees: bool = False
 
     def shape(self) -> tuple[int, int, bool] | None:
@@ -416,12 +415,15 @@ class _PromptStepTime:
     def __init__(self) -> None:
         self._sum = 0.0
         self._weight = 0.0
+        # The cost model's step count at the last observation.
+        self.last = 0
 
     @property
     def seconds(self) -> float | None:
         return self._sum / self._weight if self._weight else None
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, now: int) -> None:
+        self.last = now
         keep = 1.0 - _PROMPT_STEP_WEIGHT
         self._sum = keep * self._sum + _PROMPT_STEP_WEIGHT * seconds
         self._weight = keep * self._weight + _PROMPT_STEP_WEIGHT
@@ -580,10 +582,14 @@ class TreeBudgetController:
         budget is expected to accept against what its extra time (the
         target's over a plain step's, and the prompt chunk's next to trees
         over next to plain decodes) would serve at the batch's steady rate."""
+        if self.cost.steps - self._prompt_step[True].last > _STALE_STEPS:
+            # Once prompt steps leave their trees nothing renews what such a
+            # step costs with them: learned afresh, as a stale plain shape.
+            self._prompt_step[True] = _PromptStepTime()
         tree_extra = self._prompt_step[True].seconds
         if tree_extra is None:
             return None
-        # Plain ones not yet timed are charged nothing.
+        # Until a plain one was timed, the trees are charged all of theirs.
         plain_extra = self._prompt_step[False].seconds or 0.0
         _, rate = self._best(num_reqs, budget, drafted=False, plain_weight=1.0)
         plain = self.cost.predict(num_reqs, 0, False, stale_ok=True)
@@ -736,10 +742,17 @@ class TreeBudgetController:
         and periods past _EXTRA_OUTLIER times the estimate are left out."""
         if step.drafted is None or seconds > _IDLE_SECONDS:
             return
-        expected = self.cost.predict(step.num_reqs, step.budget, step.drafted)
+        n, b, drafted = step.num_reqs, step.budget, step.drafted
+        if b == 0 and drafted and not self.cost.estimated(n, 0, True):
+            # Trees left for the chunk (a shape no pure decode step has): a
+            # plain step and the drafter, not the start-up prior of the shape.
+            expected = self.cost.predict(n, 0, False, stale_ok=True)
+            expected += self.cost.drafter_prior(n)
+        else:
+            expected = self.cost.predict(n, b, drafted)
         if seconds > _EXTRA_OUTLIER * expected:
             return
-        self._prompt_step[step.budget > 0].observe(seconds - expected)
+        self._prompt_step[b > 0].observe(seconds - expected, self.cost.steps)
 
     def _observe_extra(self, step: _Step, trees: bool, seconds: float) -> None:
         """Running average, per kind of step (trees verified or not), of how
