@@ -378,7 +378,28 @@ def test_log_reports_budgets_and_calibration():
     assert "step periods learned for batches of up to 2: none yet" in text
     assert text.endswith(
         "steps took 0.00 ms (plain) and 0.00 ms (trees) more than those periods "
-        "(prompt chunks)"
+        "(prompt chunks), a step with a prompt chunk none yet (plain) and none "
+        "yet (trees) more"
+    )
+    # Once a step with a prompt chunk was timed (its work shows in the
+    # period of the step after it): what it took beyond its shape.
+    for timed in (False, True, True):
+        assert controller.choose(2, 7, True, timed=timed) == 0  # trees lose
+        controller.drafted(True)
+        clock.now += 0.005
+        controller.step_started()
+    controller.choose(2, 7, True, timed=True)
+    controller.drafted(True)
+    clock.now += 2.0
+    with log_records("vllm.v1.spec_decode.ddtree_cost") as records:
+        controller.step_started()
+    text = "\n".join(r.getMessage() for r in records)
+    plain = controller.prompt_step_seconds(False)
+    assert plain is not None and plain > 0.0
+    assert controller.prompt_step_seconds(True) is None
+    assert text.endswith(
+        f"a step with a prompt chunk {1e3 * plain:.2f} ms (plain) and none yet "
+        "(trees) more"
     )
 
 

@@ -320,6 +320,11 @@ class StepCostModel:
         return 0 if shape is None else shape.periods.n
 
 
+def _ms_or_none(seconds: float | None) -> str:
+    """``seconds`` for the log: ``1.23 ms``, or ``none yet``."""
+    return "none yet" if seconds is None else f"{1e3 * seconds:.2f} ms"
+
+
 def _interpolate(points: Sequence[tuple[int, float]], x: int) -> float:
     """Piecewise-linear through ``points`` (sorted by x): flat below the first,
     the last segment extended past the last (one point: proportional to x)."""
@@ -788,7 +793,8 @@ class TreeBudgetController:
             "tree nodes per step, drafter ran in %.0f%% of steps; nodes per "
             "request (share of steps) %s%s; step periods learned for batches "
             "of up to %d: %s; steps took %.2f ms (plain) and %.2f ms (trees) "
-            "more than those periods (prompt chunks)",
+            "more than those periods (prompt chunks), a step with a prompt chunk "
+            "%s (plain) and %s (trees) more",
             now - self._log_start,
             log.steps,
             log.reqs / log.steps,
@@ -800,6 +806,8 @@ class TreeBudgetController:
             self.cost.learned(common),
             1e3 * self.prompt_seconds(trees=False),
             1e3 * self.prompt_seconds(trees=True),
+            _ms_or_none(self.prompt_step_seconds(False)),
+            _ms_or_none(self.prompt_step_seconds(True)),
         )
         self._log = _StepLog()
         self._log_start = now
