@@ -135,27 +135,26 @@ def main(argv=None) -> int:
         print(json.dumps(rows))
         return 0
     # Not in the child: these set Triton's interpreter up without a GPU.
-    from benchmarks.bench_top_search import run_per_builder
+    from benchmarks.bench_top_search import builder_table, run_per_builder
     from benchmarks.tree_acceptance import write_result
 
     child_args = ["--arch", str(args.arch), "--cases", *args.cases]
     results = run_per_builder(
         p, __file__, args.builder, args.out, child_args, interpret=False
     )
-    lines = [
+    table = builder_table(
         f"`_sort_top_kernel` compiled for sm_{args.arch} on this host "
         "(cold Triton cache, one process per builder)",
-        "",
-        "| builder | vocab | num_top | compile (s) | cubin (KB) | constexprs |",
-        "|---|---|---|---|---|---|",
-    ]
-    for tag, rows in results.items():
-        lines += [
-            f"| {tag} | {r['vocab']} | {r['num_top']} | {r['compile_s']} | "
-            f"{r['cubin_bytes'] // 1024} | {r['constexprs']} |"
-            for r in rows
-        ]
-    write_result(args.out, "top_sort_compile", results, "\n".join(lines) + "\n")
+        [
+            ("vocab", lambda r: r["vocab"]),
+            ("num_top", lambda r: r["num_top"]),
+            ("compile (s)", lambda r: r["compile_s"]),
+            ("cubin (KB)", lambda r: r["cubin_bytes"] // 1024),
+            ("constexprs", lambda r: r["constexprs"]),
+        ],
+        results,
+    )
+    write_result(args.out, "top_sort_compile", results, table)
     return 0
 
 

@@ -385,53 +385,37 @@ class _Step:
         return (request_bucket(self.num_reqs), self.budget, self.drafted)
 
 
-class _PromptTime:
-    """A running average (weight _EXTRA_WEIGHT a step) of the seconds steps
-    of one kind took beyond their shapes' estimates. Without a bias to its
-    start: a kind seen in few steps (tree steps among plain ones) is averaged
-    over those."""
+class _ExtraTime:
+    """A running average (``weight`` a sample) of the seconds steps of one kind
+    took beyond their shapes' estimates. Without a bias to its start: a kind
+    seen in few steps (tree steps among plain ones) is averaged over those.
+    ``value``: None until one was seen."""
 
-    def __init__(self) -> None:
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
         self._sum = 0.0
         self._weight = 0.0
         # The cost model's step count at the last observation.
         self.last = 0
+
+    @property
+    def value(self) -> float | None:
+        return self._sum / self._weight if self._weight else None
 
     @property
     def seconds(self) -> float:
-        return self._sum / self._weight if self._weight else 0.0
+        """``value``, 0 for a kind not yet seen."""
+        return self.value or 0.0
 
     def observe(self, seconds: float, now: int) -> None:
-        keep = 1.0 - _EXTRA_WEIGHT
-        self._sum = keep * self._sum + _EXTRA_WEIGHT * seconds
-        self._weight = keep * self._weight + _EXTRA_WEIGHT
+        keep = 1.0 - self.weight
+        self._sum = keep * self._sum + self.weight * seconds
+        self._weight = keep * self._weight + self.weight
         self.last = now
 
-    def stale(self, other: "_PromptTime", now: int) -> bool:
+    def stale(self, other: "_ExtraTime", now: int) -> bool:
         """Not renewed for _STALE_STEPS steps while ``other`` was."""
         return now - self.last > _STALE_STEPS and now - other.last <= _STALE_STEPS
-
-
-class _PromptStepTime:
-    """A running average (weight _PROMPT_STEP_WEIGHT a sample) of the seconds
-    a step that carried a prompt chunk took beyond its shape's estimate; None
-    until one was seen."""
-
-    def __init__(self) -> None:
-        self._sum = 0.0
-        self._weight = 0.0
-        # The cost model's step count at the last observation.
-        self.last = 0
-
-    @property
-    def seconds(self) -> float | None:
-        return self._sum / self._weight if self._weight else None
-
-    def observe(self, seconds: float, now: int) -> None:
-        self.last = now
-        keep = 1.0 - _PROMPT_STEP_WEIGHT
-        self._sum = keep * self._sum + _PROMPT_STEP_WEIGHT * seconds
-        self._weight = keep * self._weight + _PROMPT_STEP_WEIGHT
 
 
 class TreeBudgetController:
@@ -486,10 +470,10 @@ class TreeBudgetController:
         self._logged_totals: tuple[float, ...] = ()
         # Seconds per step beyond the step shapes' estimates (the prompt
         # chunks' time), for plain steps [False] and tree steps [True].
-        self._prompt_time = {False: _PromptTime(), True: _PromptTime()}
+        self._prompt_time = {k: _ExtraTime(_EXTRA_WEIGHT) for k in (False, True)}
         # What one step carrying a prompt chunk took beyond its shape's
         # estimate, plain [False] and verifying trees [True].
-        self._prompt_step = {False: _PromptStepTime(), True: _PromptStepTime()}
+        self._prompt_step = {k: _ExtraTime(_PROMPT_STEP_WEIGHT) for k in (False, True)}
         # Share of a speculating batch's steps whose trees were left for a
         # prompt chunk (they serve one token a request): a running average.
         self._left_share = 0.0
@@ -576,7 +560,7 @@ class TreeBudgetController:
     def prompt_step_seconds(self, trees: bool) -> float | None:
         """What one step carrying a prompt chunk took beyond its shape's
         estimate, verifying trees or plain (None: not yet timed)."""
-        return self._prompt_step[trees].seconds
+        return self._prompt_step[trees].value
 
     def prompt_step_budget(self, num_reqs: int, budget: int) -> int | None:
         """At most ``budget``: what a step that carries a prompt chunk
@@ -590,12 +574,12 @@ class TreeBudgetController:
         if self.cost.steps - self._prompt_step[True].last > _STALE_STEPS:
             # Once prompt steps leave their trees nothing renews what such a
             # step costs with them: learned afresh, as a stale plain shape.
-            self._prompt_step[True] = _PromptStepTime()
-        tree_extra = self._prompt_step[True].seconds
+            self._prompt_step[True] = _ExtraTime(_PROMPT_STEP_WEIGHT)
+        tree_extra = self._prompt_step[True].value
         if tree_extra is None:
             return None
         # Until a plain one was timed, the trees are charged all of theirs.
-        plain_extra = self._prompt_step[False].seconds or 0.0
+        plain_extra = self._prompt_step[False].seconds
         _, rate = self._best(num_reqs, budget, drafted=False, plain_weight=1.0)
         plain = self.cost.predict(num_reqs, 0, False, stale_ok=True)
         paid = self.cost.drafter_prior(num_reqs)

@@ -361,10 +361,11 @@ def _ranked_top_tokens(
     4. per position: the buffered keys are sorted, in the smallest power of 2
        that holds them all, from 16 (``spill / 4`` past ``num_top`` 128, at
        most ``cap``) up to 256 (``spill / 2`` past 128). Usually about
-       ``num_top`` reach the threshold; more than ``cap`` reach it when a position's best tokens crowd into few chunks,
-       as a trained model's do: a BPE vocabulary gives frequent tokens low
-       ids (a small trained drafter: 68 % of positions at 15 tokens, with at
-       most a few hundred candidates). Positions with more candidates than
+       ``num_top`` reach the threshold; more than ``cap`` reach it when a
+       position's best tokens crowd into few chunks, as a trained model's
+       do: a BPE vocabulary gives frequent tokens low ids (a small trained
+       drafter: 68 % of positions at 15 tokens, with at most a few hundred
+       candidates). Positions with more candidates than
        the widest sort first keep their ``num_top`` best buffered keys by a
        radix select over the buffer.
        If even ``spill`` overflow (many tokens tied at the cut), the program
