@@ -267,13 +267,19 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
         )
         p.add_argument(
             "--budget-trace",
-            action="store_true",
-            help="a diagnostic, with --interleave: DDTree servers record every "
-            "decision of the adaptive budget (benchmarks/serve_trace/) into "
+            nargs="?",
+            const="all",
+            default=None,
+            metavar="CONFIGS",
+            help="a diagnostic, with --interleave: DDTree servers (all, or "
+            "those of the comma list CONFIGS) record every decision of the "
+            "adaptive budget (benchmarks/serve_trace/) into "
             "OUT/logs/budget_trace_<config>/, and each measured cell's slices' "
             "wall-clock windows go to OUT/logs/slice_windows.jsonl; read them "
             "with trace_budget.py --summarize TRACE WINDOWS CONFIG. The "
-            "recording costs host time on every step",
+            "recording costs host time on every step: a recorded server next "
+            "to an unrecorded copy of its config (e.g. ddtree-auto-adaptive "
+            "and ddtree-128-adaptive) measures what it costs",
         )
         p.add_argument(
             "--request-rate",

@@ -211,17 +211,39 @@ def interleave_of(args) -> int:
     return getattr(args, "interleave", 0)
 
 
+def traced_configs(args) -> list[str]:
+    """The configs whose servers record the adaptive budget's decisions:
+    ``--budget-trace`` alone means every DDTree config, a comma list those."""
+    value = getattr(args, "budget_trace", None)
+    if not value:
+        return []
+    if isinstance(value, list):  # already parsed
+        return value
+    ddtree = [c for c in args.configs if c.startswith("ddtree")]
+    if value == "all":
+        return ddtree
+    names = [c.strip() for c in value.split(",") if c.strip()]
+    bad = [c for c in names if c not in ddtree]
+    if bad or not names:
+        raise ValueError(
+            f"--budget-trace {value}: each must be one of the DDTree configs {ddtree}"
+        )
+    return names
+
+
 def check_interleave(args) -> None:
     """``--interleave``: an even slice count, at least two configs, vLLM's
     defaults, and memory shares that fit on one GPU together."""
     slices = interleave_of(args)
     if slices < 0:
         raise ValueError("--interleave must be >= 0 (0: one server at a time)")
-    if getattr(args, "budget_trace", False) and not slices:
+    if getattr(args, "budget_trace", None) and not slices:
         raise ValueError(
             "--budget-trace labels a server's decisions by the windows of the "
             "timed slices, which --interleave runs: give --interleave"
         )
+    if getattr(args, "budget_trace", None):
+        args.budget_trace = traced_configs(args)
     if not slices:
         return
     if slices < 2 or slices % 2:
@@ -723,8 +745,8 @@ def setup_of(args) -> dict:
         # ddtree-schedule rows mean this schedule; another one needs another --out.
         setup["schedule"] = args.schedule
     setup.update(pin_cpus_field(args))
-    if getattr(args, "budget_trace", False):
-        # Recording every decision costs the DDTree servers host time: such
+    if getattr(args, "budget_trace", None):
+        # Recording every decision costs the recorded servers host time: such
         # rows never merge with unrecorded ones.
-        setup["budget_trace"] = True
+        setup["budget_trace"] = traced_configs(args)
     return setup

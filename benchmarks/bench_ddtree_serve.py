@@ -30,6 +30,7 @@ from benchmarks.bench_ddtree_config import (
     pin_cpus_field,
     pin_server,
     settings_of,
+    traced_configs,
 )
 from benchmarks.bench_ddtree_procs import (
     ServeClient,
@@ -97,9 +98,10 @@ def start_server(args, config, max_batch, log, env) -> tuple[subprocess.Popen, s
 
 def budget_trace_env(args, config, env: dict) -> dict:
     """``env`` for ``config``'s server; with ``--budget-trace`` a DDTree
-    server's processes record the adaptive budget's decisions
-    (``serve_trace/sitecustomize.py``) into ``OUT/logs/budget_trace_<config>``."""
-    if not getattr(args, "budget_trace", False) or not config.startswith("ddtree"):
+    server's processes (each DDTree config's, or those it names) record the
+    adaptive budget's decisions (``serve_trace/sitecustomize.py``) into
+    ``OUT/logs/budget_trace_<config>``."""
+    if config not in traced_configs(args):
         return env
     from benchmarks.budget_recorder import TRACE_ENV
 

@@ -194,7 +194,8 @@ tests/v1/test_sm90_compile.py"
     # vLLM's defaults, the configs' servers side by side, each with a fixed KV
     # cache (KV_GIB, default 6). Output in $OUT/${OUT_NAME:-serve_8b}.
     # BUDGET_TRACE=1: DDTree servers record the adaptive budget's decisions
-    # (bench_ddtree.py --budget-trace; a diagnostic that costs host time).
+    # (bench_ddtree.py --budget-trace; a diagnostic that costs host time);
+    # BUDGET_TRACE=CONFIGS: only those servers (next to unrecorded ones).
     P=${EMBED_DIR:-build/pycode-8b}
     if grep -q '"vocab_mode": "full"' "$P/embedding.json" 2>/dev/null \
         && [ "${TEMPERATURES:-0,1}" != 0 ]; then
@@ -209,7 +210,8 @@ tests/v1/test_sm90_compile.py"
       --num-prompts "${NUM_PROMPTS:-16}" --min-waves "${MIN_WAVES:-4}" \
       --max-prompts "${MAX_PROMPTS:-256}" \
       --engine-arg kv_cache_memory_bytes=$(( ${KV_GIB:-6} << 30 )) \
-      $([ "${BUDGET_TRACE:-0}" != 0 ] && echo --budget-trace) \
+      $(case "${BUDGET_TRACE:-0}" in 0) ;; 1) echo --budget-trace ;;
+        *) echo --budget-trace "$BUDGET_TRACE" ;; esac) \
       ${RESUME:+--resume-from "$RESUME"} --limit-seconds $((LIMIT - 30)) 2>&1 \
       | tee -a "$OUT/${OUT_NAME:-serve_8b}.log" | grep -v -i warn | tail -40
     exit "${PIPESTATUS[0]}" ;;

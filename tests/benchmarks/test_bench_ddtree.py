@@ -169,10 +169,17 @@ def test_min_waves_in_setup_only_when_set(tmp_path):
 def test_budget_trace_is_part_of_the_serve_setup(tmp_path, capsys):
     """Recorded servers pay host time for it: their rows are set apart."""
     base = ["serve", "--out", str(tmp_path / "o"), *_pair(tmp_path)]
-    base += ["--configs", "none,ddtree-auto-adaptive"]
+    base += ["--configs", "none,ddtree-auto-adaptive,ddtree-128-adaptive"]
     assert "budget_trace" not in bdc.setup_of(bd.parse_args(base))
     args = bd.parse_args([*base, "--budget-trace", "--interleave", "2"])
-    assert args.budget_trace and bdc.setup_of(args)["budget_trace"] is True
+    both = ["ddtree-128-adaptive", "ddtree-auto-adaptive"]
+    assert sorted(bdc.setup_of(args)["budget_trace"]) == both
+    # One recorded server next to an unrecorded copy of its config.
+    one = [*base, "--interleave", "2", "--budget-trace", "ddtree-128-adaptive"]
+    assert bdc.setup_of(bd.parse_args(one))["budget_trace"] == [both[0]]
+    with pytest.raises(SystemExit):
+        bd.parse_args([*base, "--interleave", "2", "--budget-trace", "dflash"])
+    assert "each must be one of the DDTree configs" in capsys.readouterr().err
     # Its records are labelled by the interleaved slices' windows.
     with pytest.raises(SystemExit):
         bd.parse_args([*base, "--budget-trace"])

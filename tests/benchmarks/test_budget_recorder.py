@@ -159,7 +159,7 @@ def test_only_ddtree_servers_get_the_hook(tmp_path):
 
     from benchmarks.bench_ddtree_serve import budget_trace_env, record_slice_window
 
-    args = Namespace(out=tmp_path, budget_trace=True)
+    args = Namespace(out=tmp_path, budget_trace=["ddtree-auto-adaptive"])
     env = {"PYTHONPATH": "/plugin:/repo", "X": "1"}
     got = budget_trace_env(args, "ddtree-auto-adaptive", env)
     assert got["PYTHONPATH"] == os.pathsep.join([str(HOOK), "/plugin:/repo"])
@@ -169,6 +169,8 @@ def test_only_ddtree_servers_get_the_hook(tmp_path):
     assert got["X"] == "1" and env == {"PYTHONPATH": "/plugin:/repo", "X": "1"}
     assert budget_trace_env(args, "dflash", env) is env
     assert budget_trace_env(Namespace(out=tmp_path), "ddtree-63", env) is env
+    # A DDTree server left out of the list is not recorded.
+    assert budget_trace_env(args, "ddtree-128-adaptive", env) is env
     (tmp_path / "logs").mkdir()
     record_slice_window(tmp_path, "dflash", 32, 1, 0, 10.0, 14.5)
     record_slice_window(tmp_path, "dflash", 32, 1, 1, 20.0, 24.0)
