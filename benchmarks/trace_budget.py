@@ -350,6 +350,8 @@ def summarize(records):
         )
         print(_prompt_steps(rs))
         print(_estimate_updates(rs))
+        for line in _time_by_kind(rs):
+            print(line)
 
 
 def _estimate_updates(rs) -> str:
@@ -398,6 +400,60 @@ def _prompt_steps(rs) -> str:
                 f"(median {statistics.median(v):.1f} ms, {sum(v) / 1e3:.2f} s)"
             )
     return "   prompt steps: " + ("; ".join(parts) or "none")
+
+
+def _kind(r) -> str:
+    """A step's work: trees verified (T), the drafter run for the next step
+    without trees verified (D: a probe, or trees left for a prompt chunk), or
+    neither (P); a prompt chunk's step gets a leading "prompt "."""
+    k = "T" if r["b"] > 0 else ("D" if r.get("drafted") else "P")
+    return k if r["timed"] else f"prompt {k}"
+
+
+def _predicted(r) -> float:
+    """The cost model's period for the step's shape when it was chosen (ms)."""
+    if r["b"] == 0 and r.get("drafted"):
+        return r["pred0d"]
+    pred = r["pred"]
+    return pred.get(str(r["b"]), pred.get(r["b"], float("nan")))
+
+
+def _time_by_kind(rs, top: int = 12) -> list[str]:
+    """Where a phase's time went: steps by their kind and the kind before
+    them (with async scheduling a period holds two steps' work), and whether
+    the batch changed size since the step before; each with its steps, total
+    time and share, median period, and the median of what the cost model
+    predicted for its shape. A kind whose periods run far past its
+    predictions is what the budget misprices."""
+    timed = [(rs[i - 1], rs[i]) for i in range(1, len(rs)) if "period" in rs[i]]
+    total = sum(r["period"] for _, r in timed)
+    if not timed or total <= 0:
+        return []
+    groups = defaultdict(list)
+    for prev, r in timed:
+        moved = "batch changed" if r["n"] != prev["n"] else "same batch"
+        groups[(f"{_kind(prev)} -> {_kind(r)}", moved)].append(r)
+    lines = [
+        f"   time by kind ({total / 1e3:.2f} s over {len(timed)} steps; "
+        "kind before -> kind: steps, seconds, share, median period / predicted ms):"
+    ]
+    ranked = sorted(groups.items(), key=lambda kv: -sum(r["period"] for r in kv[1]))
+    for (kinds, moved), v in ranked[:top]:
+        sec = sum(r["period"] for r in v)
+        lines.append(
+            f"     {kinds}, {moved}: {len(v)}, {sec / 1e3:.2f} s, "
+            f"{100 * sec / total:.0f} %, "
+            f"{statistics.median(r['period'] for r in v):.2f} / "
+            f"{statistics.median(_predicted(r) for r in v):.2f}"
+        )
+    rest = [r for _, v in ranked[top:] for r in v]
+    if rest:
+        sec = sum(r["period"] for r in rest)
+        lines.append(
+            f"     {len(ranked) - top} other groups: {len(rest)}, {sec / 1e3:.2f} s, "
+            f"{100 * sec / total:.0f} %"
+        )
+    return lines
 
 
 if __name__ == "__main__":

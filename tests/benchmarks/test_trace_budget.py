@@ -67,6 +67,28 @@ def test_estimate_updates_count_drafted_steps_on_an_unchanged_estimate(capsys):
     )
 
 
+def test_time_by_kind_splits_a_phase_by_step_kinds_and_their_predictions():
+    """Each step's period goes to its kind and the kind before it (a period
+    holds two steps' work), split by whether the batch changed; the median
+    prediction is the one for the chosen shape (the drafter's for D). Keys
+    come back as strings from a JSON trace."""
+    plain = [_record("p", 8, 0, False, 20.0) for _ in range(4)]
+    probe = _record("p", 8, 0, True, 50.0)
+    tree = _record("p", 8, 15, True, 40.0)
+    joined = {**_record("p", 9, 0, False, 120.0), "timed": False}
+    rs = json.loads(json.dumps(plain + [probe, tree, joined]))
+    lines = tb._time_by_kind(rs)
+    assert lines[0].startswith("   time by kind (0.27 s over 6 steps;")
+    assert lines[1:] == [
+        "     T -> prompt P, batch changed: 1, 0.12 s, 44 %, 120.00 / 1.00",
+        "     P -> P, same batch: 3, 0.06 s, 22 %, 20.00 / 1.00",
+        "     P -> D, same batch: 1, 0.05 s, 19 %, 50.00 / 1.50",
+        "     D -> T, same batch: 1, 0.04 s, 15 %, 40.00 / 2.00",
+    ]
+    # Beyond ``top`` groups, the rest in one line.
+    assert tb._time_by_kind(rs, top=2)[-1] == "     2 other groups: 2, 0.09 s, 33 %"
+
+
 def test_phases_and_model_paths_parse():
     args = tb.parse_args(["adaptive", "/tmp/o", "--phases", "64:1:256,8:0:32"])
     assert args.phases == [(64, 1.0, 256), (8, 0.0, 32)]
