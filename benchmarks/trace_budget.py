@@ -422,9 +422,10 @@ def _time_by_kind(rs, top: int = 12) -> list[str]:
     """Where a phase's time went: steps by their kind and the kind before
     them (with async scheduling a period holds two steps' work), and whether
     the batch changed size since the step before; each with its steps, total
-    time and share, median period, and the median of what the cost model
-    predicted for its shape. A kind whose periods run far past its
-    predictions is what the budget misprices."""
+    time and share, median and mean period, and the median of what the cost
+    model predicted for its shape. A kind whose periods run far past its
+    predictions is what the budget misprices; a mean far above the median, a
+    tail that a median estimate does not see."""
     timed = [(rs[i - 1], rs[i]) for i in range(1, len(rs)) if "period" in rs[i]]
     total = sum(r["period"] for _, r in timed)
     if not timed or total <= 0:
@@ -435,7 +436,8 @@ def _time_by_kind(rs, top: int = 12) -> list[str]:
         groups[(f"{_kind(prev)} -> {_kind(r)}", moved)].append(r)
     lines = [
         f"   time by kind ({total / 1e3:.2f} s over {len(timed)} steps; "
-        "kind before -> kind: steps, seconds, share, median period / predicted ms):"
+        "kind before -> kind: steps, seconds, share, median / mean period, "
+        "median predicted ms):"
     ]
     ranked = sorted(groups.items(), key=lambda kv: -sum(r["period"] for r in kv[1]))
     for (kinds, moved), v in ranked[:top]:
@@ -444,6 +446,7 @@ def _time_by_kind(rs, top: int = 12) -> list[str]:
             f"     {kinds}, {moved}: {len(v)}, {sec / 1e3:.2f} s, "
             f"{100 * sec / total:.0f} %, "
             f"{statistics.median(r['period'] for r in v):.2f} / "
+            f"{sec / len(v):.2f} / "
             f"{statistics.median(_predicted(r) for r in v):.2f}"
         )
     rest = [r for _, v in ranked[top:] for r in v]

@@ -69,10 +69,11 @@ def test_estimate_updates_count_drafted_steps_on_an_unchanged_estimate(capsys):
 
 def test_time_by_kind_splits_a_phase_by_step_kinds_and_their_predictions():
     """Each step's period goes to its kind and the kind before it (a period
-    holds two steps' work), split by whether the batch changed; the median
-    prediction is the one for the chosen shape (the drafter's for D). Keys
-    come back as strings from a JSON trace."""
-    plain = [_record("p", 8, 0, False, 20.0) for _ in range(4)]
+    holds two steps' work), split by whether the batch changed; a period's
+    median and mean (a tail shows in the mean only) next to the median
+    prediction for the chosen shape (the drafter's for D). Keys come back as
+    strings from a JSON trace."""
+    plain = [_record("p", 8, 0, False, x) for x in (20.0, 10.0, 10.0, 40.0)]
     probe = _record("p", 8, 0, True, 50.0)
     tree = _record("p", 8, 15, True, 40.0)
     joined = {**_record("p", 9, 0, False, 120.0), "timed": False}
@@ -80,10 +81,10 @@ def test_time_by_kind_splits_a_phase_by_step_kinds_and_their_predictions():
     lines = tb._time_by_kind(rs)
     assert lines[0].startswith("   time by kind (0.27 s over 6 steps;")
     assert lines[1:] == [
-        "     T -> prompt P, batch changed: 1, 0.12 s, 44 %, 120.00 / 1.00",
-        "     P -> P, same batch: 3, 0.06 s, 22 %, 20.00 / 1.00",
-        "     P -> D, same batch: 1, 0.05 s, 19 %, 50.00 / 1.50",
-        "     D -> T, same batch: 1, 0.04 s, 15 %, 40.00 / 2.00",
+        "     T -> prompt P, batch changed: 1, 0.12 s, 44 %, 120.00 / 120.00 / 1.00",
+        "     P -> P, same batch: 3, 0.06 s, 22 %, 10.00 / 20.00 / 1.00",
+        "     P -> D, same batch: 1, 0.05 s, 19 %, 50.00 / 50.00 / 1.50",
+        "     D -> T, same batch: 1, 0.04 s, 15 %, 40.00 / 40.00 / 2.00",
     ]
     # Beyond ``top`` groups, the rest in one line.
     assert tb._time_by_kind(rs, top=2)[-1] == "     2 other groups: 2, 0.09 s, 33 %"
