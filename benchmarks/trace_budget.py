@@ -350,6 +350,7 @@ def summarize(records):
         )
         print(_prompt_steps(rs))
         print(_estimate_updates(rs))
+        print(_throughput(rs))
         for line in _time_by_kind(rs):
             print(line)
 
@@ -416,6 +417,42 @@ def _predicted(r) -> float:
         return r["pred0d"]
     pred = r["pred"]
     return pred.get(str(r["b"]), pred.get(r["b"], float("nan")))
+
+
+def _tokens(r) -> float:
+    """What a step is expected to emit: one token per request, and on a step
+    that verifies trees the accepted nodes the controller expected."""
+    if r["b"] == 0:
+        return r["n"]
+    e = r["e"]
+    return r["n"] * (1.0 + e.get(str(r["b"]), e.get(r["b"], 0.0)))
+
+
+def _throughput(rs) -> str:
+    """Tokens per ms at the expected acceptance over the predicted periods of
+    the chosen shapes (what the controller believed it would serve, prompt
+    chunks' time left out), over the traced periods (what it served, as far
+    as its acceptance estimate holds), and over the predicted plain periods
+    of the same batches; for every step and for pure decode steps."""
+
+    def rates(steps) -> str:
+        tokens = sum(_tokens(r) for r in steps)
+        plain = sum(r["pred"].get("0", r["pred"].get(0, 0.0)) for r in steps)
+        predicted = sum(_predicted(r) for r in steps)
+        traced = sum(r["period"] for r in steps)
+        return (
+            f"{tokens / predicted:.2f} predicted, {tokens / traced:.2f} traced, "
+            f"{sum(r['n'] for r in steps) / plain:.2f} plain predicted"
+        )
+
+    steps = [r for r in rs if "period" in r]
+    decode = [r for r in steps if r["timed"]]
+    if not decode:
+        return "   expected tokens per ms: no timed steps"
+    return (
+        f"   expected tokens per ms: {rates(steps)} over every step; "
+        f"{rates(decode)} over pure decode steps"
+    )
 
 
 def _time_by_kind(rs, top: int = 12) -> list[str]:

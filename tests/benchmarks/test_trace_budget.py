@@ -90,6 +90,21 @@ def test_time_by_kind_splits_a_phase_by_step_kinds_and_their_predictions():
     assert tb._time_by_kind(rs, top=2)[-1] == "     2 other groups: 2, 0.09 s, 33 %"
 
 
+def test_throughput_sets_what_was_predicted_against_what_was_traced():
+    """Expected tokens (a tree step's requests times 1 + e(b)) over the
+    predicted and the traced periods, and requests over the plain
+    predictions; every step, then pure decode steps alone."""
+    plain = _record("p", 8, 0, False, 2.0)  # 8 tokens, predicted 1.0 ms
+    tree = _record("p", 8, 15, True, 4.0)  # 8 x 1.7 tokens, predicted 2.0 ms
+    joined = {**_record("p", 8, 0, False, 10.0), "timed": False}
+    line = tb._throughput(json.loads(json.dumps([plain, tree, joined])))
+    assert line == (
+        "   expected tokens per ms: 7.40 predicted, 1.85 traced, 8.00 plain "
+        "predicted over every step; 7.20 predicted, 3.60 traced, 8.00 plain "
+        "predicted over pure decode steps"
+    )
+
+
 def test_phases_and_model_paths_parse():
     args = tb.parse_args(["adaptive", "/tmp/o", "--phases", "64:1:256,8:0:32"])
     assert args.phases == [(64, 1.0, 256), (8, 0.0, 32)]
