@@ -282,6 +282,17 @@ def _add_run_args(p: argparse.ArgumentParser, mode: str) -> None:
             "and ddtree-128-adaptive) measures what it costs",
         )
         p.add_argument(
+            "--step-trace",
+            action="store_true",
+            help="a diagnostic, with --interleave: every server records each "
+            "engine step's start, batch and prompt tokens "
+            "(benchmarks/step_recorder.py) into OUT/logs/step_trace_<config>/, "
+            "and the slices' windows go to OUT/logs/slice_windows.jsonl; "
+            "step_recorder.py OUT/logs CONFIG... sets the configs' step "
+            "periods side by side per cell (a few dictionary writes per step, "
+            "alike for every config)",
+        )
+        p.add_argument(
             "--request-rate",
             default="inf",
             help="vllm bench serve's --request-rate (requests/s, Poisson "

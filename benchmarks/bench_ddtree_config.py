@@ -242,6 +242,11 @@ def check_interleave(args) -> None:
             "--budget-trace labels a server's decisions by the windows of the "
             "timed slices, which --interleave runs: give --interleave"
         )
+    if getattr(args, "step_trace", False) and not slices:
+        raise ValueError(
+            "--step-trace labels a server's steps by the windows of the timed "
+            "slices, which --interleave runs: give --interleave"
+        )
     if getattr(args, "budget_trace", None):
         args.budget_trace = traced_configs(args)
     if not slices:
@@ -749,4 +754,6 @@ def setup_of(args) -> dict:
         # Recording every decision costs the recorded servers host time: such
         # rows never merge with unrecorded ones.
         setup["budget_trace"] = traced_configs(args)
+    if getattr(args, "step_trace", False):
+        setup["step_trace"] = True
     return setup

@@ -100,15 +100,21 @@ def budget_trace_env(args, config, env: dict) -> dict:
     """``env`` for ``config``'s server; with ``--budget-trace`` a DDTree
     server's processes (each DDTree config's, or those it names) record the
     adaptive budget's decisions (``serve_trace/sitecustomize.py``) into
-    ``OUT/logs/budget_trace_<config>``."""
-    if config not in traced_configs(args):
-        return env
-    from benchmarks.budget_recorder import TRACE_ENV
+    ``OUT/logs/budget_trace_<config>``, and with ``--step-trace`` every
+    server's its engine steps into ``OUT/logs/step_trace_<config>``."""
+    from benchmarks import budget_recorder, step_recorder
 
+    logs = Path(args.out) / "logs"
+    traces = {}
+    if config in traced_configs(args):
+        traces[budget_recorder.TRACE_ENV] = str(logs / f"budget_trace_{config}")
+    if getattr(args, "step_trace", False):
+        traces[step_recorder.TRACE_ENV] = str(logs / f"step_trace_{config}")
+    if not traces:
+        return env
     hook = str(Path(__file__).resolve().parent / "serve_trace")
     path = [hook] + [p for p in [env.get("PYTHONPATH")] if p]
-    folder = Path(args.out) / "logs" / f"budget_trace_{config}"
-    return {**env, "PYTHONPATH": os.pathsep.join(path), TRACE_ENV: str(folder)}
+    return {**env, "PYTHONPATH": os.pathsep.join(path), **traces}
 
 
 def record_slice_window(out, config, batch, temperature, j, start, end) -> None:
@@ -711,7 +717,7 @@ def _measure_interleaved_cell(
                 return [], config
             results[config].append(result)
             usages[config].append(client.last_usage)
-    if getattr(args, "budget_trace", False):
+    if getattr(args, "budget_trace", False) or getattr(args, "step_trace", False):
         # The cell's, once all its slices ran (a failed attempt's are not).
         for config, j, start, end in windows:
             record_slice_window(args.out, config, batch, temperature, j, start, end)

@@ -91,7 +91,7 @@ def install(records: list, phase: Callable[[], str]) -> Callable[[], None]:
 
 class TraceFile(list):
     """Records appended as to a list and written to
-    ``folder/budget_trace.<pid>.jsonl``: all but the newest (whose step's
+    ``folder/<prefix>.<pid>.jsonl``: all but the newest (whose step's
     period is not known yet) once ``every`` have gathered or ``seconds`` have
     passed since the last write, the rest by :meth:`flush` (at the process's
     exit). Written records leave the list. A server stopped without its exit
@@ -99,9 +99,16 @@ class TraceFile(list):
     first record: a process that never decides (a server's front end) leaves
     no file."""
 
-    def __init__(self, folder: str | os.PathLike, every: int = 256, seconds=1.0):
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        every: int = 256,
+        seconds=1.0,
+        prefix: str = "budget_trace",
+    ):
         super().__init__()
         self.folder = Path(folder)
+        self.prefix = prefix
         self.every = every
         self.seconds = seconds
         self._last_write = time.monotonic()
@@ -109,7 +116,7 @@ class TraceFile(list):
     @property
     def path(self) -> Path:
         # The writing process's: a forked child writes its own file.
-        return self.folder / f"budget_trace.{os.getpid()}.jsonl"
+        return self.folder / f"{self.prefix}.{os.getpid()}.jsonl"
 
     def append(self, record: dict) -> None:
         super().append(record)

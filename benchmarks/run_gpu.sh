@@ -196,6 +196,7 @@ tests/v1/test_sm90_compile.py"
     # BUDGET_TRACE=1: DDTree servers record the adaptive budget's decisions
     # (bench_ddtree.py --budget-trace; a diagnostic that costs host time);
     # BUDGET_TRACE=CONFIGS: only those servers (next to unrecorded ones).
+    # STEP_TRACE=1: every server records its engine steps (step_recorder.py).
     P=${EMBED_DIR:-build/pycode-8b}
     if grep -q '"vocab_mode": "full"' "$P/embedding.json" 2>/dev/null \
         && [ "${TEMPERATURES:-0,1}" != 0 ]; then
@@ -212,6 +213,7 @@ tests/v1/test_sm90_compile.py"
       --engine-arg kv_cache_memory_bytes=$(( ${KV_GIB:-6} << 30 )) \
       $(case "${BUDGET_TRACE:-0}" in 0) ;; 1) echo --budget-trace ;;
         *) echo --budget-trace "$BUDGET_TRACE" ;; esac) \
+      $([ "${STEP_TRACE:-0}" != 0 ] && echo --step-trace) \
       ${RESUME:+--resume-from "$RESUME"} --limit-seconds $((LIMIT - 30)) 2>&1 \
       | tee -a "$OUT/${OUT_NAME:-serve_8b}.log" | grep -v -i warn | tail -40
     exit "${PIPESTATUS[0]}" ;;

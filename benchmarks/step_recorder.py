@@ -1,0 +1,167 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Every engine step of a server, for any config, recorded from outside.
+
+:func:`install` wraps MRv2's ``GPUModelRunner.execute_model`` so that each
+step appends a record when it starts: the batch's requests, its scheduled
+tokens, how many of them are prompt tokens (beyond one per request and its
+draft slots) and how many requests joined. A step's period is the time to the
+next step's start: what no speculation, DFlash and DDTree servers spend per
+step, by kind, side by side (the budget trace, ``budget_recorder.py``, sees
+DDTree's decisions only). ``serve_trace/sitecustomize.py`` installs it inside a
+server when ``DDTREE_STEP_TRACE`` names a folder (``bench_ddtree.py serve
+--step-trace``); the recording is a few dictionary writes per step, the same
+for every config. Summarized by cell:
+
+    python benchmarks/step_recorder.py OUT/logs none dflash ddtree-auto-adaptive
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+# Environment variable naming the folder a server's engine core writes its
+# step records to (serve_trace/sitecustomize.py).
+TRACE_ENV = "DDTREE_STEP_TRACE"
+PREFIX = "step_trace"
+
+
+def install(records: list):
+    """Record the start of every step of every MRv2 model runner into
+    ``records``; returns the function that takes the wrapper off again."""
+    from vllm.v1.worker.gpu import model_runner as mr
+
+    C = mr.GPUModelRunner
+    orig = C.execute_model
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        tokens = scheduler_output.num_scheduled_tokens
+        if tokens and not kwargs.get("dummy_run", False):
+            n = len(tokens)
+            total = scheduler_output.total_num_scheduled_tokens
+            slots = sum(
+                map(len, scheduler_output.scheduled_spec_decode_tokens.values())
+            )
+            records.append(
+                {
+                    "t": time.perf_counter(),
+                    "wall": time.time(),
+                    "n": n,
+                    "tokens": total,
+                    "prompt": max(total - n - slots, 0),
+                    "new": len(scheduler_output.scheduled_new_reqs),
+                }
+            )
+        return orig(self, scheduler_output, *args, **kwargs)
+
+    C.execute_model = execute_model
+
+    def uninstall() -> None:
+        C.execute_model = orig
+
+    return uninstall
+
+
+def read_steps(folder: str | os.PathLike) -> list[dict]:
+    """A server's step records (``step_trace.<pid>.jsonl``), each with its
+    ``period`` (ms, to the next step of the same process; the last step of a
+    process has none), in time order."""
+    steps = []
+    for path in sorted(Path(folder).glob(f"{PREFIX}.*.jsonl")):
+        with path.open() as f:
+            rs = [json.loads(line) for line in f]
+        for a, b in zip(rs, rs[1:]):
+            a["period"] = (b["t"] - a["t"]) * 1e3
+        steps += rs
+    steps.sort(key=lambda r: r["wall"])
+    return steps
+
+
+def _cells(steps: list[dict], windows: list[dict], config: str) -> dict:
+    """Steps by the timed cell of ``config`` whose slice holds their whole
+    period (the last step of a slice runs into the idle time after it)."""
+    spans = [
+        (w["start"], w["end"], (w["batch"], w["temperature"]))
+        for w in windows
+        if w["config"] == config
+    ]
+    cells = defaultdict(list)
+    for r in steps:
+        if "period" not in r:
+            continue
+        for a, b, cell in spans:
+            if a <= r["wall"] and r["wall"] + r["period"] / 1e3 <= b:
+                cells[cell].append(r)
+                break
+    return cells
+
+
+def _row(config: str, rs: list[dict], ref: dict | None) -> tuple[str, dict]:
+    decode = [r["period"] for r in rs if r["prompt"] == 0]
+    prompt = [r["period"] for r in rs if r["prompt"] > 0]
+    total = sum(r["period"] for r in rs)
+    stats = {
+        "decode_median": statistics.median(decode) if decode else float("nan"),
+        "decode_mean": statistics.mean(decode) if decode else float("nan"),
+    }
+
+    def vs(key: str) -> str:
+        if ref is None or not ref[key] == ref[key] or not stats[key] == stats[key]:
+            return ""
+        return f" ({stats[key] / ref[key]:.3f}x)"
+
+    cells = [
+        config,
+        str(len(rs)),
+        f"{total / 1e3:.2f}",
+        f"{statistics.mean(r['n'] for r in rs):.1f}",
+        f"{stats['decode_median']:.2f}{vs('decode_median')}",
+        f"{stats['decode_mean']:.2f}{vs('decode_mean')}",
+        f"{len(prompt)} ({100 * len(prompt) / len(rs):.0f} %)",
+        f"{statistics.mean(prompt):.2f}" if prompt else "-",
+        f"{100 * sum(prompt) / total:.0f} %" if total else "-",
+    ]
+    return "| " + " | ".join(cells) + " |", stats
+
+
+def summarize(logs: str | os.PathLike, configs: list[str]) -> list[str]:
+    """A table per cell: each config's steps, seconds, mean batch, decode
+    steps' median and mean period (and their ratio to the first config's),
+    the steps carrying a prompt chunk, their mean period and share of the
+    time."""
+    logs = Path(logs)
+    with (logs / "slice_windows.jsonl").open() as f:
+        windows = [json.loads(line) for line in f]
+    by_config = {
+        c: _cells(read_steps(logs / f"{PREFIX}_{c}"), windows, c) for c in configs
+    }
+    lines = []
+    for cell in sorted({k for cells in by_config.values() for k in cells}):
+        lines += [
+            "",
+            f"concurrency {cell[0]}, T={cell[1]:g}:",
+            "",
+            "| config | steps | seconds | requests per step | decode step median ms "
+            "| decode step mean ms | steps with a prompt chunk | their mean ms "
+            "| share of the time |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        ref = None
+        for c in configs:
+            rs = by_config[c].get(cell)
+            if not rs:
+                continue
+            line, stats = _row(c, rs, ref)
+            ref = ref or stats
+            lines.append(line)
+    return lines
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit(f"usage: {sys.argv[0]} OUT/logs CONFIG [CONFIG ...]")
+    print("\n".join(summarize(sys.argv[1], sys.argv[2:])))

@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""benchmarks/step_recorder.py: every engine step of a server, any config,
+recorded from outside and summarized by cell next to the other configs."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from argparse import Namespace
+from pathlib import Path
+from types import SimpleNamespace
+
+from benchmarks import step_recorder as sr
+from benchmarks.bench_ddtree_serve import budget_trace_env
+
+ROOT = Path(__file__).resolve().parents[2]
+HOOK = ROOT / "benchmarks" / "serve_trace"
+
+
+def _scheduler_output(tokens: dict, spec: dict, new: int = 0):
+    return SimpleNamespace(
+        num_scheduled_tokens=tokens,
+        total_num_scheduled_tokens=sum(tokens.values()),
+        scheduled_spec_decode_tokens=spec,
+        scheduled_new_reqs=[object()] * new,
+    )
+
+
+def test_each_step_is_recorded_with_its_prompt_tokens(monkeypatch):
+    from vllm.v1.worker.gpu import model_runner as mr
+
+    calls = []
+    monkeypatch.setattr(
+        mr.GPUModelRunner,
+        "execute_model",
+        lambda self, so, *a, **k: calls.append(so) or "out",
+    )
+    records = []
+    uninstall = sr.install(records)
+    try:
+        runner = object.__new__(mr.GPUModelRunner)
+        # Two decodes with three draft slots each and a 100-token prompt chunk.
+        mixed = _scheduler_output(
+            {"a": 4, "b": 4, "c": 100}, {"a": [1] * 3, "b": [1] * 3}, 1
+        )
+        assert mr.GPUModelRunner.execute_model(runner, mixed) == "out"
+        plain = _scheduler_output({"a": 1, "b": 1}, {})
+        mr.GPUModelRunner.execute_model(runner, plain)
+        # Neither a dummy run nor an empty step is a step of the batch.
+        mr.GPUModelRunner.execute_model(runner, plain, dummy_run=True)
+        mr.GPUModelRunner.execute_model(runner, _scheduler_output({}, {}))
+    finally:
+        uninstall()
+    assert len(calls) == 4
+    assert [(r["n"], r["tokens"], r["prompt"], r["new"]) for r in records] == [
+        (3, 108, 99, 1),
+        (2, 2, 0, 0),
+    ]
+    assert mr.GPUModelRunner.execute_model(runner, plain) == "out"
+    assert len(records) == 2  # the wrapper is off again
+
+
+def _write_steps(folder: Path, pid: int, steps: list[tuple[float, int, int]]):
+    """Steps (start in s, requests, prompt tokens), one wall clock for all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / f"step_trace.{pid}.jsonl").open("w") as f:
+        for t, n, prompt in steps:
+            r = {"t": t, "wall": 1000.0 + t, "n": n, "tokens": n + prompt}
+            f.write(json.dumps({**r, "prompt": prompt, "new": int(prompt > 0)}) + "\n")
+
+
+def test_configs_steps_side_by_side_by_cell(tmp_path):
+    """Periods run to the next step of the same process; steps outside a
+    config's timed slices are left out; decode steps are compared with the
+    first config's."""
+    logs = tmp_path / "logs"
+    # none: decode steps of 10 ms, one prompt step of 30 ms, then an idle gap
+    # outside the slice (its period is not in the cell).
+    _write_steps(
+        logs / "step_trace_none",
+        1,
+        [
+            (0.0, 8, 0),
+            (0.01, 8, 0),
+            (0.02, 8, 50),
+            (0.05, 8, 0),
+            (0.06, 8, 0),
+            (5.0, 8, 0),
+        ],
+    )
+    # ddtree: decode steps of 11 and 13 ms, two processes.
+    _write_steps(
+        logs / "step_trace_ddtree", 2, [(0.0, 8, 0), (0.011, 8, 0), (0.024, 8, 0)]
+    )
+    _write_steps(logs / "step_trace_ddtree", 3, [(0.1, 8, 0), (0.111, 8, 0)])
+    windows = [
+        {
+            "config": "none",
+            "batch": 8,
+            "temperature": 1.0,
+            "slice": 0,
+            "start": 1000.0,
+            "end": 1000.065,
+        },
+        {
+            "config": "ddtree",
+            "batch": 8,
+            "temperature": 1.0,
+            "slice": 0,
+            "start": 999.0,
+            "end": 1001.0,
+        },
+    ]
+    (logs / "slice_windows.jsonl").write_text(
+        "".join(json.dumps(w) + "\n" for w in windows)
+    )
+    steps = sr.read_steps(logs / "step_trace_ddtree")
+    assert [round(r.get("period", -1), 3) for r in steps] == [11.0, 13.0, -1, 11.0, -1]
+    lines = sr.summarize(logs, ["none", "ddtree"])
+    assert lines[1] == "concurrency 8, T=1:"
+    assert (
+        lines[5]
+        == "| none | 4 | 0.06 | 8.0 | 10.00 | 10.00 | 1 (25 %) | 30.00 | 50 % |"
+    )
+    assert lines[6] == (
+        "| ddtree | 3 | 0.04 | 8.0 | 11.00 (1.100x) | 11.67 (1.167x) | 0 (0 %) | - | 0 % |"
+    )
+    assert len(lines) == 7
+
+
+def test_every_server_gets_the_step_hook():
+    env = {"PYTHONPATH": "/repo"}
+    args = Namespace(out="/o", budget_trace=["ddtree-auto-adaptive"], step_trace=True)
+    none = budget_trace_env(args, "none", env)
+    assert none[sr.TRACE_ENV] == "/o/logs/step_trace_none"
+    assert none["PYTHONPATH"] == os.pathsep.join([str(HOOK), "/repo"])
+    assert "DDTREE_BUDGET_TRACE" not in none
+    ddtree = budget_trace_env(args, "ddtree-auto-adaptive", env)
+    assert ddtree[sr.TRACE_ENV] == "/o/logs/step_trace_ddtree-auto-adaptive"
+    assert ddtree["DDTREE_BUDGET_TRACE"] == "/o/logs/budget_trace_ddtree-auto-adaptive"
+    off = Namespace(out="/o", budget_trace=None, step_trace=False)
+    assert budget_trace_env(off, "none", env) is env
+
+
+SERVER_SCRIPT = textwrap.dedent(
+    """
+    from types import SimpleNamespace
+    from benchmarks.checkout import use_checkout
+    use_checkout()
+    from vllm.v1.worker.gpu import model_runner as mr
+    # The hook wrapped the class as its module was imported; what it wraps
+    # stands in for a step here.
+    runner = object.__new__(mr.GPUModelRunner)
+    so = SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1,
+                         scheduled_spec_decode_tokens={}, scheduled_new_reqs=[])
+    for _ in range(5):
+        try:
+            mr.GPUModelRunner.execute_model(runner, so)
+        except Exception:
+            pass  # the real runner has no state here; the record came first
+    """
+)
+
+
+def test_a_server_process_writes_its_steps(tmp_path):
+    """Started as bench_ddtree.py starts a server: the hook on PYTHONPATH and
+    the variable set; the engine core's steps land in its folder at exit."""
+    trace_dir = tmp_path / "step_trace_none"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HOOK), str(ROOT)])
+    env[sr.TRACE_ENV] = str(trace_dir)
+    env.pop("DDTREE_BUDGET_TRACE", None)
+    subprocess.run(
+        [sys.executable, "-c", SERVER_SCRIPT],
+        env=env,
+        cwd=tmp_path,
+        check=True,
+        timeout=300,
+    )
+    files = list(trace_dir.glob("step_trace.*.jsonl"))
+    assert len(files) == 1
+    records = [json.loads(x) for x in files[0].read_text().splitlines()]
+    assert len(records) == 5
+    assert all(r["n"] == 1 and r["prompt"] == 0 for r in records)
