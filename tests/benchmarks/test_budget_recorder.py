@@ -112,27 +112,29 @@ SERVER_SCRIPT = textwrap.dedent(
 )
 
 
-def _run_like_a_server(tmp_path, trace_dir):
-    """A process started as bench_ddtree.py starts a DDTree server: the hook
-    first on PYTHONPATH, and an environment ``sitecustomize`` after it that
-    must still run."""
+def run_like_a_server(tmp_path, script: str, traces: dict[str, Path]) -> Path:
+    """``script`` in a process started as bench_ddtree.py starts a server:
+    the hook first on PYTHONPATH, ``traces`` (variable -> folder) set and the
+    hook's other variables unset, and an environment ``sitecustomize`` after
+    the hook that must still run (the file it leaves is returned)."""
     other = tmp_path / "env_site"
     other.mkdir(exist_ok=True)
     marker = tmp_path / "env_sitecustomize_ran"
     (other / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HOOK), str(other), str(ROOT)])
-    env.pop(br.TRACE_ENV, None)
-    if trace_dir is not None:
-        env[br.TRACE_ENV] = str(trace_dir)
+    for var in ("DDTREE_BUDGET_TRACE", "DDTREE_STEP_TRACE"):
+        env.pop(var, None)
+    env.update({var: str(folder) for var, folder in traces.items()})
     subprocess.run(
-        [sys.executable, "-c", SERVER_SCRIPT],
-        env=env,
-        cwd=tmp_path,
-        check=True,
-        timeout=300,
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, check=True, timeout=300
     )
     return marker
+
+
+def _run_like_a_server(tmp_path, trace_dir):
+    traces = {} if trace_dir is None else {br.TRACE_ENV: trace_dir}
+    return run_like_a_server(tmp_path, SERVER_SCRIPT, traces)
 
 
 def test_a_server_process_writes_its_decisions(tmp_path):

@@ -5,8 +5,6 @@ recorded from outside and summarized by cell next to the other configs."""
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from argparse import Namespace
 from pathlib import Path
@@ -14,6 +12,7 @@ from types import SimpleNamespace
 
 from benchmarks import step_recorder as sr
 from benchmarks.bench_ddtree_serve import budget_trace_env
+from tests.benchmarks.test_budget_recorder import run_like_a_server
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOK = ROOT / "benchmarks" / "serve_trace"
@@ -168,17 +167,8 @@ def test_a_server_process_writes_its_steps(tmp_path):
     """Started as bench_ddtree.py starts a server: the hook on PYTHONPATH and
     the variable set; the engine core's steps land in its folder at exit."""
     trace_dir = tmp_path / "step_trace_none"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HOOK), str(ROOT)])
-    env[sr.TRACE_ENV] = str(trace_dir)
-    env.pop("DDTREE_BUDGET_TRACE", None)
-    subprocess.run(
-        [sys.executable, "-c", SERVER_SCRIPT],
-        env=env,
-        cwd=tmp_path,
-        check=True,
-        timeout=300,
-    )
+    marker = run_like_a_server(tmp_path, SERVER_SCRIPT, {sr.TRACE_ENV: trace_dir})
+    assert marker.exists()
     files = list(trace_dir.glob("step_trace.*.jsonl"))
     assert len(files) == 1
     records = [json.loads(x) for x in files[0].read_text().splitlines()]
