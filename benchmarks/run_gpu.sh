@@ -254,6 +254,9 @@ tests/v1/test_sm90_compile.py"
         | tee "$OUT/${name}_$config.log" | grep -v -i warn | tail -30
       [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     done
+    # The configs' engine steps side by side, by phase.
+    python3 benchmarks/step_recorder.py --phases "$OUT/$name" ${CONFIGS:-adaptive none} \
+      2>&1 | tee "$OUT/${name}_steps.md" | tail -40
     exit $rc ;;
   plain-8b)
     # A plain step (every step of an adaptive DDTree engine verifies nothing)

@@ -14,6 +14,11 @@ server when ``DDTREE_STEP_TRACE`` names a folder (``bench_ddtree.py serve
 for every config. Summarized by cell:
 
     python benchmarks/step_recorder.py OUT/logs none dflash ddtree-auto-adaptive
+
+``trace_budget.py`` records every config's steps in process too
+(``OUT/<config>_steps.jsonl``), summarized by phase:
+
+    python benchmarks/step_recorder.py --phases OUT adaptive none
 """
 
 import json
@@ -22,6 +27,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 # Environment variable naming the folder a server's engine core writes its
@@ -30,9 +36,10 @@ TRACE_ENV = "DDTREE_STEP_TRACE"
 PREFIX = "step_trace"
 
 
-def install(records: list):
+def install(records: list, phase: Callable[[], str] | None = None):
     """Record the start of every step of every MRv2 model runner into
-    ``records``; returns the function that takes the wrapper off again."""
+    ``records`` (``phase()``, if given, names the part of the run a step
+    belongs to); returns the function that takes the wrapper off again."""
     from vllm.v1.worker.gpu import model_runner as mr
 
     C = mr.GPUModelRunner
@@ -54,6 +61,7 @@ def install(records: list):
                     "tokens": total,
                     "prompt": max(total - n - slots, 0),
                     "new": len(scheduler_output.scheduled_new_reqs),
+                    **({"ph": phase()} if phase is not None else {}),
                 }
             )
         return orig(self, scheduler_output, *args, **kwargs)
@@ -66,17 +74,27 @@ def install(records: list):
     return uninstall
 
 
+def with_periods(rs: list[dict]) -> list[dict]:
+    """One process's steps in order, each given its ``period`` (ms) to the
+    next step of the same phase (the last step of a phase has none)."""
+    for a, b in zip(rs, rs[1:]):
+        if a.get("ph") == b.get("ph"):
+            a["period"] = (b["t"] - a["t"]) * 1e3
+    return rs
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    with path.open() as f:
+        return [json.loads(line) for line in f]
+
+
 def read_steps(folder: str | os.PathLike) -> list[dict]:
     """A server's step records (``step_trace.<pid>.jsonl``), each with its
     ``period`` (ms, to the next step of the same process; the last step of a
     process has none), in time order."""
     steps = []
     for path in sorted(Path(folder).glob(f"{PREFIX}.*.jsonl")):
-        with path.open() as f:
-            rs = [json.loads(line) for line in f]
-        for a, b in zip(rs, rs[1:]):
-            a["period"] = (b["t"] - a["t"]) * 1e3
-        steps += rs
+        steps += with_periods(_read_jsonl(path))
     steps.sort(key=lambda r: r["wall"])
     return steps
 
@@ -128,6 +146,42 @@ def _row(config: str, rs: list[dict], ref: dict | None) -> tuple[str, dict]:
     return "| " + " | ".join(cells) + " |", stats
 
 
+def _tables(by_config: dict[str, dict], title) -> list[str]:
+    lines = []
+    for cell in sorted({k for cells in by_config.values() for k in cells}):
+        lines += [
+            "",
+            f"{title(cell)}:",
+            "",
+            "| config | steps | seconds | requests per step | decode step median ms "
+            "| decode step mean ms | steps with a prompt chunk | their mean ms "
+            "| share of the time |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        ref = None
+        for c, cells in by_config.items():
+            rs = cells.get(cell)
+            if not rs:
+                continue
+            line, stats = _row(c, rs, ref)
+            ref = ref or stats
+            lines.append(line)
+    return lines
+
+
+def summarize_phases(out: str | os.PathLike, configs: list[str]) -> list[str]:
+    """In-process runs (``trace_budget.py``'s ``OUT/<config>_steps.jsonl``):
+    the tables of :func:`summarize` by phase instead of by cell."""
+    by_config = {}
+    for c in configs:
+        phases = defaultdict(list)
+        for r in with_periods(_read_jsonl(Path(out) / f"{c}_steps.jsonl")):
+            if "period" in r:
+                phases[r["ph"]].append(r)
+        by_config[c] = phases
+    return _tables(by_config, lambda ph: f"phase {ph}")
+
+
 def summarize(logs: str | os.PathLike, configs: list[str]) -> list[str]:
     """A table per cell: each config's steps, seconds, mean batch, decode
     steps' median and mean period (and their ratio to the first config's),
@@ -139,29 +193,17 @@ def summarize(logs: str | os.PathLike, configs: list[str]) -> list[str]:
     by_config = {
         c: _cells(read_steps(logs / f"{PREFIX}_{c}"), windows, c) for c in configs
     }
-    lines = []
-    for cell in sorted({k for cells in by_config.values() for k in cells}):
-        lines += [
-            "",
-            f"concurrency {cell[0]}, T={cell[1]:g}:",
-            "",
-            "| config | steps | seconds | requests per step | decode step median ms "
-            "| decode step mean ms | steps with a prompt chunk | their mean ms "
-            "| share of the time |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        ref = None
-        for c in configs:
-            rs = by_config[c].get(cell)
-            if not rs:
-                continue
-            line, stats = _row(c, rs, ref)
-            ref = ref or stats
-            lines.append(line)
-    return lines
+    return _tables(by_config, lambda cell: f"concurrency {cell[0]}, T={cell[1]:g}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3:
-        sys.exit(f"usage: {sys.argv[0]} OUT/logs CONFIG [CONFIG ...]")
-    print("\n".join(summarize(sys.argv[1], sys.argv[2:])))
+    args = sys.argv[1:]
+    by_phase = args[:1] == ["--phases"]
+    if by_phase:
+        args = args[1:]
+    if len(args) < 2:
+        sys.exit(
+            f"usage: {sys.argv[0]} OUT/logs CONFIG [CONFIG ...]  (servers)\n"
+            f"       {sys.argv[0]} --phases OUT CONFIG [CONFIG ...]  (trace_budget.py)"
+        )
+    print("\n".join((summarize_phases if by_phase else summarize)(args[0], args[1:])))

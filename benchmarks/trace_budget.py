@@ -9,7 +9,9 @@ the acceptance estimate it weighed, the budget, whether the drafter ran (and
 what ``should_draft`` found best), and the step's period. Every Triton compile
 of the process is logged too (``<config>_compiles.jsonl``: kernel, seconds, seconds
 since the engine's construction began), with a table of those before the
-engine was ready: where a cold start's compile time goes.
+engine was ready: where a cold start's compile time goes. Every config's
+engine steps go to ``<config>_steps.jsonl`` (``step_recorder.py --phases OUT
+CONFIG...`` sets them side by side by phase).
 
     python benchmarks/trace_budget.py CONFIG OUTDIR   # adaptive | auto | none | dflash
     # at real size (the embedded pair, embed_pair.py), concurrency 64 at T=1:
@@ -34,6 +36,7 @@ from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.budget_recorder import install as install_recorder  # noqa: E402
+from benchmarks.step_recorder import install as install_steps  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -204,6 +207,9 @@ def main(argv=None):
     phase_name = ["warmup"]
     if config == "adaptive":
         install_recorder(records, lambda: phase_name[0])
+    # Every config's engine steps, for step_recorder.py --phases OUT CONFIG...
+    engine_steps = []
+    install_steps(engine_steps, lambda: phase_name[0])
 
     spec = None
     if config in ("adaptive", "auto"):
@@ -292,6 +298,8 @@ def main(argv=None):
             json.dumps({**r, "t": round(r["t"] - t0, 3)}) + "\n"
             for r in compiles.records
         )
+    with open(f"{out}/{config}_steps.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in engine_steps)
     with open(f"{out}/{config}_rows.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
         f.write(json.dumps({"config": config, "startup_s": startup}) + "\n")

@@ -129,6 +129,41 @@ def test_configs_steps_side_by_side_by_cell(tmp_path):
     assert len(lines) == 7
 
 
+def test_in_process_steps_side_by_side_by_phase(tmp_path, monkeypatch):
+    """trace_budget.py's records: the phase comes from the callable, and a
+    period never spans two phases."""
+    from vllm.v1.worker.gpu import model_runner as mr
+
+    monkeypatch.setattr(mr.GPUModelRunner, "execute_model", lambda *a, **k: None)
+    runner = object.__new__(mr.GPUModelRunner)
+    plain = _scheduler_output({"a": 1, "b": 1}, {})
+    for config, phases in (("none", ("c2T1",) * 3), ("adaptive", ("c2T1",) * 3)):
+        records, ph = [], ["warmup"]
+        uninstall = sr.install(records, lambda: ph[0])
+        try:
+            for name in ("warmup", *phases):
+                ph[0] = name
+                mr.GPUModelRunner.execute_model(runner, plain)
+        finally:
+            uninstall()
+        assert [r["ph"] for r in records] == ["warmup", *phases]
+        # Steps 10 ms apart for none, 12 ms for adaptive, whatever was timed.
+        gap = 0.010 if config == "none" else 0.012
+        for i, r in enumerate(records):
+            r["t"] = i * gap
+        with (tmp_path / f"{config}_steps.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    lines = sr.summarize_phases(tmp_path, ["none", "adaptive"])
+    # The warm-up step's period would run into the phase: not kept.
+    assert lines[1] == "phase c2T1:"
+    assert lines[5] == "| none | 2 | 0.02 | 2.0 | 10.00 | 10.00 | 0 (0 %) | - | 0 % |"
+    assert lines[6] == (
+        "| adaptive | 2 | 0.02 | 2.0 | 12.00 (1.200x) | 12.00 (1.200x) | 0 (0 %) | - "
+        "| 0 % |"
+    )
+    assert len(lines) == 7
+
+
 def test_every_server_gets_the_step_hook():
     env = {"PYTHONPATH": "/repo"}
     args = Namespace(out="/o", budget_trace=["ddtree-auto-adaptive"], step_trace=True)
