@@ -212,14 +212,15 @@ def interleave_of(args) -> int:
 
 
 def traced_configs(args) -> list[str]:
-    """The configs whose servers record the adaptive budget's decisions:
-    ``--budget-trace`` alone means every DDTree config, a comma list those."""
-    value = getattr(args, "budget_trace", None)
-    if not value:
-        return []
-    if isinstance(value, list):  # already parsed
-        return value
-    ddtree = [c for c in args.configs if c.startswith("ddtree")]
+    """The configs whose servers record the adaptive budget's decisions
+    (``--budget-trace``, as :func:`parse_budget_trace` left it)."""
+    return getattr(args, "budget_trace", None) or []
+
+
+def parse_budget_trace(value: str, configs: list[str]) -> list[str]:
+    """``--budget-trace`` alone (``all``) means every DDTree config, a comma
+    list those."""
+    ddtree = [c for c in configs if c.startswith("ddtree")]
     if value == "all":
         return ddtree
     names = [c.strip() for c in value.split(",") if c.strip()]
@@ -248,7 +249,7 @@ def check_interleave(args) -> None:
             "slices, which --interleave runs: give --interleave"
         )
     if getattr(args, "budget_trace", None):
-        args.budget_trace = traced_configs(args)
+        args.budget_trace = parse_budget_trace(args.budget_trace, args.configs)
     if not slices:
         return
     if slices < 2 or slices % 2:

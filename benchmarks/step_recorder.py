@@ -22,6 +22,7 @@ for every config. Summarized by cell:
 """
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -128,7 +129,7 @@ def _row(config: str, rs: list[dict], ref: dict | None) -> tuple[str, dict]:
     }
 
     def vs(key: str) -> str:
-        if ref is None or not ref[key] == ref[key] or not stats[key] == stats[key]:
+        if ref is None or math.isnan(ref[key]) or math.isnan(stats[key]):
             return ""
         return f" ({stats[key] / ref[key]:.3f}x)"
 
@@ -188,8 +189,7 @@ def summarize(logs: str | os.PathLike, configs: list[str]) -> list[str]:
     the steps carrying a prompt chunk, their mean period and share of the
     time."""
     logs = Path(logs)
-    with (logs / "slice_windows.jsonl").open() as f:
-        windows = [json.loads(line) for line in f]
+    windows = _read_jsonl(logs / "slice_windows.jsonl")
     by_config = {
         c: _cells(read_steps(logs / f"{PREFIX}_{c}"), windows, c) for c in configs
     }

@@ -419,12 +419,17 @@ def _kind(r) -> str:
     return k if r["timed"] else f"prompt {k}"
 
 
+def _at(by_budget: dict, b: int, default: float) -> float:
+    """A record's value for budget ``b`` (keys are strings once read back
+    from JSON)."""
+    return by_budget.get(str(b), by_budget.get(b, default))
+
+
 def _predicted(r) -> float:
     """The cost model's period for the step's shape when it was chosen (ms)."""
     if r["b"] == 0 and r.get("drafted"):
         return r["pred0d"]
-    pred = r["pred"]
-    return pred.get(str(r["b"]), pred.get(r["b"], float("nan")))
+    return _at(r["pred"], r["b"], float("nan"))
 
 
 def _tokens(r) -> float:
@@ -432,8 +437,7 @@ def _tokens(r) -> float:
     that verifies trees the accepted nodes the controller expected."""
     if r["b"] == 0:
         return r["n"]
-    e = r["e"]
-    return r["n"] * (1.0 + e.get(str(r["b"]), e.get(r["b"], 0.0)))
+    return r["n"] * (1.0 + _at(r["e"], r["b"], 0.0))
 
 
 def _throughput(rs) -> str:
@@ -445,7 +449,7 @@ def _throughput(rs) -> str:
 
     def rates(steps) -> str:
         tokens = sum(_tokens(r) for r in steps)
-        plain = sum(r["pred"].get("0", r["pred"].get(0, 0.0)) for r in steps)
+        plain = sum(_at(r["pred"], 0, 0.0) for r in steps)
         predicted = sum(_predicted(r) for r in steps)
         traced = sum(r["period"] for r in steps)
         return (
@@ -484,9 +488,10 @@ def _time_by_kind(rs, top: int = 12) -> list[str]:
         "kind before -> kind: steps, seconds, share, median / mean period, "
         "median predicted ms):"
     ]
-    ranked = sorted(groups.items(), key=lambda kv: -sum(r["period"] for r in kv[1]))
+    seconds = {k: sum(r["period"] for r in v) for k, v in groups.items()}
+    ranked = sorted(groups.items(), key=lambda kv: -seconds[kv[0]])
     for (kinds, moved), v in ranked[:top]:
-        sec = sum(r["period"] for r in v)
+        sec = seconds[kinds, moved]
         lines.append(
             f"     {kinds}, {moved}: {len(v)}, {sec / 1e3:.2f} s, "
             f"{100 * sec / total:.0f} %, "
