@@ -7,7 +7,7 @@
 #   bash benchmarks/run_gpu.sh MODE [args]
 #
 # MODE: tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|
-#       serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|mixed-8b|profile-8b|bench-ops|top-search|bench-attn|bench-ddtree|train-pair
+#       serve|embed|embed-check|serve-8b|record-8b|oracle-8b|trace-8b|plain-8b|diagnose-8b|mixed-8b|profile-8b|bench-ops|top-search|bench-attn|bench-ddtree|train-pair
 # (tests: pytest arguments; train-pair: seconds for the steps; the others: the
 # script's own, see benchmarks/README.md). OUT: where logs and results go (default
 # build/gpu_results); LIMIT: seconds a mode may run (default 3600).
@@ -238,6 +238,20 @@ tests/v1/test_sm90_compile.py"
         bash "$0" serve-8b "${groups[$i]}" || rc=1
     done
     exit $rc ;;
+  oracle-8b)
+    # The oracle row at real size: DDTree's default next to every constant
+    # budget of its ladder, per cell, in one in-process engine
+    # (budget_oracle.py). PHASES (C:T:N,...; default the record's cells),
+    # BUDGETS (default the ladder), ROUNDS (default 2, order alternated);
+    # output in $OUT/${OUT_NAME:-oracle_8b}.
+    P=${EMBED_DIR:-build/pycode-8b}
+    name=${OUT_NAME:-oracle_8b}
+    timeout $LIMIT python3 benchmarks/budget_oracle.py "$OUT/$name" \
+      --target $P/target --drafter $P/drafter --kv-gib ${KV_GIB:-6} \
+      ${PHASES:+--phases "$PHASES"} ${BUDGETS:+--budgets "$BUDGETS"} \
+      --rounds ${ROUNDS:-2} --limit-seconds $((LIMIT - 30)) 2>&1 \
+      | tee "$OUT/$name.log" | grep -v -i warn | tail -30
+    exit "${PIPESTATUS[0]}" ;;
   trace-8b)
     # The adaptive budget's decisions step by step at real size (the embedded
     # pair, in-process engines), then no speculation over the same phases:
@@ -327,6 +341,6 @@ tests/v1/test_sm90_compile.py"
     timeout $LIMIT bash benchmarks/train_pair/run_all.sh "${1:-$((LIMIT - 20))}" \
       2>&1 | tee -a "$OUT/train_pair.log" | tail -30 ;;
   *)
-    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|trace-8b|plain-8b|diagnose-8b|mixed-8b|profile-8b|bench-ops|top-search|bench-attn|bench-ddtree|train-pair [args]" >&2
+    echo "usage: $0 tests|tests-v1|e2e|serving|patched|load|compiles|startup-8b|profile-b1|b1-rounds|serve|embed|embed-check|serve-8b|record-8b|oracle-8b|trace-8b|plain-8b|diagnose-8b|mixed-8b|profile-8b|bench-ops|top-search|bench-attn|bench-ddtree|train-pair [args]" >&2
     exit 2 ;;
 esac

@@ -127,6 +127,56 @@ class CompileLog:
         return lines
 
 
+class ArrivalLoop:
+    """A client loop over an in-process engine (``LLMEngine``) that keeps C
+    requests in flight until N have finished: continuous arrivals, as
+    ``vllm bench serve`` at a concurrency. Every request is new to the engine
+    (its number leads the prompt, so no prefix-cache block matches another's);
+    ``ignore_eos`` holds each to ``max_tokens``."""
+
+    def __init__(
+        self, engine, texts: list[str], max_tokens: int = MAX_TOKENS, clock=None
+    ):
+        self.engine = engine
+        self.texts = texts
+        self.max_tokens = max_tokens
+        self.clock = clock or time.perf_counter
+        # Requests sent so far (over every run): the next one's number.
+        self.sent = 0
+
+    def run(self, c: int, temp: float, n: int) -> tuple[int, float, float, int]:
+        """(output tokens, seconds, median engine step in ms while C were in
+        flight, such steps)."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(
+            temperature=temp, max_tokens=self.max_tokens, ignore_eos=True, seed=None
+        )
+        done = inflight = submitted = toks = 0
+        steps = []
+        t = self.clock()
+        while done < n:
+            while inflight < c and submitted < n:
+                i = self.sent
+                self.sent += 1
+                text = self.texts[i % len(self.texts)]
+                self.engine.add_request(f"r{i}", f"# request {i}\n{text}", sp)
+                inflight += 1
+                submitted += 1
+            s0 = self.clock()
+            outs = self.engine.step()
+            if inflight == c:
+                steps.append(self.clock() - s0)
+            for o in outs:
+                if o.finished:
+                    done += 1
+                    inflight -= 1
+                    toks += len(o.outputs[0].token_ids)
+        secs = self.clock() - t
+        step_ms = 1e3 * statistics.median(steps) if steps else 0.0
+        return toks, secs, step_ms, len(steps)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", choices=("adaptive", "auto", "none", "dflash"))
@@ -199,7 +249,7 @@ def main(argv=None):
     import vllm_ddtree
 
     vllm_ddtree.register()
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     compiles = CompileLog()
     compiles.install()
@@ -238,42 +288,10 @@ def main(argv=None):
     engine = llm.llm_engine
     with open(f"{P}/eval_prompts.json") as f:
         texts = [p["text"] for p in json.load(f)["prompts"]]
-    counter = [0]
-
-    def run(c, temp, n):
-        sp = SamplingParams(
-            temperature=temp, max_tokens=MAX_TOKENS, ignore_eos=True, seed=None
-        )
-        done = 0
-        inflight = 0
-        submitted = 0
-        toks = 0
-        steps = []
-        t = time.perf_counter()
-        while done < n:
-            while inflight < c and submitted < n:
-                i = counter[0]
-                counter[0] += 1
-                engine.add_request(
-                    f"r{i}", f"# request {i}\n" + texts[i % len(texts)], sp
-                )
-                inflight += 1
-                submitted += 1
-            s0 = time.perf_counter()
-            outs = engine.step()
-            if inflight == c:
-                steps.append(time.perf_counter() - s0)
-            for o in outs:
-                if o.finished:
-                    done += 1
-                    inflight -= 1
-                    toks += len(o.outputs[0].token_ids)
-        secs = time.perf_counter() - t
-        step_ms = 1e3 * statistics.median(steps) if steps else 0.0
-        return toks, secs, step_ms, len(steps)
+    loop = ArrivalLoop(engine, texts)
 
     phase_name[0] = "warmup"
-    run(4, 0.0, 8)
+    loop.run(4, 0.0, 8)
     rows = []
     names = Counter()
     for c, temp, n in args.phases:
@@ -281,7 +299,7 @@ def main(argv=None):
         name = f"c{c}T{temp:g}"
         names[name] += 1
         phase_name[0] = name if names[name] == 1 else f"{name}#{names[name]}"
-        toks, secs, step_ms, nsteps = run(c, temp, n)
+        toks, secs, step_ms, nsteps = loop.run(c, temp, n)
         rows.append(
             {
                 "config": config,
