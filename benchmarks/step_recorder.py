@@ -11,7 +11,9 @@ step, by kind, side by side (the budget trace, ``budget_recorder.py``, sees
 DDTree's decisions only). ``serve_trace/sitecustomize.py`` installs it inside a
 server when ``DDTREE_STEP_TRACE`` names a folder (``bench_ddtree.py serve
 --step-trace``); the recording is a few dictionary writes per step, the same
-for every config. Summarized by cell:
+for every config. Summarized by cell, with each config's time set against
+the first config's by step kind (decode steps, and steps carrying a prompt
+chunk by its size: what its steps cost more each, what it ran more of):
 
     python benchmarks/step_recorder.py OUT/logs none dflash ddtree-auto-adaptive
 
@@ -147,6 +149,71 @@ def _row(config: str, rs: list[dict], ref: dict | None) -> tuple[str, dict]:
     return "| " + " | ".join(cells) + " |", stats
 
 
+# Step kinds of the attribution: decode steps, then steps carrying a prompt
+# chunk of at most this many prompt tokens.
+PROMPT_BINS = (128, 512, 2048, math.inf)
+
+
+def _kind(r: dict) -> str:
+    if r["prompt"] == 0:
+        return "decode"
+    low = 1
+    for high in PROMPT_BINS:
+        if r["prompt"] <= high:
+            return f"prompt {low}+" if high == math.inf else f"prompt {low}-{high}"
+        low = high + 1
+    raise AssertionError("unreachable")
+
+
+def attribution(config: str, rs: list[dict], ref: str, ref_rs: list[dict]) -> list[str]:
+    """Where ``config``'s time in a cell differs from ``ref``'s, by step kind
+    (decode steps; steps carrying a prompt chunk, by its size): what its steps
+    cost more each (its steps x the difference of the kinds' mean periods) and
+    what it ran more or fewer of them (the difference of the counts x
+    ``ref``'s mean period). The two columns sum to the difference of the
+    kind's seconds; a kind ``ref`` never ran counts wholly as steps."""
+
+    def by_kind(steps):
+        kinds = defaultdict(list)
+        for r in steps:
+            kinds[_kind(r)].append(r["period"])
+        return kinds
+
+    mine, theirs = by_kind(rs), by_kind(ref_rs)
+    order = ["decode"] + sorted(
+        {k for k in (*mine, *theirs) if k != "decode"},
+        key=lambda k: int(k.split()[1].split("-")[0].rstrip("+")),
+    )
+    lines = [
+        "",
+        f"{config} against {ref}, seconds by step kind:",
+        "",
+        "| kind | steps | ref steps | mean ms | ref mean ms | cost per step s "
+        "| step count s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    totals = [0.0, 0.0]
+    for k in order:
+        a, b = mine.get(k, []), theirs.get(k, [])
+        mean_a = statistics.mean(a) if a else float("nan")
+        mean_b = statistics.mean(b) if b else float("nan")
+        if b:
+            per_step = len(a) * (mean_a - mean_b) / 1e3 if a else 0.0
+            count = (len(a) - len(b)) * mean_b / 1e3
+        else:
+            per_step, count = 0.0, sum(a) / 1e3
+        totals[0] += per_step
+        totals[1] += count
+        lines.append(
+            f"| {k} | {len(a)} | {len(b)} | {mean_a:.2f} | {mean_b:.2f} "
+            f"| {per_step:+.3f} | {count:+.3f} |"
+        )
+    lines.append(
+        f"| all | {len(rs)} | {len(ref_rs)} | | | {totals[0]:+.3f} | {totals[1]:+.3f} |"
+    )
+    return lines
+
+
 def _tables(by_config: dict[str, dict], title) -> list[str]:
     lines = []
     for cell in sorted({k for cells in by_config.values() for k in cells}):
@@ -160,13 +227,15 @@ def _tables(by_config: dict[str, dict], title) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         ref = None
-        for c, cells in by_config.items():
-            rs = cells.get(cell)
-            if not rs:
-                continue
+        present = [
+            (c, cells[cell]) for c, cells in by_config.items() if cells.get(cell)
+        ]
+        for c, rs in present:
             line, stats = _row(c, rs, ref)
             ref = ref or stats
             lines.append(line)
+        for c, rs in present[1:]:
+            lines += attribution(c, rs, *present[0])
     return lines
 
 

@@ -126,7 +126,14 @@ def test_configs_steps_side_by_side_by_cell(tmp_path):
     assert lines[6] == (
         "| ddtree | 3 | 0.04 | 8.0 | 11.00 (1.100x) | 11.67 (1.167x) | 0 (0 %) | - | 0 % |"
     )
-    assert len(lines) == 7
+    # ddtree's 0.035 s against none's 0.060 s: its decode steps cost 3 x 1.67
+    # ms more, and it ran none of none's 30-ms prompt step.
+    assert lines[8] == "ddtree against none, seconds by step kind:"
+    assert lines[12:] == [
+        "| decode | 3 | 3 | 11.67 | 10.00 | +0.005 | +0.000 |",
+        "| prompt 1-128 | 0 | 1 | nan | 30.00 | +0.000 | -0.030 |",
+        "| all | 3 | 4 | | | +0.005 | -0.030 |",
+    ]
 
 
 def test_in_process_steps_side_by_side_by_phase(tmp_path, monkeypatch):
@@ -161,7 +168,33 @@ def test_in_process_steps_side_by_side_by_phase(tmp_path, monkeypatch):
         "| adaptive | 2 | 0.02 | 2.0 | 12.00 (1.200x) | 12.00 (1.200x) | 0 (0 %) | - "
         "| 0 % |"
     )
-    assert len(lines) == 7
+    assert lines[-2:] == [
+        "| decode | 2 | 2 | 12.00 | 10.00 | +0.004 | +0.000 |",
+        "| all | 2 | 2 | | | +0.004 | +0.000 |",
+    ]
+    assert len(lines) == 14
+
+
+def test_attribution_splits_the_difference_by_prompt_size():
+    """Per kind, the per-step and step-count columns sum to the difference of
+    the kind's seconds; a kind only one config ran is all step count."""
+
+    def steps(*pairs):
+        return [{"prompt": p, "period": ms} for p, ms in pairs]
+
+    ref = steps((0, 10.0), (0, 10.0), (100, 20.0), (600, 40.0))
+    mine = steps((0, 11.0), (0, 11.0), (0, 11.0), (100, 26.0), (3000, 90.0))
+    lines = sr.attribution("ddtree", mine, "none", ref)
+    rows = lines[5:]
+    assert rows == [
+        "| decode | 3 | 2 | 11.00 | 10.00 | +0.003 | +0.010 |",
+        "| prompt 1-128 | 1 | 1 | 26.00 | 20.00 | +0.006 | +0.000 |",
+        "| prompt 513-2048 | 0 | 1 | nan | 40.00 | +0.000 | -0.040 |",
+        "| prompt 2049+ | 1 | 0 | 90.00 | nan | +0.000 | +0.090 |",
+        "| all | 5 | 4 | | | +0.009 | +0.060 |",
+    ]
+    diff = (sum(r["period"] for r in mine) - sum(r["period"] for r in ref)) / 1e3
+    assert abs(diff - (0.009 + 0.060)) < 1e-9
 
 
 def test_every_server_gets_the_step_hook():
