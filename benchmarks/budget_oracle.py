@@ -42,11 +42,11 @@ import sys
 import time
 from collections import defaultdict
 
+# The engine in this process: the forced budget reaches its controller.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_ddtree_config import speculative_config  # noqa: E402
 from benchmarks.trace_budget import P, ArrivalLoop, parse_phases  # noqa: E402
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # The record's cells (concurrency 1 / 8 / 32 / 64 at T=0 and T=1), with
 # enough requests for several waves at the larger concurrencies.

@@ -146,6 +146,9 @@ def _vllm_has_ddtree_method() -> bool:
 
 def _patch_engine_args(module) -> None:
     args = module.EngineArgs
+    _wrap(args, "add_cli_args", _add_cli_args)
+    # A static method: reached through an instance too, it takes no self.
+    args.add_cli_args = staticmethod(args.add_cli_args)
     _wrap(args, "create_speculative_config", _create_speculative_config)
     _wrap(
         args,
@@ -417,6 +420,23 @@ def _fold_spec_flags(args) -> None:
         raw[key] = value
     args.speculative_config = raw
     args.spec_method = args.spec_model = None
+
+
+def _add_cli_args(original, parser, *args, **kwargs):
+    """vLLM infers the device while it builds the CLI's parser and, finding
+    none, stops with "Failed to infer device type", before any speculative
+    config is read: say first what DDTree needs (an engine built in code gets
+    DDTree's own error, ``_check_cuda_platform``)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.device_type:
+        logger.error(
+            "DDTree: vLLM finds no GPU on this machine and stops below "
+            '("Failed to infer device type"). Method "ddtree" needs an NVIDIA '
+            "GPU with CUDA; without one, run the CPU tests instead: "
+            'pip install ".[test]" && python -m pytest'
+        )
+    return original(parser, *args, **kwargs)
 
 
 def _check_cuda_platform() -> None:

@@ -397,3 +397,61 @@ def test_ddtree_logs_under_vllms_logger():
 
     for module in (glue, ddtree_cost, ddtree_adaptive, vllm_ddtree):
         assert module.logger.name.startswith("vllm."), module.__name__
+
+
+PAIR = ROOT / "benchmarks" / "models" / "pycode"
+NO_GPU = "Failed to infer device type"
+OURS = "DDTree: vLLM finds no GPU on this machine"
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(),
+    reason="what a user sees on a machine without a GPU",
+)
+def test_without_a_gpu_the_user_reads_what_ddtree_needs():
+    """``vllm serve`` builds its argument parser before it reads any
+    speculative config, and vLLM infers the device there: without a GPU it
+    stops with "Failed to infer device type", which names no GPU. With the
+    plugin, DDTree's line comes first; without it, vLLM's message alone. An
+    engine built in code reaches DDTree's own config check, which says so."""
+    spec = json.dumps({"method": "ddtree", "model": str(PAIR / "drafter")})
+    serve = [
+        sys.executable,
+        "-c",
+        "from vllm.entrypoints.cli.main import main; main()",
+        "serve",
+        str(PAIR / "target"),
+        "--speculative-config",
+        spec,
+    ]
+    in_code = [
+        sys.executable,
+        "-c",
+        "from vllm import LLM; "
+        f"LLM(model={str(PAIR / 'target')!r}, speculative_config={spec})",
+    ]
+    runs = {
+        name: subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=_env(plugin),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, cmd, plugin in (
+            ("serve", serve, True),
+            ("serve without the plugin", serve, False),
+            ("in code", in_code, True),
+        )
+    }
+    out = {}
+    for name, proc in runs.items():
+        out[name] = proc.communicate(timeout=600)[0]
+        assert proc.returncode != 0, (name, out[name][-2000:])
+    served = out["serve"]
+    assert 0 <= served.find(OURS) < served.find(NO_GPU), served[-3000:]
+    assert NO_GPU in out["serve without the plugin"]
+    assert "DDTree" not in out["serve without the plugin"]
+    assert "ValueError: method 'ddtree' needs a CUDA GPU" in out["in code"]
+    print({name: text.strip().splitlines()[-1][:160] for name, text in out.items()})

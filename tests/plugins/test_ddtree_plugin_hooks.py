@@ -71,6 +71,10 @@ def test_plugin_stands_aside_where_vllm_has_ddtree(monkeypatch):
 
     def engine_args_module():
         class EngineArgs:
+            @staticmethod
+            def add_cli_args(parser):
+                return parser
+
             def create_speculative_config(self, *args):
                 return "vllm's"
 
