@@ -19,7 +19,11 @@ it isolates that part's cost); ``tree`` (DDTree, every request verifies a
 step costs next to the other two). ``--joins J`` makes every timed step a
 mixed one: before it, J running requests end and J new prompts join, so the
 step carries J prompt chunks next to the decodes, as under continuous
-arrivals. One config per process, e.g.::
+arrivals. At the profiled batch the same number of steps
+then runs under ``cProfile`` too (``pyprofile_<config>_<tag>.txt``, and the
+top functions' host microseconds per step in the row): where the Python
+between the ops goes, the scheduler and the plugin included.
+One config per process, e.g.::
 
     for c in none plain plain_noctx none plain; do
         python benchmarks/plain_step_overhead.py $c benchmarks/results/plain_step_host_overhead R1
@@ -32,8 +36,11 @@ arrivals. One config per process, e.g.::
 """
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -75,6 +82,35 @@ def force_tree_steps(budget: int) -> None:
         budget, most
     )
     controller.should_draft = lambda self, num_reqs, most: True
+
+
+def python_host_profile(step, num_steps: int, top: int = 20) -> tuple[str, list]:
+    """The engine's Python functions over ``num_steps`` calls of ``step``
+    (``cProfile``: every call timed, so the steps run slower, but where their
+    host time goes by function is kept): the report sorted by own time, and
+    the ``top`` functions' own and cumulative microseconds per step. The
+    torch profiler's table times ops and launches, not the Python between
+    them (the scheduler, the plugin's wrappers, the budget's host work)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        for _ in range(num_steps):
+            step()
+    finally:
+        profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    stats.print_stats(top)
+    rows = []
+    for (path, line, name), (_, calls, own, cum, _) in stats.stats.items():
+        where = f"{os.path.basename(path)}:{line}({name})"
+        rows.append((where, own, cum, calls))
+    rows.sort(key=lambda r: -r[1])
+    per_step = [
+        [where, round(1e6 * own / num_steps, 1), round(1e6 * cum / num_steps, 1)]
+        for where, own, cum, _ in rows[:top]
+    ]
+    return text.getvalue(), per_step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -222,6 +258,10 @@ def main(argv=None) -> None:
             result.update(kernel_summary(table, PROFILED_STEPS))
             with open(f"{out}/profile_{config}_{tag}.txt", "w") as f:
                 f.write(table.table(sort_by="self_cpu_time_total", row_limit=30))
+            report, per_step = python_host_profile(step, PROFILED_STEPS)
+            result["python_top_us_per_step"] = per_step
+            with open(f"{out}/pyprofile_{config}_{tag}.txt", "w") as f:
+                f.write(report)
         engine.abort_request(ids)
         ids.clear()
         for _ in range(3):

@@ -160,3 +160,25 @@ def test_joins_keep_the_batch_and_add_prompts_before_each_step(monkeypatch, tmp_
     assert [e[0] for e in log[:first_step]] == ["add"] * 4 + ["abort", "add"]
     row = json.loads((tmp_path / "steps.jsonl").read_text())
     assert row["joins"] == 1 and len(row["step_ms_b4"]) == 1
+
+
+def test_python_host_profile_times_each_function_per_step():
+    def busy(n):
+        return sum(i * i for i in range(n))
+
+    calls = []
+
+    def step():
+        calls.append(busy(20000) + busy(200))
+
+    report, per_step = pso.python_host_profile(step, 5, top=50)
+    assert len(calls) == 5
+    assert "busy" in report
+    rows = {
+        where.split("(")[-1].rstrip(")"): (own, cum) for where, own, cum in per_step
+    }
+    # step() calls busy(), whose generator does the work: its cumulative time
+    # per step covers busy()'s, and each is positive.
+    assert rows["step"][1] >= rows["busy"][1] > 0
+    assert all(own >= 0 and cum >= own for own, cum in rows.values())
+    print(per_step[:3])
