@@ -8,20 +8,32 @@ ladder by measured cost and estimated acceptance. Its oracle, per cell
 (concurrency and temperature), is the best it could have done with one ``b``
 held for every step: the same engine (DDTree's default, ``"tree_budget":
 "auto"``), with the controller's choice replaced by ``b`` (``b = 0``: plain
-steps, the drafter never runs; ``b > 0``: ``min(b, cap)`` nodes per request
-verified at every step, the drafter at every step, the batch-wide split kept;
-:class:`ForcedBudget`). Each cell runs the default and every distinct
-constant budget under continuous arrivals (``trace_budget.ArrivalLoop``: C
-requests in flight, each new to the engine, 256 output tokens), in rounds
-whose order alternates (the second round reversed), so that no run always
-follows the same one.
+steps, the drafter never runs; ``b > 0``: ``b`` nodes per request on average
+at every step, the drafter at every step; :class:`ForcedBudget`). What stays
+the adaptive engine's: trees built as wide as its caps, the scheduler's
+slots above ``b`` (3 at ``b = 0`` or 1, 15 at 7) and the batch-wide split of
+the step's nodes. So this is the best constant budget of the controller, not
+an engine with a fixed ``tree_budget`` (whose trees, slots and steps are
+``b`` wide, with no split).
 
-What carries over between runs of one engine: what the default's controller
-learned (step periods, acceptance estimate), which the forced runs leave as
-the last default run left it, except for the acceptance estimate and the
-walk's calibration, which every drafted step renews (they describe the
-drafter at the cell's temperature, not a budget); the forced runs' step
-periods are not learned.
+Each cell runs the default and every distinct constant budget of the ladder
+under continuous arrivals (``trace_budget.ArrivalLoop``: C requests in
+flight, each new to the engine, 256 output tokens), in rounds whose order
+alternates (the second reversed). Before each measured run an unmeasured
+stretch of the same setting (C requests of 32 tokens) lets what the previous
+run left drain: the scheduler's slots (they follow the budget reported two
+steps back), whether trees exist for the first step, and the default's
+controller re-reading its estimate. Between runs of one engine, what the
+default's controller learned (step periods, probes) stays as its own runs
+left it (a forced step is neither timed nor counted); the acceptance
+estimate and the walk's calibration are renewed by every drafted step,
+forced or not, and the calibration only in the bins of the nodes verified,
+so a run of small trees leaves the others' bins decayed toward the prior.
+
+The oracle is the best budget by its mean over the rounds; since the same
+rounds choose and score it, the default over it is biased low, so with two
+rounds or more the table also gives the held-out ratio (the budget chosen on
+the other rounds, scored on each round).
 
 Real size (the embedded pair, ``embed_pair.py``'s output ``D``)::
 
@@ -29,9 +41,10 @@ Real size (the embedded pair, ``embed_pair.py``'s output ``D``)::
         --kv-gib 6 --phases 64:0:256,64:1:256 --rounds 2
 
 Outputs in ``OUT``: ``oracle_rows.jsonl`` (one row per run, written as it
-ends), ``oracle.md`` (per cell: tokens per second of every run and round, the
-best constant budget, and the default over it). The summary of a rows file
-again: ``python benchmarks/budget_oracle.py --summarize OUT/oracle_rows.jsonl``.
+ends) and ``oracle.md`` (rewritten after every run: per cell, every run's
+tokens per second by round, the best constant budget, and the default over
+it). The summary of a rows file again: ``python benchmarks/budget_oracle.py
+--summarize OUT/oracle_rows.jsonl``.
 """
 
 import argparse
@@ -42,8 +55,9 @@ import sys
 import time
 from collections import defaultdict
 
-# The engine in this process: the forced budget reaches its controller.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# The engine in this process: the forced budget reaches its controller only
+# there (a caller's setting is overridden).
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_ddtree_config import speculative_config  # noqa: E402
 from benchmarks.trace_budget import P, ArrivalLoop, parse_phases  # noqa: E402
@@ -56,15 +70,20 @@ DEFAULT = "default"
 
 class ForcedBudget:
     """While ``budget`` is set, every ``TreeBudgetController`` of the process
-    verifies ``min(budget, cap)`` nodes per request on every step that has
-    trees, has the drafter run after every step when ``budget > 0`` (never
-    when 0), and reports ``budget`` as its choice, which the scheduler's slots
-    follow. Its cost model and probes stay as its own steps left them (a
-    forced step is neither timed nor logged). ``None``: the controller
-    decides."""
+    verifies ``min(budget, cap)`` nodes per request on average on every step
+    that has trees (``cap``: the step's fewest slots; the batch-wide split
+    moves nodes between requests), has the drafter run after every step when
+    that is above 0 (``min(budget, slots)``, ``slots`` the engine's cap for
+    the batch size: never where it is 0), and reports it as its choice, which
+    the scheduler's slots follow. Its cost model and probes stay as its own
+    steps left them: a forced step is neither timed nor counted in its log.
+    ``None``: the controller decides. ``forced_steps`` counts the steps
+    forced, so that a run whose steps never reached the patch (an engine in
+    another process) is caught."""
 
     def __init__(self) -> None:
         self.budget: int | None = None
+        self.forced_steps = 0
 
     def install(self):
         from vllm.v1.spec_decode import ddtree_cost as dc
@@ -76,6 +95,7 @@ class ForcedBudget:
         def choose(self, num_reqs, max_budget, has_trees, timed):
             if forced.budget is None:
                 return orig_choose(self, num_reqs, max_budget, has_trees, timed)
+            forced.forced_steps += 1
             # Untimed: its period teaches the cost model nothing.
             self._step = None
             return min(forced.budget, max_budget) if has_trees else 0
@@ -149,30 +169,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _best(means: dict):
+    """The run with the most tokens per second; ties to the smaller budget."""
+    return max(sorted(means), key=lambda run: means[run])
+
+
 def summarize(rows: list[dict]) -> list[str]:
     """Per cell: every run's tokens per second by round and their mean, the
     best constant budget by mean (the oracle), and the default over it, by
-    round and of the means."""
+    round and of the means; with two rounds or more the held-out ratio too:
+    for each round, the budget best over the other rounds, scored there."""
     cells = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         cells[r["phase"]][r["run"]][r["round"]] = r["tok_s"]
     lines = [
         "| cell | default tok/s | oracle b | oracle tok/s | default / oracle "
-        "(rounds) | every run: mean tok/s (rounds) |",
-        "|---|---|---|---|---|---|",
+        "(rounds) | held out | every run: mean tok/s (rounds) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for phase, runs in cells.items():
         means = {run: statistics.fmean(v.values()) for run, v in runs.items()}
         constant = {run: m for run, m in means.items() if run != DEFAULT}
-        if DEFAULT not in means or not constant:
+        if DEFAULT not in means or not constant or max(constant.values()) <= 0:
             lines.append(f"| {phase} | incomplete: {sorted(map(str, means))} |")
             continue
-        best = max(constant, key=constant.get)
+        best = _best(constant)
         paired = [
             runs[DEFAULT][k] / runs[best][k]
             for k in sorted(runs[DEFAULT])
-            if k in runs[best] and runs[best][k] > 0
+            if runs[best].get(k, 0) > 0
         ]
+        held_out = []
+        for k in sorted(runs[DEFAULT]):
+            others = {
+                run: statistics.fmean(v for j, v in runs[run].items() if j != k)
+                for run in constant
+                if any(j != k for j in runs[run])
+            }
+            if others:
+                choice = _best(others)
+                if runs[choice].get(k, 0) > 0:
+                    held_out.append(runs[DEFAULT][k] / runs[choice][k])
         every = "; ".join(
             f"{run}: {means[run]:.0f} ("
             + ", ".join(f"{v:.0f}" for _, v in sorted(runs[run].items()))
@@ -183,7 +220,15 @@ def summarize(rows: list[dict]) -> list[str]:
             f"| {phase} | {means[DEFAULT]:.0f} | {best} | {constant[best]:.0f} | "
             f"{means[DEFAULT] / constant[best]:.3f} ("
             + ", ".join(f"{x:.3f}" for x in paired)
-            + f") | {every} |"
+            + ") | "
+            + (
+                f"{statistics.fmean(held_out):.3f} ("
+                + ", ".join(f"{x:.3f}" for x in held_out)
+                + ")"
+                if held_out
+                else "-"
+            )
+            + f" | {every} |"
         )
     return lines
 
@@ -193,7 +238,23 @@ def read_rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def phase_names(phases) -> list[str]:
+    """``c<C>T<T>`` per phase; a repeated one told apart (``c64T1#2``)."""
+    seen: dict[str, int] = defaultdict(int)
+    names = []
+    for c, temp, _ in phases:
+        name = f"c{c}T{temp:g}"
+        seen[name] += 1
+        names.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return names
+
+
+# Output tokens per request of the unmeasured stretch before each run.
+SETTLE_TOKENS = 32
+
+
 def main(argv=None) -> None:
+    started = time.perf_counter()
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     sys.path.insert(0, os.getcwd())
@@ -215,8 +276,14 @@ def main(argv=None) -> None:
     print(f"engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
     engine = llm.llm_engine
     cfg = DDTreeConfig.from_vllm_config(engine.vllm_config)
+    if cfg is None or not cfg.adaptive:
+        sys.exit(f"the engine's DDTree config is not adaptive: {cfg}")
     slots = engine_tree_slots(cfg, engine.vllm_config)
     budgets = args.budgets if args.budgets is not None else list(cfg.ladder)
+    off_ladder = sorted(set(budgets) - set(cfg.ladder))
+    if off_ladder:
+        # A step of such a budget has no CUDA graph of its own.
+        sys.exit(f"--budgets {off_ladder} are not on the ladder {list(cfg.ladder)}")
     with open(args.prompts) as f:
         texts = [p["text"] for p in json.load(f)["prompts"]]
     loop = ArrivalLoop(engine, texts)
@@ -224,26 +291,34 @@ def main(argv=None) -> None:
 
     rows_path = os.path.join(args.out, "oracle_rows.jsonl")
     rows = []
-    stop = (
-        None if args.limit_seconds is None else time.perf_counter() + args.limit_seconds
-    )
+    names = phase_names(args.phases)
     plan = [
-        (c, temp, n, k, run)
-        for c, temp, n in args.phases
+        (name, c, temp, n, k, run)
+        for name, (c, temp, n) in zip(names, args.phases, strict=True)
         for k in range(args.rounds)
         for run in round_order(cell_runs(budgets, slots[min(c, len(slots) - 1)]), k)
     ]
     print(f"{len(plan)} runs over {len(args.phases)} cells", flush=True)
+    longest = 0.0
     with open(rows_path, "w") as out:
-        for i, (c, temp, n, k, run) in enumerate(plan):
-            if stop is not None and time.perf_counter() > stop:
+        for i, (name, c, temp, n, k, run) in enumerate(plan):
+            t = time.perf_counter()
+            if (
+                args.limit_seconds is not None
+                and t - started + longest > args.limit_seconds
+            ):
                 print(f"stopped at the time limit: {len(plan) - i} runs left")
                 break
             forced.budget = None if run == DEFAULT else run
+            before = forced.forced_steps
+            loop.run(c, temp, c, max_tokens=SETTLE_TOKENS)
             toks, secs, step_ms, nsteps = loop.run(c, temp, n)
             forced.budget = None
+            if run != DEFAULT and forced.forced_steps == before:
+                sys.exit(f"run b={run}: no step reached the forced budget")
+            longest = max(longest, time.perf_counter() - t)
             row = {
-                "phase": f"c{c}T{temp:g}",
+                "phase": name,
                 "run": run,
                 "round": k,
                 "tok_s": round(toks / secs, 1),
@@ -255,10 +330,9 @@ def main(argv=None) -> None:
             out.write(json.dumps(row) + "\n")
             out.flush()
             print(f"[{i + 1}/{len(plan)}] {json.dumps(row)}", flush=True)
-    lines = summarize(rows)
-    with open(os.path.join(args.out, "oracle.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            with open(os.path.join(args.out, "oracle.md"), "w") as f:
+                f.write("\n".join(summarize(rows)) + "\n")
+    print("\n".join(summarize(rows)))
 
 
 if __name__ == "__main__":

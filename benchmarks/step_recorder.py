@@ -79,10 +79,12 @@ def install(records: list, phase: Callable[[], str] | None = None):
 
 def with_periods(rs: list[dict]) -> list[dict]:
     """One process's steps in order, each given its ``period`` (ms) to the
-    next step of the same phase (the last step of a phase has none)."""
-    for a, b in zip(rs, rs[1:]):
+    next step of the same phase (the last step of a phase has none) and the
+    prompt tokens of the step before it in that phase (``prompt_before``)."""
+    for a, b in zip(rs, rs[1:], strict=False):
         if a.get("ph") == b.get("ph"):
             a["period"] = (b["t"] - a["t"]) * 1e3
+            b["prompt_before"] = a["prompt"]
     return rs
 
 
@@ -155,19 +157,28 @@ PROMPT_BINS = (128, 512, 2048, math.inf)
 
 
 def _kind(r: dict) -> str:
-    if r["prompt"] == 0:
+    """A period's kind: a prompt chunk's when its step or the step before
+    carried one (with async scheduling a step's period holds part of the
+    previous step's work), by the larger chunk; else a decode step's."""
+    prompt = max(r["prompt"], r.get("prompt_before", 0))
+    if prompt == 0:
         return "decode"
     low = 1
     for high in PROMPT_BINS:
-        if r["prompt"] <= high:
+        if prompt <= high:
             return f"prompt {low}+" if high == math.inf else f"prompt {low}-{high}"
         low = high + 1
     raise AssertionError("unreachable")
 
 
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}"
+
+
 def attribution(config: str, rs: list[dict], ref: str, ref_rs: list[dict]) -> list[str]:
     """Where ``config``'s time in a cell differs from ``ref``'s, by step kind
-    (decode steps; steps carrying a prompt chunk, by its size): what its steps
+    (decode steps; periods touching a prompt chunk, by its size,
+    :func:`_kind`): what its steps
     cost more each (its steps x the difference of the kinds' mean periods) and
     what it ran more or fewer of them (the difference of the counts x
     ``ref``'s mean period). The two columns sum to the difference of the
@@ -205,7 +216,7 @@ def attribution(config: str, rs: list[dict], ref: str, ref_rs: list[dict]) -> li
         totals[0] += per_step
         totals[1] += count
         lines.append(
-            f"| {k} | {len(a)} | {len(b)} | {mean_a:.2f} | {mean_b:.2f} "
+            f"| {k} | {len(a)} | {len(b)} | {_ms(mean_a)} | {_ms(mean_b)} "
             f"| {per_step:+.3f} | {count:+.3f} |"
         )
     lines.append(

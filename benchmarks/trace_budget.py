@@ -144,13 +144,18 @@ class ArrivalLoop:
         # Requests sent so far (over every run): the next one's number.
         self.sent = 0
 
-    def run(self, c: int, temp: float, n: int) -> tuple[int, float, float, int]:
+    def run(
+        self, c: int, temp: float, n: int, max_tokens: int | None = None
+    ) -> tuple[int, float, float, int]:
         """(output tokens, seconds, median engine step in ms while C were in
-        flight, such steps)."""
+        flight, such steps); ``max_tokens`` per request, default the loop's."""
         from vllm import SamplingParams
 
         sp = SamplingParams(
-            temperature=temp, max_tokens=self.max_tokens, ignore_eos=True, seed=None
+            temperature=temp,
+            max_tokens=max_tokens or self.max_tokens,
+            ignore_eos=True,
+            seed=None,
         )
         done = inflight = submitted = toks = 0
         steps = []

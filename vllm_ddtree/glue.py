@@ -433,8 +433,7 @@ def _add_cli_args(original, parser, *args, **kwargs):
         logger.error(
             "DDTree: vLLM finds no GPU on this machine and stops below "
             '("Failed to infer device type"). Method "ddtree" needs an NVIDIA '
-            "GPU with CUDA; without one, run the CPU tests instead: "
-            'pip install ".[test]" && python -m pytest'
+            "GPU with CUDA (Troubleshooting in DDTree's guide, docs/ddtree.md)"
         )
     return original(parser, *args, **kwargs)
 

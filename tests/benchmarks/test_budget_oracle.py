@@ -145,7 +145,10 @@ def test_summary_names_the_best_constant_budget_and_the_default_over_it():
     # b=3 averages 1000, b=7 980: the oracle is b=3.
     assert cells[1:4] == ["940", "3", "1000"]
     assert cells[4] == "0.940 (0.900, 0.980)"
-    assert "0: 700 (700, 700)" in cells[5]
+    # Held out: round 0 scores b=7 (best on round 1: 1010), 900 / 950; round
+    # 1 scores b=3 (best on round 0: 1000), 980 / 1000.
+    assert cells[5] == "0.964 (0.947, 0.980)"
+    assert "0: 700 (700, 700)" in cells[6]
     incomplete = next(line for line in lines if line.startswith("| c1T1"))
     assert "incomplete" in incomplete
 
@@ -195,3 +198,22 @@ def test_arrival_loop_keeps_c_in_flight_with_prompts_new_to_the_engine():
     assert engine.prompts["r0"] == ("# request 0\na", 1.0, True)
     assert engine.prompts["r11"][0] == "# request 11\nb"
     assert engine.prompts["r12"][1] == 0.0
+
+
+def test_a_repeated_cell_is_told_apart():
+    phases = [(64, 1.0, 256), (32, 1.0, 128), (64, 1.0, 256), (64, 0.0, 256)]
+    assert bo.phase_names(phases) == ["c64T1", "c32T1", "c64T1#2", "c64T0"]
+
+
+def test_ties_go_to_the_smaller_budget_and_a_zero_row_is_incomplete():
+    rows = [
+        _row("c8T1", "default", 0, 500.0),
+        _row("c8T1", 7, 0, 600.0),
+        _row("c8T1", 3, 0, 600.0),
+        _row("c1T0", "default", 0, 100.0),
+        _row("c1T0", 0, 0, 0.0),
+    ]
+    lines = bo.summarize(rows)
+    c8 = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert c8[2] == "3" and c8[5] == "-"
+    assert "incomplete" in lines[3]

@@ -126,12 +126,14 @@ def test_configs_steps_side_by_side_by_cell(tmp_path):
     assert lines[6] == (
         "| ddtree | 3 | 0.04 | 8.0 | 11.00 (1.100x) | 11.67 (1.167x) | 0 (0 %) | - | 0 % |"
     )
-    # ddtree's 0.035 s against none's 0.060 s: its decode steps cost 3 x 1.67
-    # ms more, and it ran none of none's 30-ms prompt step.
+    # ddtree's 0.035 s against none's 0.060 s. none's prompt step (30 ms) and
+    # the period after it (10 ms, which holds part of its work) count as
+    # prompt periods: ddtree's decode steps cost 3 x 1.67 ms more, it ran
+    # one decode period more and neither prompt period.
     assert lines[8] == "ddtree against none, seconds by step kind:"
     assert lines[12:] == [
-        "| decode | 3 | 3 | 11.67 | 10.00 | +0.005 | +0.000 |",
-        "| prompt 1-128 | 0 | 1 | nan | 30.00 | +0.000 | -0.030 |",
+        "| decode | 3 | 2 | 11.67 | 10.00 | +0.005 | +0.010 |",
+        "| prompt 1-128 | 0 | 2 | - | 20.00 | +0.000 | -0.040 |",
         "| all | 3 | 4 | | | +0.005 | -0.030 |",
     ]
 
@@ -183,14 +185,16 @@ def test_attribution_splits_the_difference_by_prompt_size():
         return [{"prompt": p, "period": ms} for p, ms in pairs]
 
     ref = steps((0, 10.0), (0, 10.0), (100, 20.0), (600, 40.0))
+    # The period after a prompt step counts with it (prompt_before, which
+    # with_periods sets): here each step's own kind is the one meant.
     mine = steps((0, 11.0), (0, 11.0), (0, 11.0), (100, 26.0), (3000, 90.0))
     lines = sr.attribution("ddtree", mine, "none", ref)
     rows = lines[5:]
     assert rows == [
         "| decode | 3 | 2 | 11.00 | 10.00 | +0.003 | +0.010 |",
         "| prompt 1-128 | 1 | 1 | 26.00 | 20.00 | +0.006 | +0.000 |",
-        "| prompt 513-2048 | 0 | 1 | nan | 40.00 | +0.000 | -0.040 |",
-        "| prompt 2049+ | 1 | 0 | 90.00 | nan | +0.000 | +0.090 |",
+        "| prompt 513-2048 | 0 | 1 | - | 40.00 | +0.000 | -0.040 |",
+        "| prompt 2049+ | 1 | 0 | 90.00 | - | +0.000 | +0.090 |",
         "| all | 5 | 4 | | | +0.009 | +0.060 |",
     ]
     diff = (sum(r["period"] for r in mine) - sum(r["period"] for r in ref)) / 1e3
@@ -242,3 +246,19 @@ def test_a_server_process_writes_its_steps(tmp_path):
     records = [json.loads(x) for x in files[0].read_text().splitlines()]
     assert len(records) == 5
     assert all(r["n"] == 1 and r["prompt"] == 0 for r in records)
+
+
+def test_the_period_after_a_prompt_step_counts_with_it():
+    """With async scheduling a prompt chunk's work reaches into the next
+    step's period: that period is a prompt period too, of the larger chunk."""
+    rs = sr.with_periods(
+        [
+            {"t": 0.0, "prompt": 0},
+            {"t": 0.010, "prompt": 700},
+            {"t": 0.040, "prompt": 0},
+            {"t": 0.055, "prompt": 50},
+            {"t": 0.070, "prompt": 0},
+        ]
+    )
+    kinds = [sr._kind(r) for r in rs if "period" in r]
+    assert kinds == ["decode", "prompt 513-2048", "prompt 513-2048", "prompt 1-128"]

@@ -446,8 +446,14 @@ def test_without_a_gpu_the_user_reads_what_ddtree_needs():
         )
     }
     out = {}
+    try:
+        for name, proc in runs.items():
+            out[name] = proc.communicate(timeout=600)[0]
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
     for name, proc in runs.items():
-        out[name] = proc.communicate(timeout=600)[0]
         assert proc.returncode != 0, (name, out[name][-2000:])
     served = out["serve"]
     assert 0 <= served.find(OURS) < served.find(NO_GPU), served[-3000:]
