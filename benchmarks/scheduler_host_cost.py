@@ -112,24 +112,11 @@ def _block_hasher(vllm_config):
 
 
 def _request(i: int, params, hasher):
-    from vllm.v1.engine import EngineCoreRequest
-    from vllm.v1.request import Request
+    """Request ``i`` as the engine core makes one; a first token of its own,
+    so that no prefix-cache block matches another request's."""
+    from tests.v1.core.test_ddtree_scheduler import _request as scheduler_request
 
-    return Request.from_engine_core_request(
-        EngineCoreRequest(
-            request_id=f"r{i}",
-            # A first token per request: no prefix-cache hit between them.
-            prompt_token_ids=[5 + i] + [6] * (PROMPT_LEN - 1),
-            mm_features=None,
-            sampling_params=params,
-            pooling_params=None,
-            arrival_time=0.0,
-            lora_request=None,
-            cache_salt=None,
-            data_parallel_rank=None,
-        ),
-        block_hasher=hasher,
-    )
+    return scheduler_request(f"r{i}", [5 + i] + [6] * (PROMPT_LEN - 1), params, hasher)
 
 
 def _output(scheduler_output, report):
