@@ -60,7 +60,12 @@ from collections import defaultdict
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_ddtree_config import speculative_config  # noqa: E402
-from benchmarks.trace_budget import P, ArrivalLoop, parse_phases  # noqa: E402
+from benchmarks.trace_budget import (  # noqa: E402
+    P,
+    ArrivalLoop,
+    parse_phases,
+    phase_names,
+)
 
 # The record's cells (concurrency 1 / 8 / 32 / 64 at T=0 and T=1), with
 # enough requests for several waves at the larger concurrencies.
@@ -236,17 +241,6 @@ def summarize(rows: list[dict]) -> list[str]:
 def read_rows(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def phase_names(phases) -> list[str]:
-    """``c<C>T<T>`` per phase; a repeated one told apart (``c64T1#2``)."""
-    seen: dict[str, int] = defaultdict(int)
-    names = []
-    for c, temp, _ in phases:
-        name = f"c{c}T{temp:g}"
-        seen[name] += 1
-        names.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
-    return names
 
 
 # Output tokens per request of the unmeasured stretch before each run.

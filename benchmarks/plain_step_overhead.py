@@ -101,14 +101,16 @@ def python_host_profile(step, num_steps: int, top: int = 20) -> tuple[str, list]
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
     stats.print_stats(top)
-    rows = []
-    for (path, line, name), (_, calls, own, cum, _) in stats.stats.items():
-        where = f"{os.path.basename(path)}:{line}({name})"
-        rows.append((where, own, cum, calls))
-    rows.sort(key=lambda r: -r[1])
+    rows = sorted(
+        (
+            (f"{os.path.basename(path)}:{line}({name})", own, cum)
+            for (path, line, name), (_, _, own, cum, _) in stats.stats.items()
+        ),
+        key=lambda r: -r[1],
+    )
     per_step = [
         [where, round(1e6 * own / num_steps, 1), round(1e6 * cum / num_steps, 1)]
-        for where, own, cum, _ in rows[:top]
+        for where, own, cum in rows[:top]
     ]
     return text.getvalue(), per_step
 

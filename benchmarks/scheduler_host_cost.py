@@ -38,6 +38,7 @@ use_checkout()
 CONFIGS = ("none", "ddtree", "ddtree-no-slots")
 WARM_STEPS = 20
 PROMPT_LEN = 64
+# The KV cache stand-in's block size (tests/v1/core/test_ddtree_scheduler.py).
 BLOCK_SIZE = 16
 
 
@@ -74,31 +75,15 @@ class _NoSlots:
 
 
 def _scheduler(vllm_config, num_blocks: int):
-    import torch
+    """The engine's scheduler class (the async one under async scheduling)
+    over the scheduler tests' KV cache stand-in."""
+    from tests.v1.core.test_ddtree_scheduler import _scheduler as stand_in
 
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.float16
-    )
-    kv = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    cls = vllm_config.scheduler_config.get_scheduler_cls()
-    return cls(
+    return stand_in(
         vllm_config,
-        kv,
-        StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
         log_stats=True,
+        num_blocks=num_blocks,
+        scheduler_cls=vllm_config.scheduler_config.get_scheduler_cls(),
     )
 
 

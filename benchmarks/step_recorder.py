@@ -154,21 +154,23 @@ def _row(config: str, rs: list[dict], ref: dict | None) -> tuple[str, dict]:
 # Step kinds of the attribution: decode steps, then steps carrying a prompt
 # chunk of at most this many prompt tokens.
 PROMPT_BINS = (128, 512, 2048, math.inf)
+KIND_LABELS = ["decode"] + [
+    f"prompt {low}+" if high == math.inf else f"prompt {low}-{high}"
+    for low, high in zip(
+        (1, *(b + 1 for b in PROMPT_BINS[:-1])), PROMPT_BINS, strict=True
+    )
+]
 
 
-def _kind(r: dict) -> str:
-    """A period's kind: a prompt chunk's when its step or the step before
-    carried one (with async scheduling a step's period holds part of the
-    previous step's work), by the larger chunk; else a decode step's."""
+def _kind(r: dict) -> int:
+    """A period's kind (an index of KIND_LABELS): a prompt chunk's when its
+    step or the step before carried one (with async scheduling a step's
+    period holds part of the previous step's work), by the larger chunk;
+    else a decode step's."""
     prompt = max(r["prompt"], r.get("prompt_before", 0))
     if prompt == 0:
-        return "decode"
-    low = 1
-    for high in PROMPT_BINS:
-        if prompt <= high:
-            return f"prompt {low}+" if high == math.inf else f"prompt {low}-{high}"
-        low = high + 1
-    raise AssertionError("unreachable")
+        return 0
+    return 1 + next(i for i, high in enumerate(PROMPT_BINS) if prompt <= high)
 
 
 def _ms(value: float) -> str:
@@ -191,10 +193,6 @@ def attribution(config: str, rs: list[dict], ref: str, ref_rs: list[dict]) -> li
         return kinds
 
     mine, theirs = by_kind(rs), by_kind(ref_rs)
-    order = ["decode"] + sorted(
-        {k for k in (*mine, *theirs) if k != "decode"},
-        key=lambda k: int(k.split()[1].split("-")[0].rstrip("+")),
-    )
     lines = [
         "",
         f"{config} against {ref}, seconds by step kind:",
@@ -204,7 +202,7 @@ def attribution(config: str, rs: list[dict], ref: str, ref_rs: list[dict]) -> li
         "|---|---|---|---|---|---|---|",
     ]
     totals = [0.0, 0.0]
-    for k in order:
+    for k in sorted({*mine, *theirs}):
         a, b = mine.get(k, []), theirs.get(k, [])
         mean_a = statistics.mean(a) if a else float("nan")
         mean_b = statistics.mean(b) if b else float("nan")
@@ -216,7 +214,7 @@ def attribution(config: str, rs: list[dict], ref: str, ref_rs: list[dict]) -> li
         totals[0] += per_step
         totals[1] += count
         lines.append(
-            f"| {k} | {len(a)} | {len(b)} | {_ms(mean_a)} | {_ms(mean_b)} "
+            f"| {KIND_LABELS[k]} | {len(a)} | {len(b)} | {_ms(mean_a)} | {_ms(mean_b)} "
             f"| {per_step:+.3f} | {count:+.3f} |"
         )
     lines.append(

@@ -67,6 +67,18 @@ def parse_phases(text: str) -> list[tuple[int, float, int]]:
     return phases
 
 
+def phase_names(phases) -> list[str]:
+    """``c<C>T<T>`` per phase; a phase repeated later in the list is told
+    apart (``c64T1``, ``c64T1#2``)."""
+    seen: Counter[str] = Counter()
+    names = []
+    for c, temp, _ in phases:
+        name = f"c{c}T{temp:g}"
+        seen[name] += 1
+        names.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return names
+
+
 class CompileLog:
     """Triton compiles of this process, timed through Triton's JIT hooks
     (chained to hooks set before; a compile is never skipped by them)."""
@@ -298,12 +310,8 @@ def main(argv=None):
     phase_name[0] = "warmup"
     loop.run(4, 0.0, 8)
     rows = []
-    names = Counter()
-    for c, temp, n in args.phases:
-        # A phase repeated later in the list is told apart: c64T1, c64T1#2.
-        name = f"c{c}T{temp:g}"
-        names[name] += 1
-        phase_name[0] = name if names[name] == 1 else f"{name}#{names[name]}"
+    for name, (c, temp, n) in zip(phase_names(args.phases), args.phases, strict=True):
+        phase_name[0] = name
         toks, secs, step_ms, nsteps = loop.run(c, temp, n)
         rows.append(
             {

@@ -260,5 +260,5 @@ def test_the_period_after_a_prompt_step_counts_with_it():
             {"t": 0.070, "prompt": 0},
         ]
     )
-    kinds = [sr._kind(r) for r in rs if "period" in r]
+    kinds = [sr.KIND_LABELS[sr._kind(r)] for r in rs if "period" in r]
     assert kinds == ["decode", "prompt 513-2048", "prompt 513-2048", "prompt 1-128"]

@@ -52,8 +52,9 @@ def _engine_config(models, budget):
     ).create_engine_config()
 
 
-def _scheduler(vllm_config, log_stats=False, num_blocks=64):
-    """vLLM's Scheduler over a one-group KV cache stand-in (no GPU)."""
+def _scheduler(vllm_config, log_stats=False, num_blocks=64, scheduler_cls=None):
+    """vLLM's Scheduler (or ``scheduler_cls``) over a one-group KV cache
+    stand-in (no GPU)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -71,7 +72,7 @@ def _scheduler(vllm_config, log_stats=False, num_blocks=64):
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(
+    return (scheduler_cls or Scheduler)(
         vllm_config,
         kv,
         StructuredOutputManager(vllm_config),
