@@ -221,20 +221,32 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
     def __init__(self):
         self.patches: dict[str, Callable[[Any], None]] = {}
+        # Watched names being looked up by this finder right now.
+        self._finding: set[str] = set()
 
     def find_spec(self, name, path, target=None):
         patch = self.patches.get(name)
-        if patch is None:
+        if patch is None or name in self._finding:
+            # Asked again from inside the lookup below: another import hook
+            # (one that finds the module anew to wrap its loader, as profilers
+            # and tracers do) gets the plain spec. Wrapped here as well, the
+            # module would be patched twice, the second time over that hook's
+            # wrappers, which hide the first patch's mark: a wrapped method
+            # would then run DDTree's step twice.
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader, patch)
-                return spec
-        return None
+        self._finding.add(name)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    if spec.loader is not None:
+                        spec.loader = _PatchingLoader(spec.loader, patch)
+                    return spec
+            return None
+        finally:
+            self._finding.discard(name)
 
 
 def _post_import_finder() -> _PostImportFinder:

@@ -138,6 +138,67 @@ def test_wrappers_reach_modules_imported_later():
     assert json.loads(out) == [True] * 8 + [False]
 
 
+def test_another_import_hook_never_doubles_a_wrapper():
+    """An import hook of the kind tracers and profilers install (from a
+    ``sitecustomize``, before vLLM loads its plugins) finds the module anew
+    inside its own lookup and wraps a method after the module ran, without
+    ``functools.wraps``. The plugin's wrapper must still be there once, above or
+    below it: twice, a DDTree engine's step would be planned twice per step
+    (``benchmarks/serve_trace/sitecustomize.py`` did that, and the adaptive
+    budget's cost model learned nothing)."""
+    out = _python(
+        """
+        import importlib.abc, importlib.util, json, sys
+
+        NAME = "vllm.v1.worker.gpu.model_runner"
+
+        class Hook(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name != NAME:
+                    return None
+                sys.meta_path.remove(self)
+                spec = importlib.util.find_spec(name)
+                run = spec.loader.exec_module
+
+                def run_and_wrap(module):
+                    run(module)
+                    cls = module.GPUModelRunner
+                    inner = cls.execute_model
+
+                    def execute_model(self, *args, **kwargs):
+                        return inner(self, *args, **kwargs)
+
+                    execute_model.hook = True
+                    cls.execute_model = execute_model
+
+                spec.loader.exec_module = run_and_wrap
+                return spec
+
+        sys.meta_path.insert(0, Hook())
+        import vllm_ddtree
+        vllm_ddtree.register()
+        from vllm.v1.worker.gpu import model_runner
+
+        layers, fn = [], model_runner.GPUModelRunner.execute_model
+        while fn is not None:
+            layers.append("ddtree" if getattr(fn, "__ddtree_patched__", False)
+                          else "hook" if getattr(fn, "hook", False) else "vllm")
+            inner = getattr(fn, "__wrapped__", None)
+            if inner is None:
+                cells = [c.cell_contents for c in fn.__closure__ or ()]
+                inner = next((c for c in cells if callable(c)
+                              and getattr(c, "__name__", "") == "execute_model"),
+                             None)
+            fn = inner
+        print(json.dumps(layers))
+        """,
+        plugin=False,
+    )
+    layers = json.loads(out)
+    assert layers.count("ddtree") == 1, layers
+    assert layers.count("hook") == 1, layers
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("plugin_models")
