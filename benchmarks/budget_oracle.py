@@ -20,10 +20,12 @@ Each cell runs the default and every distinct constant budget of the ladder
 under continuous arrivals (``trace_budget.ArrivalLoop``: C requests in
 flight, each new to the engine, 256 output tokens), in rounds whose order
 alternates (the second reversed). Before each measured run an unmeasured
-stretch of the same setting (C requests of 32 tokens) lets what the previous
-run left drain: the scheduler's slots (they follow the budget reported two
-steps back), whether trees exist for the first step, and the default's
-controller re-reading its estimate. Between runs of one engine, what the
+stretch of the same setting lets what the previous run left drain: C
+requests of 32 tokens before a forced budget (the scheduler's slots, which
+follow the budget reported two steps back, and whether trees exist for the
+first step), two waves of full-length requests before the default (its
+controller re-reads its estimate and, after a cell where speculation did not
+pay, waits up to 256 plain steps for its next probe: :func:`settle`). Between runs of one engine, what the
 default's controller learned (step periods, probes) stays as its own runs
 left it (a forced step is neither timed nor counted); the acceptance
 estimate and the walk's calibration are renewed by every drafted step,
@@ -243,8 +245,25 @@ def read_rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-# Output tokens per request of the unmeasured stretch before each run.
+# Output tokens per request of the unmeasured stretch before a forced run.
 SETTLE_TOKENS = 32
+# Waves of full-length requests before a default run. After a cell where
+# speculation did not pay, the controller probes again only every
+# _PROBE_BACKOFF x _PROBE_INTERVAL (256) plain steps; a short stretch would
+# leave that wait, and the estimate it refreshes, to the measured run, which
+# would then time how the default meets a change of traffic, not the cell.
+DEFAULT_SETTLE_WAVES = 2
+
+
+def settle(loop, run, c: int, temp: float) -> None:
+    """The unmeasured stretch before ``run``: C requests of SETTLE_TOKENS
+    before a forced budget (the previous run's slots and trees drain), two
+    waves of full-length requests before the default (at least 512 steps
+    while it does not speculate: its controller meets the cell first)."""
+    if run == DEFAULT:
+        loop.run(c, temp, DEFAULT_SETTLE_WAVES * c)
+    else:
+        loop.run(c, temp, c, max_tokens=SETTLE_TOKENS)
 
 
 def main(argv=None) -> None:
@@ -305,7 +324,7 @@ def main(argv=None) -> None:
                 break
             forced.budget = None if run == DEFAULT else run
             before = forced.forced_steps
-            loop.run(c, temp, c, max_tokens=SETTLE_TOKENS)
+            settle(loop, run, c, temp)
             toks, secs, step_ms, nsteps = loop.run(c, temp, n)
             forced.budget = None
             if run != DEFAULT and forced.forced_steps == before:

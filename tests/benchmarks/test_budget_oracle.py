@@ -217,3 +217,35 @@ def test_ties_go_to_the_smaller_budget_and_a_zero_row_is_incomplete():
     c8 = [c.strip() for c in lines[2].split("|")[1:-1]]
     assert c8[2] == "3" and c8[5] == "-"
     assert "incomplete" in lines[3]
+
+
+class _PlainEngine(_FakeEngine):
+    """One token per request and step, as a batch that does not speculate."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def add_request(self, rid, prompt, params):
+        super().add_request(rid, prompt, params)
+        self.live[rid] = params.max_tokens
+
+    def step(self):
+        self.steps += 1
+        return super().step()
+
+
+def test_the_default_meets_the_cell_before_it_is_timed():
+    # After a cell where speculation did not pay, the default's next probe may
+    # be the controller's longest wait away: its settle must outlast it.
+    from vllm.v1.spec_decode import ddtree_cost as dc
+
+    longest_wait = dc._PROBE_BACKOFF * dc._PROBE_INTERVAL
+    engine = _PlainEngine()
+    loop = tb.ArrivalLoop(engine, ["a"], clock=_Clock())
+    bo.settle(loop, bo.DEFAULT, 4, 0.0)
+    assert engine.steps >= 2 * longest_wait
+    # A forced run's settle only drains the previous run's slots and trees.
+    before = engine.steps
+    bo.settle(loop, 7, 4, 0.0)
+    assert engine.steps - before == bo.SETTLE_TOKENS
