@@ -17,20 +17,20 @@ an engine with a fixed ``tree_budget`` (whose trees, slots and steps are
 ``b`` wide, with no split).
 
 Each cell runs the default and every distinct constant budget of the ladder
-under continuous arrivals (``trace_budget.ArrivalLoop``: C requests in
-flight, each new to the engine, 256 output tokens), in rounds whose order
-alternates (the second reversed). Before each measured run an unmeasured
-stretch of the same setting lets what the previous run left drain: C
-requests of 32 tokens before a forced budget (the scheduler's slots, which
-follow the budget reported two steps back, and whether trees exist for the
-first step), two waves of full-length requests before the default (its
-controller re-reads its estimate and, after a cell where speculation did not
-pay, waits up to 256 plain steps for its next probe: :func:`settle`). Between runs of one engine, what the
-default's controller learned (step periods, probes) stays as its own runs
-left it (a forced step is neither timed nor counted); the acceptance
-estimate and the walk's calibration are renewed by every drafted step,
-forced or not, and the calibration only in the bins of the nodes verified,
-so a run of small trees leaves the others' bins decayed toward the prior.
+under continuous arrivals (``trace_budget.ArrivalLoop``: C requests in flight,
+each new to the engine, 256 output tokens), in rounds whose order alternates
+(the second reversed). Before each measured run an unmeasured stretch of the
+same setting lets what the previous run left drain: C requests of 32 tokens
+before a forced budget (the scheduler's slots, which follow the budget
+reported two steps back, and whether trees exist for the first step), two
+waves of full-length requests before the default (its controller re-reads its
+estimate and, after a cell where speculation did not pay, waits up to 256
+plain steps for its next probe: :func:`settle`). Between runs of one engine,
+what the default's controller learned (step periods, probes) stays as its own
+runs left it (a forced step is neither timed nor counted); the acceptance
+estimate and the walk's calibration are renewed by every drafted step, forced
+or not, and the calibration only in the bins of the nodes verified, so a run
+of small trees leaves the others' bins decayed toward the prior.
 
 The oracle is the best budget by its mean over the rounds; since the same
 rounds choose and score it, the default over it is biased low, so with two
