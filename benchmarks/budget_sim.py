@@ -87,7 +87,7 @@ class StepCosts:
         drafter = {
             n: 1e-3 * (self.drafter + self.drafter_per_req * n) for n in (1, 8, 32)
         }
-        return StepCostModel(target, drafter)
+        return StepCostModel(target, drafter, largest_graph=max(sizes))
 
 
 class _Clock:

@@ -838,3 +838,38 @@ def test_should_draft_keeps_its_mode_near_break_even():
     assert not controller.should_draft(4, 3)
     with_gain(1.0 + 2 * _SWITCH_MARGIN)
     assert controller.should_draft(4, 3)
+
+
+def _graph_bound_controller(largest_graph):
+    """64 requests, a ladder up to 15, start-up graphs up to 512 tokens whose
+    extrapolation makes every budget look nearly free: the optimistic prior of
+    an unseen shape. The trees accept a lot, so the largest budget wins on
+    that prior."""
+    target = {64: 6e-3, 256: 7e-3, 512: 8e-3}
+    cost = StepCostModel(target, {1: 1e-3, 64: 1e-3}, largest_graph=largest_graph)
+    controller = TreeBudgetController(budget_ladder(15), 15, cost, clock=FakeClock())
+    controller.set_curve(AcceptanceCurve(64, (0.0, 0.9, 2.5, 4.0, 6.0)))
+    return controller
+
+
+def test_a_decode_step_stays_within_the_largest_cuda_graph():
+    """At 64 requests a budget of 15 verifies 1024 tokens, twice the largest
+    graph: that step runs without one (several times a graph's step, which
+    the prior does not know), so it is never chosen there; 7 (512 tokens) is."""
+    controller = _graph_bound_controller(largest_graph=512)
+    assert controller.cost.graphed(64, 7) and not controller.cost.graphed(64, 15)
+    assert controller.best_budget(64, 15) == 7
+    assert controller.best_budget(64, 15, drafted=True) == 7
+    assert controller.choose(64, 15, has_trees=True, timed=True) == 7
+    assert controller.should_draft(64, 15) and controller.last_best == 7
+    # Fewer requests: the same budget fits a graph again.
+    assert controller.cost.graphed(32, 15)
+    assert controller.best_budget(32, 15) == 15
+    # A step too large for any graph even as a plain step keeps plain steps.
+    assert controller.best_budget(600, 15) == 0
+
+
+def test_without_graphs_every_budget_stays_open():
+    controller = _graph_bound_controller(largest_graph=None)
+    assert controller.cost.graphed(64, 15)
+    assert controller.best_budget(64, 15) == 15

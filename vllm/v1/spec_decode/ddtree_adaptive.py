@@ -571,7 +571,11 @@ class AdaptiveTreeBudget:
         return TreeBudgetController(
             self.cfg.ladder,
             self.cfg.draft_depth,
-            StepCostModel(target or {1: 1e-4}, drafter or {1: 0.0}),
+            StepCostModel(
+                target or {1: 1e-4},
+                drafter or {1: 0.0},
+                largest_graph=max(target) if target else None,
+            ),
             learn=self.tp_size == 1,
         )
 

@@ -206,11 +206,19 @@ class StepCostModel:
         self,
         target_seconds: Mapping[int, float],
         drafter_seconds: Mapping[int, float],
+        largest_graph: int | None = None,
     ):
         if not target_seconds or not drafter_seconds:
             raise ValueError("the cost model needs measured target and drafter times")
         self._target = sorted(target_seconds.items())
         self._drafter = sorted(drafter_seconds.items())
+        # The most tokens a decode step replays from the target's CUDA graphs
+        # (None: no graphs, every step runs without one). A larger decode step
+        # runs without a graph: several times a graph's step of half its
+        # tokens, where the graphs' times extrapolated (its prior) put it near
+        # that step's, and a tree step that stays alone (a probe's) never
+        # teaches its period, so it would stay chosen on that guess.
+        self.largest_graph = largest_graph
         # (bucket, drafted) -> {budget: recent periods}
         self._shapes: dict[tuple[int, bool], dict[int, _Shape]] = {}
         # The shapes with an estimate of their own, (bucket, drafted, budget,
@@ -230,6 +238,13 @@ class StepCostModel:
 
     def _stale(self, shape: _Shape) -> bool:
         return shape.plain and self.steps - shape.last_step > _STALE_STEPS
+
+    def graphed(self, num_reqs: int, budget: int) -> bool:
+        """Whether a decode step of ``num_reqs`` requests verifying ``budget``
+        nodes each replays a CUDA graph (always, without graphs to bound it)."""
+        return self.largest_graph is None or num_reqs * (1 + budget) <= (
+            self.largest_graph
+        )
 
     def estimated(self, num_reqs: int, budget: int, drafted: bool) -> bool:
         """Whether the shape has a current estimate of its own."""
@@ -521,7 +536,8 @@ class TreeBudgetController:
         drafted: bool = False,
         plain_weight: float = 1.0,
     ) -> int:
-        """The ladder budget <= ``max_budget`` with the most expected tokens per
+        """The ladder budget <= ``max_budget`` whose decode step replays a CUDA
+        graph (:meth:`StepCostModel.graphed`) with the most expected tokens per
         second for ``num_reqs`` requests (ties: the smaller budget), every
         step charged its kind's prompt time too (:meth:`prompt_seconds`); a
         plain step's rate counts ``plain_weight`` times (should_draft's
@@ -549,7 +565,7 @@ class TreeBudgetController:
         best = 0
         best_rate = plain_weight / (plain + max(self.prompt_seconds(trees=False), 0.0))
         for b in self.ladder[1:]:
-            if b > max_budget:
+            if b > max_budget or not self.cost.graphed(num_reqs, b):
                 break
             seconds = max(plain, self.cost.predict(num_reqs, b, True) - paid)
             rate = (1.0 + kept * self.expected_accepted(b)) / (seconds + extra)
