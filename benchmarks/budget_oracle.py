@@ -51,6 +51,7 @@ it). The summary of a rows file again: ``python benchmarks/budget_oracle.py
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -247,21 +248,27 @@ def read_rows(path: str) -> list[dict]:
 
 # Output tokens per request of the unmeasured stretch before a forced run.
 SETTLE_TOKENS = 32
-# Waves of full-length requests before a default run. After a cell where
-# speculation did not pay, the controller probes again only every
-# _PROBE_BACKOFF x _PROBE_INTERVAL (256) plain steps; a short stretch would
-# leave that wait, and the estimate it refreshes, to the measured run, which
-# would then time how the default meets a change of traffic, not the cell.
-DEFAULT_SETTLE_WAVES = 2
+
+
+def default_settle_waves(max_tokens: int) -> int:
+    """Waves of full-length requests before a default run: at least twice the
+    controller's longest wait for a probe in plain steps. After a cell where
+    speculation did not pay it probes again only every _PROBE_BACKOFF x
+    _PROBE_INTERVAL plain steps; a shorter stretch would leave that wait, and
+    the estimate it refreshes, to the measured run, which would then time how
+    the default meets a change of traffic, not the cell."""
+    from vllm.v1.spec_decode.ddtree_cost import _PROBE_BACKOFF, _PROBE_INTERVAL
+
+    return max(1, math.ceil(2 * _PROBE_BACKOFF * _PROBE_INTERVAL / max_tokens))
 
 
 def settle(loop, run, c: int, temp: float) -> None:
     """The unmeasured stretch before ``run``: C requests of SETTLE_TOKENS
-    before a forced budget (the previous run's slots and trees drain), two
-    waves of full-length requests before the default (at least 512 steps
-    while it does not speculate: its controller meets the cell first)."""
+    before a forced budget (the previous run's slots and trees drain), waves
+    of full-length requests before the default (:func:`default_settle_waves`:
+    its controller meets the cell first)."""
     if run == DEFAULT:
-        loop.run(c, temp, DEFAULT_SETTLE_WAVES * c)
+        loop.run(c, temp, default_settle_waves(loop.max_tokens) * c)
     else:
         loop.run(c, temp, c, max_tokens=SETTLE_TOKENS)
 

@@ -87,7 +87,12 @@ class StepCosts:
         drafter = {
             n: 1e-3 * (self.drafter + self.drafter_per_req * n) for n in (1, 8, 32)
         }
-        return StepCostModel(target, drafter, largest_graph=max(sizes))
+        # A decode step of n requests and b nodes each replays a graph up to
+        # the largest capture size (vLLM's 512).
+        graphed = [()] + [
+            tuple(b for b in LADDER if n * (1 + b) <= max(sizes)) for n in range(1, 257)
+        ]
+        return StepCostModel(target, drafter, graphed_budgets=graphed)
 
 
 class _Clock:

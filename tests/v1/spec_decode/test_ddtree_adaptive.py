@@ -875,3 +875,39 @@ def test_stand_in_speculator_matches_the_real_one():
     print(f"{len(read)} speculator attributes read by ddtree_adaptive: {sorted(read)}")
     assert num_aliases and len(read) >= 5
     assert not read - provided, sorted(read - provided)
+
+
+class _GraphManager:
+    """MRv2's graph manager as far as the profile asks it: a uniform decode
+    step replays a FULL graph up to ``largest`` tokens, for the query
+    lengths it captured."""
+
+    def __init__(self, largest, query_lens):
+        self.largest = largest
+        self.query_lens = query_lens
+
+    def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_loras):
+        from vllm.config.compilation import CUDAGraphMode
+
+        full = num_tokens <= self.largest and uniform_token_count in self.query_lens
+        mode = CUDAGraphMode.FULL if full else CUDAGraphMode.NONE
+        return types.SimpleNamespace(cg_mode=mode)
+
+
+def test_the_profile_asks_the_runners_dispatch_which_steps_replay_a_graph():
+    from vllm.v1.spec_decode import ddtree_adaptive
+
+    ladder = (0, 1, 3, 7)
+    table = ddtree_adaptive._graphed_budgets(_GraphManager(32, {1, 2, 8}), ladder, 8)
+    assert len(table) == 9 and table[0] == ()
+    # No graph of 4-token queries was captured; 8 requests of 8 tokens is 64.
+    assert table[1] == (0, 1, 7)
+    assert table[4] == (0, 1, 7)
+    assert table[8] == (0, 1)
+    assert ddtree_adaptive._graphed_budgets(None, ladder, 8) is None
+    # The controller bounds its budgets by the table; without graphs, none.
+    budget = AdaptiveTreeBudget(CFG, _vllm_config(), 8, DEVICE)
+    controller = budget._new_controller({8: 1e-3, 32: 2e-3}, {1: 1e-4}, table)
+    assert controller.cost.graphed_budgets is table
+    assert not controller.cost.graphed(8, 7)
+    assert budget._new_controller({}, {}, table).cost.graphed_budgets is None

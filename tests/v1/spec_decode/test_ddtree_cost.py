@@ -840,23 +840,31 @@ def test_should_draft_keeps_its_mode_near_break_even():
     assert controller.should_draft(4, 3)
 
 
-def _graph_bound_controller(largest_graph):
-    """64 requests, a ladder up to 15, start-up graphs up to 512 tokens whose
-    extrapolation makes every budget look nearly free: the optimistic prior of
-    an unseen shape. The trees accept a lot, so the largest budget wins on
-    that prior."""
+def _graphed(largest: int, max_reqs: int = 700, ladder=budget_ladder(15)):
+    """The budgets each batch size replays a FULL graph for, with graphs up to
+    ``largest`` tokens (no gaps)."""
+    return [()] + [
+        tuple(b for b in ladder if n * (1 + b) <= largest)
+        for n in range(1, max_reqs + 1)
+    ]
+
+
+def _graph_bound_controller(graphed_budgets):
+    """A ladder up to 15, start-up graphs up to 512 tokens whose extrapolation
+    makes every budget look nearly free (the optimistic prior of an unseen
+    shape), trees that accept a lot: on that prior the largest budget wins."""
     target = {64: 6e-3, 256: 7e-3, 512: 8e-3}
-    cost = StepCostModel(target, {1: 1e-3, 64: 1e-3}, largest_graph=largest_graph)
+    cost = StepCostModel(target, {1: 1e-3, 64: 1e-3}, graphed_budgets=graphed_budgets)
     controller = TreeBudgetController(budget_ladder(15), 15, cost, clock=FakeClock())
     controller.set_curve(AcceptanceCurve(64, (0.0, 0.9, 2.5, 4.0, 6.0)))
     return controller
 
 
-def test_a_decode_step_stays_within_the_largest_cuda_graph():
+def test_a_decode_step_stays_within_the_cuda_graphs():
     """At 64 requests a budget of 15 verifies 1024 tokens, twice the largest
     graph: that step runs without one (several times a graph's step, which
     the prior does not know), so it is never chosen there; 7 (512 tokens) is."""
-    controller = _graph_bound_controller(largest_graph=512)
+    controller = _graph_bound_controller(_graphed(512))
     assert controller.cost.graphed(64, 7) and not controller.cost.graphed(64, 15)
     assert controller.best_budget(64, 15) == 7
     assert controller.best_budget(64, 15, drafted=True) == 7
@@ -865,11 +873,26 @@ def test_a_decode_step_stays_within_the_largest_cuda_graph():
     # Fewer requests: the same budget fits a graph again.
     assert controller.cost.graphed(32, 15)
     assert controller.best_budget(32, 15) == 15
-    # A step too large for any graph even as a plain step keeps plain steps.
-    assert controller.best_budget(600, 15) == 0
+    # Where even the plain step has no graph, a tree step loses none: every
+    # budget stays open, chosen as without a table (3 here, on cost).
+    assert not controller.cost.graphed(600, 0)
+    unbounded = _graph_bound_controller(None).best_budget(600, 15)
+    assert controller.best_budget(600, 15) == unbounded
+    assert not controller.cost.graphed(600, unbounded)
 
 
-def test_without_graphs_every_budget_stays_open():
-    controller = _graph_bound_controller(largest_graph=None)
+def test_a_gap_in_the_graphs_skips_only_its_budget():
+    """Capture sizes a user set may leave a budget without a graph between
+    two that have one: only that budget is left out."""
+    table = _graphed(512)
+    table[64] = (0, 1, 7)
+    controller = _graph_bound_controller(table)
+    assert controller.best_budget(64, 7) == 7
+    table[64] = (0, 1)
+    assert controller.best_budget(64, 7) == 1
+
+
+def test_without_a_graph_table_every_budget_stays_open():
+    controller = _graph_bound_controller(None)
     assert controller.cost.graphed(64, 15)
     assert controller.best_budget(64, 15) == 15

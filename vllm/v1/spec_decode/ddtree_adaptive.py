@@ -110,6 +110,7 @@ class AdaptiveTreeBudget:
         device: torch.device,
     ):
         self.cfg = cfg
+        self.max_num_reqs = max_num_reqs
         # Draft slots per request by batch size, as the scheduler gives them.
         self.slots = engine_tree_slots(cfg, vllm_config)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -224,11 +225,16 @@ class AdaptiveTreeBudget:
             for n, t in drafter.items()
             if n % self.cfg.draft_len == 0
         }
+        graphed = _graphed_budgets(
+            runner.cudagraph_manager, self.cfg.ladder, self.max_num_reqs
+        )
         if self.tp_size > 1:
             from vllm.distributed.parallel_state import get_tp_group
 
             # Every rank must choose the same budgets: rank 0's times.
-            target, drafter = get_tp_group().broadcast_object((target, drafter), src=0)
+            target, drafter, graphed = get_tp_group().broadcast_object(
+                (target, drafter, graphed), src=0
+            )
         for name, times in (("target", target), ("drafter", drafter)):
             slow = _slower_than_larger(times)
             if slow:
@@ -245,7 +251,7 @@ class AdaptiveTreeBudget:
             _never_faster_when_larger(target),
             _never_faster_when_larger(drafter),
         )
-        self.controller = self._new_controller(target, drafter)
+        self.controller = self._new_controller(target, drafter, graphed)
         logger.info(
             "DDTree: adaptive tree budget over %s nodes per request; step-cost "
             "prior from %d target graph shapes (%s) and %d drafter graph shapes "
@@ -564,17 +570,21 @@ class AdaptiveTreeBudget:
         return self.controller
 
     def _new_controller(
-        self, target: dict[int, float], drafter: dict[int, float]
+        self,
+        target: dict[int, float],
+        drafter: dict[int, float],
+        graphed: list[tuple[int, ...]] | None = None,
     ) -> TreeBudgetController:
-        """A controller over these start-up times; without any (no graphs),
-        a near-zero prior that the timed periods replace."""
+        """A controller over these start-up times and the budgets each batch
+        size replays a FULL graph for (:func:`_graphed_budgets`); without
+        times (no graphs), a near-zero prior that the timed periods replace."""
         return TreeBudgetController(
             self.cfg.ladder,
             self.cfg.draft_depth,
             StepCostModel(
                 target or {1: 1e-4},
                 drafter or {1: 0.0},
-                largest_graph=max(target) if target else None,
+                graphed_budgets=graphed if target else None,
             ),
             learn=self.tp_size == 1,
         )
@@ -631,6 +641,26 @@ def _dummy_draft_inputs(spec, desc) -> None:
         num_tokens_padded=desc.num_tokens,
         causal=spec._group_causal,
     )
+
+
+def _graphed_budgets(
+    manager, ladder: tuple[int, ...], max_num_reqs: int
+) -> list[tuple[int, ...]] | None:
+    """Per number of requests n (the index), the ladder budgets b whose
+    uniform decode step (n requests of 1 + b tokens) the runner replays from a
+    FULL CUDA graph, asked of its own dispatch: the capture sizes decide,
+    including ones a user set, and a count between them pads up to one.
+    None without a manager."""
+    if manager is None:
+        return None
+    return [()] + [
+        tuple(
+            b
+            for b in ladder
+            if manager.dispatch(n, n * (1 + b), 1 + b, 0).cg_mode == CUDAGraphMode.FULL
+        )
+        for n in range(1, max_num_reqs + 1)
+    ]
 
 
 def _is_power_of_two(n: int) -> bool:

@@ -45,7 +45,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vllm.logger import init_logger
@@ -206,19 +206,19 @@ class StepCostModel:
         self,
         target_seconds: Mapping[int, float],
         drafter_seconds: Mapping[int, float],
-        largest_graph: int | None = None,
+        graphed_budgets: Sequence[Collection[int]] | None = None,
     ):
         if not target_seconds or not drafter_seconds:
             raise ValueError("the cost model needs measured target and drafter times")
         self._target = sorted(target_seconds.items())
         self._drafter = sorted(drafter_seconds.items())
-        # The most tokens a decode step replays from the target's CUDA graphs
-        # (None: no graphs, every step runs without one). A larger decode step
-        # runs without a graph: several times a graph's step of half its
-        # tokens, where the graphs' times extrapolated (its prior) put it near
-        # that step's, and a tree step that stays alone (a probe's) never
-        # teaches its period, so it would stay chosen on that guess.
-        self.largest_graph = largest_graph
+        # Per number of requests n (the index), the budgets whose decode step
+        # of n requests replays one of the target's FULL CUDA graphs (None:
+        # not known, no bound). Where a plain step replays one, a tree step
+        # that does not runs several times slower than its prior (the graphs'
+        # times, extrapolated past the largest) says, and a tree step that
+        # stays alone (a probe's) never teaches its period.
+        self.graphed_budgets = graphed_budgets
         # (bucket, drafted) -> {budget: recent periods}
         self._shapes: dict[tuple[int, bool], dict[int, _Shape]] = {}
         # The shapes with an estimate of their own, (bucket, drafted, budget,
@@ -241,10 +241,11 @@ class StepCostModel:
 
     def graphed(self, num_reqs: int, budget: int) -> bool:
         """Whether a decode step of ``num_reqs`` requests verifying ``budget``
-        nodes each replays a CUDA graph (always, without graphs to bound it)."""
-        return self.largest_graph is None or num_reqs * (1 + budget) <= (
-            self.largest_graph
-        )
+        nodes each replays a FULL CUDA graph (True where not known)."""
+        table = self.graphed_budgets
+        if table is None or not 0 < num_reqs < len(table):
+            return True
+        return budget in table[num_reqs]
 
     def estimated(self, num_reqs: int, budget: int, drafted: bool) -> bool:
         """Whether the shape has a current estimate of its own."""
@@ -536,9 +537,10 @@ class TreeBudgetController:
         drafted: bool = False,
         plain_weight: float = 1.0,
     ) -> int:
-        """The ladder budget <= ``max_budget`` whose decode step replays a CUDA
-        graph (:meth:`StepCostModel.graphed`) with the most expected tokens per
-        second for ``num_reqs`` requests (ties: the smaller budget), every
+        """The ladder budget <= ``max_budget`` with the most expected tokens per
+        second for ``num_reqs`` requests (ties: the smaller budget), of those
+        whose decode step replays a FULL CUDA graph where a plain step does
+        (:meth:`StepCostModel.graphed`), every
         step charged its kind's prompt time too (:meth:`prompt_seconds`); a
         plain step's rate counts ``plain_weight`` times (should_draft's
         switching margin).
@@ -562,11 +564,16 @@ class TreeBudgetController:
         paid = self.cost.drafter_prior(num_reqs) if drafted else 0.0
         extra = max(self.prompt_seconds(trees=True), 0.0)
         kept = 1.0 if drafted else 1.0 - self._left_share
+        # Where a plain step replays a FULL graph, tree steps that do not are
+        # left out (StepCostModel.graphed).
+        graphed_plain = self.cost.graphed(num_reqs, 0)
         best = 0
         best_rate = plain_weight / (plain + max(self.prompt_seconds(trees=False), 0.0))
         for b in self.ladder[1:]:
-            if b > max_budget or not self.cost.graphed(num_reqs, b):
+            if b > max_budget:
                 break
+            if graphed_plain and not self.cost.graphed(num_reqs, b):
+                continue
             seconds = max(plain, self.cost.predict(num_reqs, b, True) - paid)
             rate = (1.0 + kept * self.expected_accepted(b)) / (seconds + extra)
             if rate > best_rate:
