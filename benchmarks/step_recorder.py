@@ -13,7 +13,9 @@ server when ``DDTREE_STEP_TRACE`` names a folder (``bench_ddtree.py serve
 --step-trace``); the recording is a few dictionary writes per step, the same
 for every config. Summarized by cell, with each config's time set against
 the first config's by step kind (decode steps, and steps carrying a prompt
-chunk by its size: what its steps cost more each, what it ran more of):
+chunk by its size: what its steps cost more each, what it ran more of), after
+a warning for any DDTree server whose log shows its adaptive budget learned no
+step period (its figures would not be the default's):
 
     python benchmarks/step_recorder.py OUT/logs none dflash ddtree-auto-adaptive
 
@@ -26,6 +28,7 @@ chunk by its size: what its steps cost more each, what it ran more of):
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -261,17 +264,57 @@ def summarize_phases(out: str | os.PathLike, configs: list[str]) -> list[str]:
     return _tables(by_config, lambda ph: f"phase {ph}")
 
 
+# A DDTree server's budget line (ddtree_cost.py's log) and the part of it that
+# names the step periods its cost model learned.
+_BUDGET_LINE = re.compile(r"DDTree: budget over [\d.]+ s: (\d+) decode steps")
+_LEARNED = re.compile(r"step periods learned for batches of up to \d+: ([^;]*)")
+# Decode steps after which an adaptive budget that learned no period is broken.
+_MIN_STEPS_TO_LEARN = 500
+
+
+def unlearned_servers(logs: Path, configs: list[str]) -> list[str]:
+    """Warnings for the servers whose adaptive budget learned no step period
+    over at least _MIN_STEPS_TO_LEARN decode steps (their log's budget lines
+    all say ``none yet``): such a server chose every budget on its start-up
+    prior alone, as when a wrapper ran its step planning twice, so its
+    figures are not the default's."""
+    warnings = []
+    for config in configs:
+        path = logs / f"{config}.log"
+        if not path.is_file():
+            continue
+        steps, learned, lines = 0, False, 0
+        for line in path.read_text(errors="replace").splitlines():
+            budget, periods = _BUDGET_LINE.search(line), _LEARNED.search(line)
+            if budget is None or periods is None:
+                continue
+            lines += 1
+            steps += int(budget.group(1))
+            learned = learned or periods.group(1).strip() != "none yet"
+        if lines and not learned and steps >= _MIN_STEPS_TO_LEARN:
+            warnings.append(
+                f"**{config}: its adaptive budget learned no step period over "
+                f"{steps} decode steps** (every budget line of {path.name} says "
+                "`none yet`): it chose on its start-up prior alone, and its "
+                "figures are not the default's."
+            )
+    return warnings
+
+
 def summarize(logs: str | os.PathLike, configs: list[str]) -> list[str]:
     """A table per cell: each config's steps, seconds, mean batch, decode
     steps' median and mean period (and their ratio to the first config's),
     the steps carrying a prompt chunk, their mean period and share of the
-    time."""
+    time; first, a warning for each DDTree server whose budget learned
+    nothing (:func:`unlearned_servers`)."""
     logs = Path(logs)
     windows = _read_jsonl(logs / "slice_windows.jsonl")
     by_config = {
         c: _cells(read_steps(logs / f"{PREFIX}_{c}"), windows, c) for c in configs
     }
-    return _tables(by_config, lambda cell: f"concurrency {cell[0]}, T={cell[1]:g}")
+    tables = _tables(by_config, lambda cell: f"concurrency {cell[0]}, T={cell[1]:g}")
+    warnings = unlearned_servers(logs, configs)
+    return [*warnings, *([""] if warnings else []), *tables]
 
 
 if __name__ == "__main__":

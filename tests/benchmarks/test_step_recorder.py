@@ -262,3 +262,39 @@ def test_the_period_after_a_prompt_step_counts_with_it():
     )
     kinds = [sr.KIND_LABELS[sr._kind(r)] for r in rs if "period" in r]
     assert kinds == ["decode", "prompt 513-2048", "prompt 513-2048", "prompt 1-128"]
+
+
+def _budget_line(steps, learned):
+    # The shape of ddtree_cost.py's log line, as a server writes it.
+    return (
+        "(EngineCore pid=1) INFO 12-07 23:37:40 [ddtree_cost.py:775] DDTree: "
+        f"budget over 10 s: {steps} decode steps, 20.8 requests and 170.0 tree "
+        "nodes per step, drafter ran in 50% of steps; nodes per request (share "
+        "of steps) 3: 26%, 63: 74%; step periods learned for batches of up to "
+        f"48: {learned}; steps took 0.00 ms (plain) and 0.00 ms (trees) more "
+        "than those periods (prompt chunks), a step with a prompt chunk none "
+        "yet (plain) and -8.26 ms (trees) more\n"
+    )
+
+
+def test_a_server_whose_budget_learned_nothing_is_flagged(tmp_path):
+    """A server whose step planning ran twice per step (a tracer's wrapper
+    doubled the plugin's) chose every budget on its start-up prior: its log
+    says so, and the summary says it first."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "slice_windows.jsonl").write_text("")
+    (logs / "broken.log").write_text(
+        "".join(_budget_line(n, "none yet") for n in (1, 300, 250))
+    )
+    (logs / "fine.log").write_text(
+        _budget_line(300, "none yet")
+        + _budget_line(300, "b=0 7.32 ms (237), b=7+ 14.47 ms (50)")
+    )
+    (logs / "short.log").write_text(_budget_line(100, "none yet"))
+    (logs / "none.log").write_text("no budget here\n")
+    configs = ["none", "broken", "fine", "short", "absent"]
+    warnings = sr.unlearned_servers(logs, configs)
+    assert len(warnings) == 1
+    assert warnings[0].startswith("**broken: ") and "551 decode steps" in warnings[0]
+    assert sr.summarize(logs, configs)[:2] == [warnings[0], ""]
