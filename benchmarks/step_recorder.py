@@ -283,15 +283,14 @@ def unlearned_servers(logs: Path, configs: list[str]) -> list[str]:
         path = logs / f"{config}.log"
         if not path.is_file():
             continue
-        steps, learned, lines = 0, False, 0
+        steps, learned = 0, False
         for line in path.read_text(errors="replace").splitlines():
             budget, periods = _BUDGET_LINE.search(line), _LEARNED.search(line)
             if budget is None or periods is None:
                 continue
-            lines += 1
             steps += int(budget.group(1))
             learned = learned or periods.group(1).strip() != "none yet"
-        if lines and not learned and steps >= _MIN_STEPS_TO_LEARN:
+        if not learned and steps >= _MIN_STEPS_TO_LEARN:
             warnings.append(
                 f"**{config}: its adaptive budget learned no step period over "
                 f"{steps} decode steps** (every budget line of {path.name} says "
